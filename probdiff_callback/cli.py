@@ -1,0 +1,173 @@
+"""`probdiff`: evaluate, score, compare and convert from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from probdiff_callback.config import ProbDiffConfig, apply_overrides
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="preset (tiny, qwen-14b-chat, qwen1.5-14b-chat), local directory or hub id [tiny]")
+    parser.add_argument("--adapter", default=None, help="a PEFT adapter directory (e.g. a training checkpoint) to apply")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 [auto]")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... [cuda if available]")
+    parser.add_argument("--out", required=True, help="output directory for records.jsonl and summary.json")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"ProbDiff settings: {', '.join(ProbDiffConfig.field_names())}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="probdiff", description="ProbDiff self-evaluation of chat LLMs (the model judges itself by its log-probabilities).")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    evaluate = commands.add_parser("eval", help="answer, revise and score queries; writes records.jsonl and summary.json")
+    _add_model_args(evaluate)
+    evaluate.add_argument("--queries", required=True, help="JSON lines or a JSON list of queries")
+    evaluate.add_argument("--limit", type=int, default=None, help="only the first N queries")
+
+    score = commands.add_parser("score", help="score texts generated elsewhere (rows {id, query, response, revised})")
+    _add_model_args(score)
+    score.add_argument("--pairs", required=True, help="JSON lines or a JSON list of {id, query, response, revised}")
+
+    compare = commands.add_parser("compare", help="win/tie/lose of two result directories on the same queries, and a paired test")
+    compare.add_argument("dir_a")
+    compare.add_argument("dir_b")
+    compare.add_argument("--delta", type=float, default=None, help="threshold [the delta in DIR_A's summary]")
+
+    convert = commands.add_parser("convert-qwen", help="convert a Qwen v1 checkpoint (Qwen-14B-Chat) to a plain Qwen2ForCausalLM checkpoint")
+    convert.add_argument("src", help="directory with the v1 config.json, weights and qwen.tiktoken")
+    convert.add_argument("dst", help="output directory")
+    convert.add_argument("--max-shard-size", default="5GB")
+    return parser
+
+
+def _config(overrides: list[str]) -> ProbDiffConfig:
+    config = apply_overrides(ProbDiffConfig(), overrides, where="probdiff settings")
+    config.validate()
+    return config
+
+
+def _load(args):
+    from probdiff_callback.models import default_device, load_model_and_tokenizer
+
+    started = time.time()
+    model, tokenizer = load_model_and_tokenizer(args.model, adapter=args.adapter, dtype=args.dtype, device=args.device or default_device())
+    print(f"Loaded {args.model}{' + ' + args.adapter if args.adapter else ''} in {time.time() - started:.1f}s", file=sys.stderr)
+    return model, tokenizer
+
+
+def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra: dict) -> dict:
+    from probdiff_callback.io import write_json, write_jsonl
+    from probdiff_callback.metric import summarize
+
+    summary = summarize(records, config.delta, config.sweep, config.bootstrap_samples, config.seed)
+    summary["config"] = config.to_dict()
+    summary.update(extra)
+    write_jsonl(Path(out) / "records.jsonl", records)
+    write_json(Path(out) / "summary.json", summary)
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    def pct(x):
+        return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+    low, high = summary["confidence_ci"]
+    lines = [
+        f"queries            {summary['n']}  (invalid {summary['n_invalid']}, truncated {summary['n_truncated']})",
+        f"confidence         {pct(summary['confidence'])}  at delta {summary['delta']:g}   95% CI [{pct(low)}, {pct(high)}]",
+        "sweep              " + "  ".join(f"{k}: {pct(v)}" for k, v in summary["confidence_sweep"].items()),
+        f"d mean / median    {summary['d_mean']:.4f} / {summary['d_median']:.4f}",
+        f"log p answer/rev.  {summary['logp_response_mean']:.4f} / {summary['logp_revised_mean']:.4f}",
+        f"length changed>50% {pct(summary['length_changed_share'])}",
+    ]
+    if len(summary["by_category"]) > 1:
+        lines.append("by category:")
+        for name, cat in summary["by_category"].items():
+            lines.append(f"  {name:<20} n={cat['n']:<4} confidence {pct(cat['confidence']):>6}  d_mean {cat['d_mean']:.4f}")
+    return "\n".join(lines)
+
+
+def cmd_eval(args) -> int:
+    from probdiff_callback.evaluator import evaluate
+    from probdiff_callback.io import load_queries
+
+    config = _config(args.overrides)
+    queries = load_queries(args.queries)
+    if args.limit is not None:
+        queries = queries[: args.limit]
+    model, tokenizer = _load(args)
+    started = time.time()
+    records = evaluate(model, tokenizer, queries, config)
+    summary = _write_results(args.out, records, config, {"model": args.model, "adapter": args.adapter, "queries": args.queries, "seconds": round(time.time() - started, 2)})
+    print(format_summary(summary))
+    if summary["n_truncated"]:
+        print(f"note: {summary['n_truncated']} queries were longer than max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle (see `truncated` in records.jsonl)")
+    print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
+    return 0
+
+
+def cmd_score(args) -> int:
+    from probdiff_callback.evaluator import score_pairs
+    from probdiff_callback.io import load_pairs
+
+    config = _config(args.overrides)
+    pairs = load_pairs(args.pairs)
+    model, tokenizer = _load(args)
+    started = time.time()
+    records = score_pairs(model, tokenizer, pairs, config)
+    summary = _write_results(args.out, records, config, {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": round(time.time() - started, 2)})
+    print(format_summary(summary))
+    print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from probdiff_callback.io import read_jsonl
+    from probdiff_callback.metric import compare
+
+    records = []
+    for directory in (args.dir_a, args.dir_b):
+        path = Path(directory) / "records.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found; give directories written by `probdiff eval` or `probdiff score`")
+        records.append(read_jsonl(path))
+    delta = args.delta
+    if delta is None:
+        delta = json.loads((Path(args.dir_a) / "summary.json").read_text())["delta"]
+    result = compare(records[0], records[1], delta)
+    n = result["n"]
+    print(f"A = {args.dir_a}\nB = {args.dir_b}\n{n} shared queries at delta {delta:g}")
+    print(f"A wins {result['win']} ({100 * result['win'] / n:.1f}%)  ties {result['tie']} ({100 * result['tie'] / n:.1f}%)  loses {result['lose']} ({100 * result['lose'] / n:.1f}%)")
+    p = result["wilcoxon_p"]
+    print(f"mean d: A {result['d_mean_a']:.4f}  B {result['d_mean_b']:.4f}  Wilcoxon signed-rank p = {'n/a' if p is None or math.isnan(p) else f'{p:.3g}'} over {result['n_paired']} valid pairs")
+    if result["n_only_a"] or result["n_only_b"]:
+        print(f"not compared: {result['n_only_a']} queries only in A, {result['n_only_b']} only in B")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from probdiff_callback.qwen_v1 import convert_qwen_checkpoint
+
+    out = convert_qwen_checkpoint(args.src, args.dst, max_shard_size=args.max_shard_size)
+    print(f"wrote a Qwen2ForCausalLM checkpoint to {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"eval": cmd_eval, "score": cmd_score, "compare": cmd_compare, "convert-qwen": cmd_convert}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"probdiff {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The ProbDiff settings as one typed object, with `key=value` overrides that reject unknown keys."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from probdiff_callback.prompts import REFINEMENT_PROMPTS
+from probdiff_callback.tokenizer import DEFAULT_SYSTEM_PROMPT
+
+
+@dataclass
+class ProbDiffConfig:
+    # --- the metric (paper defaults: camera-ready version) ---
+    delta: float = -0.05  # confident when d >= delta
+    sweep: list[float] = field(default_factory=lambda: [0.0, -0.02, -0.05, -0.1])
+    n_revisions: int = 1  # K: revise the last revision K times
+    refinement_prompt: str = "rewriter"  # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    # --- sampling ---
+    answer_temperature: float = 0.7
+    answer_top_p: float = 0.8
+    answer_temperature_by_category: dict[str, float] = field(default_factory=dict)
+    revision_temperature: float = 0.1
+    revision_top_p: float = 0.9
+    n_samples: int = 1  # average d over this many independent answer -> revise chains
+    seed: int = 0
+    # --- lengths and batching ---
+    max_new_tokens: int = 512
+    max_prompt_tokens: int = 2048  # longer queries are cut in the middle
+    batch_size: int = 16
+    score_chunk_tokens: int = 512  # positions per LM-head chunk when scoring
+    bootstrap_samples: int = 1000
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        problems = []
+        if self.n_revisions < 1:
+            problems.append(f"n_revisions={self.n_revisions}: needs at least 1 revision")
+        if self.n_samples < 1:
+            problems.append(f"n_samples={self.n_samples}: needs at least 1")
+        for name in ("answer_top_p", "revision_top_p"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                problems.append(f"{name}={value}: must be in (0, 1]")
+        for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)}: must be positive")
+        if self.refinement_prompt not in REFINEMENT_PROMPTS and not (
+            "{instruction}" in self.refinement_prompt and "{response}" in self.refinement_prompt
+        ):
+            problems.append(
+                f"refinement_prompt={self.refinement_prompt!r}: use one of {sorted(REFINEMENT_PROMPTS)} "
+                "or a template containing {instruction} and {response}"
+            )
+        if problems:
+            raise ValueError("Invalid ProbDiff config: " + "; ".join(problems))
+
+    def answer_temperature_for(self, category: str | None) -> float:
+        if category is not None and category in self.answer_temperature_by_category:
+            return self.answer_temperature_by_category[category]
+        return self.answer_temperature
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def apply_overrides(base, overrides: list[str], where: str = "overrides"):
+    """`base` (a dataclass instance) with `key=value` overrides applied through OmegaConf's typed merge.
+
+    An unknown key or a value of the wrong type raises a ValueError that names the key and
+    lists the valid ones.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    cls = type(base)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"{where}: {item!r} is not key=value")
+    schema = OmegaConf.structured(base)
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(list(overrides)))
+    except ConfigKeyError as err:
+        key = getattr(err, "full_key", None) or str(err)
+        raise ValueError(f"{where}: unknown key {key!r}. Valid keys: {', '.join(cls.field_names())}") from None
+    except ValidationError as err:
+        key = getattr(err, "full_key", "?")
+        raise ValueError(f"{where}: wrong type for {key!r}: {err.msg}") from None
+    return OmegaConf.to_object(merged)

@@ -1,0 +1,304 @@
+"""ProbDiff on a model: answer -> revise K times -> score both under the original query.
+
+`evaluate` works on whatever queries it is given, in batches; distributed callers give
+every rank the same number of queries so every rank makes the same number of
+`generate` and forward calls (ZeRO-3 with sharded parameters needs that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.io import Query
+from probdiff_callback.metric import discrepancy, is_confident
+from probdiff_callback.prompts import refinement_request, refinement_template
+from probdiff_callback.sampling import ReproducibleSampler, row_seed
+from probdiff_callback.scoring import score_batch
+from probdiff_callback.tokenizer import stop_token_ids
+
+ELLIPSIS = "\n...\n"
+
+
+@dataclass
+class PreparedQuery:
+    query: Query
+    text: str  # possibly cut in the middle
+    truncated: bool
+    prompt_ids: list[int]  # chat-formatted original query, the conditioning for scoring
+
+
+def chat_prompt_ids(tokenizer, system_prompt: str, user_text: str) -> list[int]:
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"the tokenizer of {tokenizer.name_or_path!r} has no chat template; ProbDiff needs the model's chat format"
+        )
+    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_text}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def truncate_middle(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
+    """Cut `text` to at most `max_tokens` tokens by dropping its middle; keeps the head (where
+    instructions usually are) and the tail."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text, False
+    marker = len(tokenizer(ELLIPSIS, add_special_tokens=False)["input_ids"])
+    keep = max(max_tokens - marker, 2)
+    head = tokenizer.decode(ids[: keep - keep // 2]).rstrip("\ufffd")
+    tail = tokenizer.decode(ids[len(ids) - keep // 2 :]).lstrip("\ufffd")
+    return head + ELLIPSIS + tail, True
+
+
+def prepare_queries(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[PreparedQuery]:
+    overhead = len(chat_prompt_ids(tokenizer, config.system_prompt, ""))
+    budget = max(config.max_prompt_tokens - overhead, 16)
+    prepared = []
+    for query in queries:
+        text, truncated = truncate_middle(tokenizer, query.text, budget)
+        prepared.append(PreparedQuery(query, text, truncated, chat_prompt_ids(tokenizer, config.system_prompt, text)))
+    return prepared
+
+
+def neutral_generation_config(tokenizer, max_new_tokens: int):
+    """Greedy decoding with every other logits transform switched off: generate fills unset
+    fields from the model's own generation_config (Qwen's sets repetition_penalty 1.1)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(**GenerationConfig._get_default_generation_params())
+    config.update(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=max_new_tokens,
+        max_length=None,
+        min_new_tokens=None,
+        eos_token_id=stop_token_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        bad_words_ids=None,
+        sequence_bias=None,
+    )
+    return config
+
+
+@torch.no_grad()
+def generate_texts(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    max_new_tokens: int,
+    synced_gpus: bool = False,
+) -> list[str]:
+    """One batched, left-padded `generate` call with the reproducible sampler."""
+    from transformers import LogitsProcessorList
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[i, width - len(prompt) :] = 1
+    sampler = ReproducibleSampler(seeds, temperatures, top_ps, prompt_length=width, n_valid_ids=len(tokenizer))
+    output = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        generation_config=neutral_generation_config(tokenizer, max_new_tokens),
+        logits_processor=LogitsProcessorList([sampler]),
+        synced_gpus=synced_gpus,
+    )
+    stops = set(stop_token_ids(tokenizer))
+    texts = []
+    for row in output[:, width:].tolist():
+        cut = next((i for i, token in enumerate(row) if token in stops), len(row))
+        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
+    return texts
+
+
+@contextlib.contextmanager
+def inference_mode(model):
+    """eval mode with the KV cache on (gradient checkpointing only acts in train mode); restored after."""
+    was_training = model.training
+    config = getattr(model, "config", None)
+    had_cache = getattr(config, "use_cache", None)
+    model.eval()
+    if config is not None:
+        config.use_cache = True
+    try:
+        yield
+    finally:
+        if config is not None and had_cache is not None:
+            config.use_cache = had_cache
+        model.train(was_training)
+
+
+def _batches(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+def _mean_finite(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def build_record(
+    prepared: PreparedQuery,
+    responses: list[str],
+    revisions_by_sample: list[list[str]],
+    scores_response: list[tuple[float, int]],
+    scores_revised: list[tuple[float, int]],
+    delta: float,
+) -> dict:
+    """One row of records.jsonl from the texts and scores of each sample of a query."""
+    d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
+    d = _mean_finite(d_samples)
+    record = {
+        "id": prepared.query.id,
+        "category": prepared.query.category,
+        "query": prepared.query.text,
+        "response": responses[0],
+        "revisions": revisions_by_sample[0],
+        "logp_response": _mean_finite([s[0] for s in scores_response]),
+        "logp_revised": _mean_finite([s[0] for s in scores_revised]),
+        "d": d,
+        "n_tokens_response": scores_response[0][1],
+        "n_tokens_revised": scores_revised[0][1],
+        "confident": is_confident(d, delta),
+        "truncated": prepared.truncated,
+    }
+    if len(responses) > 1:
+        record.update(responses=responses, revisions_by_sample=revisions_by_sample, d_samples=d_samples)
+    return record
+
+
+def evaluate(
+    model,
+    tokenizer,
+    queries: Sequence[Query],
+    config: ProbDiffConfig,
+    *,
+    progress: bool = True,
+    synced_gpus: bool = False,
+    sync_n_chunks: Callable[[int], int] | None = None,
+) -> list[dict]:
+    """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample)."""
+    prepared = prepare_queries(tokenizer, queries, config)
+    chains = [(qi, s) for qi in range(len(prepared)) for s in range(config.n_samples)]
+    # Similar lengths together waste less padding; the sampler makes the order irrelevant to the texts.
+    order = sorted(range(len(chains)), key=lambda c: -len(prepared[chains[c][0]].prompt_ids))
+    batches = _batches(order, config.batch_size)
+    template = refinement_template(config.refinement_prompt)
+    answers: list[str] = [""] * len(chains)
+    revisions: list[list[str]] = [[] for _ in chains]
+    scores: list[list[tuple[float, int]]] = [[] for _ in chains]
+
+    steps = len(batches) * (2 + config.n_revisions)
+    bar = tqdm(total=steps, desc="ProbDiff", unit="batch", disable=not progress, dynamic_ncols=True)
+    with inference_mode(model):
+        for batch in batches:
+            bar.set_postfix_str("answer")
+            answers_batch = generate_texts(
+                model,
+                tokenizer,
+                [prepared[chains[c][0]].prompt_ids for c in batch],
+                [row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], "answer") for c in batch],
+                [config.answer_temperature_for(prepared[chains[c][0]].query.category) for c in batch],
+                [config.answer_top_p] * len(batch),
+                config.max_new_tokens,
+                synced_gpus,
+            )
+            for c, text in zip(batch, answers_batch):
+                answers[c] = text
+            bar.update()
+            for round_ in range(1, config.n_revisions + 1):
+                bar.set_postfix_str(f"revision {round_}")
+                last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
+                revised = generate_texts(
+                    model,
+                    tokenizer,
+                    [
+                        chat_prompt_ids(tokenizer, config.system_prompt, refinement_request(template, prepared[chains[c][0]].text, prev))
+                        for c, prev in zip(batch, last)
+                    ],
+                    [row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], f"revision-{round_}") for c in batch],
+                    [config.revision_temperature] * len(batch),
+                    [config.revision_top_p] * len(batch),
+                    config.max_new_tokens,
+                    synced_gpus,
+                )
+                for c, text in zip(batch, revised):
+                    revisions[c].append(text)
+                bar.update()
+            bar.set_postfix_str("score")
+            texts = [answers[c] for c in batch] + [revisions[c][-1] for c in batch]
+            prompts = [prepared[chains[c][0]].prompt_ids for c in batch] * 2
+            batch_scores = score_texts(model, tokenizer, prompts, texts, config, sync_n_chunks)
+            for c, s_answer, s_revised in zip(batch, batch_scores[: len(batch)], batch_scores[len(batch) :]):
+                scores[c] = [s_answer, s_revised]
+            bar.update()
+    bar.close()
+
+    records = []
+    for qi, item in enumerate(prepared):
+        mine = [c for c, (q, _) in enumerate(chains) if q == qi]
+        records.append(
+            build_record(
+                item,
+                [answers[c] for c in mine],
+                [revisions[c] for c in mine],
+                [scores[c][0] for c in mine],
+                [scores[c][1] for c in mine],
+                config.delta,
+            )
+        )
+    return records
+
+
+def score_texts(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    texts: Sequence[str],
+    config: ProbDiffConfig,
+    sync_n_chunks: Callable[[int], int] | None = None,
+) -> list[tuple[float, int]]:
+    """(mean log-prob, token count) of each text after its chat prompt; the text is tokenized on its own."""
+    response_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return score_batch(model, prompts, response_ids, tokenizer.pad_token_id, config.score_chunk_tokens, sync_n_chunks)
+
+
+def score_pairs(
+    model,
+    tokenizer,
+    pairs: Sequence[tuple[Query, str, str]],
+    config: ProbDiffConfig,
+    *,
+    progress: bool = True,
+) -> list[dict]:
+    """Records for texts generated elsewhere: rows of (query, response, revised)."""
+    prepared = prepare_queries(tokenizer, [q for q, _, _ in pairs], config)
+    records = []
+    with inference_mode(model):
+        for start in tqdm(range(0, len(pairs), config.batch_size), desc="Scoring", unit="batch", disable=not progress):
+            chunk = list(range(start, min(start + config.batch_size, len(pairs))))
+            texts = [pairs[i][1] for i in chunk] + [pairs[i][2] for i in chunk]
+            prompts = [prepared[i].prompt_ids for i in chunk] * 2
+            batch_scores = score_texts(model, tokenizer, prompts, texts, config)
+            for j, i in enumerate(chunk):
+                records.append(
+                    build_record(
+                        prepared[i], [pairs[i][1]], [[pairs[i][2]]], [batch_scores[j]], [batch_scores[len(chunk) + j]], config.delta
+                    )
+                )
+    return records

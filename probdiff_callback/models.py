@@ -1,0 +1,103 @@
+"""One loader for every place a model is named: a preset, a local directory or a hub id."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "tiny": "embedded 2-layer Qwen2 with the Qwen-14B-Chat vocabulary, pretrained on the shipped samples (CPU)",
+    "qwen-14b-chat": "Qwen/Qwen-14B-Chat (Qwen v1, converted to Qwen2ForCausalLM on load)",
+    "qwen1.5-14b-chat": "Qwen/Qwen1.5-14B-Chat",
+}
+PRESET_HUB_IDS = {"qwen-14b-chat": "Qwen/Qwen-14B-Chat", "qwen1.5-14b-chat": "Qwen/Qwen1.5-14B-Chat"}
+QWEN_V1_HUB_IDS = {"Qwen/Qwen-14B-Chat", "Qwen/Qwen-7B-Chat", "Qwen/Qwen-72B-Chat", "Qwen/Qwen-1_8B-Chat"}
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory or hub id for a preset name, a directory or a hub id."""
+    if name == "tiny":
+        from probdiff_callback.tiny import tiny_model_dir
+
+        return str(tiny_model_dir())
+    if name in PRESET_HUB_IDS:
+        return PRESET_HUB_IDS[name]
+    if Path(name).exists():
+        if not (Path(name) / "config.json").is_file():
+            raise FileNotFoundError(f"{name} has no config.json; is it a model directory?")
+        return name
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # a hub id
+    raise ValueError(
+        f"model={name!r} is neither a preset ({', '.join(PRESETS)}), an existing directory, nor a hub id (owner/name)"
+    )
+
+
+def is_qwen_v1(path_or_id: str) -> bool:
+    if path_or_id in QWEN_V1_HUB_IDS:
+        return True
+    config = Path(path_or_id) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen"
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype={dtype!r}: use one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def load_tokenizer(path_or_id: str):
+    from transformers import AutoTokenizer
+
+    if is_qwen_v1(path_or_id):
+        from probdiff_callback.qwen_v1 import load_qwen_v1_tokenizer
+
+        return load_qwen_v1_tokenizer(path_or_id)
+    tokenizer = AutoTokenizer.from_pretrained(path_or_id)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model_and_tokenizer(
+    name: str,
+    adapter: str | None = None,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | None = None,
+    **model_kwargs,
+):
+    """(model, tokenizer) for a preset, directory or hub id, with an optional PEFT adapter on top.
+
+    A Qwen v1 checkpoint (model_type `qwen`) is converted to Qwen2ForCausalLM on load.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name)
+    dtype = parse_dtype(dtype)
+    if is_qwen_v1(path):
+        from probdiff_callback.qwen_v1 import load_qwen_v1
+
+        model, tokenizer = load_qwen_v1(path, torch_dtype=dtype, **model_kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        tokenizer = load_tokenizer(path)
+    if adapter is not None:
+        from peft import PeftModel
+
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (a PEFT adapter directory?)")
+        model = PeftModel.from_pretrained(model, adapter)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,103 @@
+"""Mean per-token log p(response | chat prompt), causal, in bounded memory.
+
+A plain forward materialises [batch, sequence, vocabulary] logits (5 GB in fp32 for
+8 x 1,024 tokens at Qwen's 152k vocabulary) although only the response positions are
+needed. We run the decoder for hidden states, keep the positions that predict response
+tokens, and apply the LM head to them a chunk at a time with an fp32 log-softmax, so
+the extra memory is proportional to the chunk. fp32 matters for bf16 models: bf16
+logits near 16 are spaced 0.125 apart, coarser than the thresholds (0.02-0.05) we
+compare against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def split_model(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(decoder that returns hidden states, LM head) of a causal LM, a PEFT wrapper or DDP."""
+    model = getattr(model, "module", model)  # DDP / DeepSpeed engine
+    if hasattr(model, "get_base_model"):  # PEFT: the LoRA layers live inside the base model
+        model = model.get_base_model()
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+def token_logprobs_chunked(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lm_head: torch.nn.Module,
+    chunk_size: int,
+    sync_n_chunks: Callable[[int], int] | None = None,
+) -> torch.Tensor:
+    """log p(target) for each row of `hidden` [N, H], with the LM head applied `chunk_size` rows at a time.
+
+    `sync_n_chunks` (for ZeRO-3 with sharded parameters, where every rank must call the
+    LM head equally often) maps this rank's chunk count to the count all ranks run;
+    the extra calls run on a dummy row.
+    """
+    n_chunks = math.ceil(hidden.shape[0] / chunk_size)
+    if sync_n_chunks is not None:
+        n_chunks = sync_n_chunks(n_chunks)
+    out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
+    for index in range(n_chunks):
+        start = index * chunk_size
+        if start >= hidden.shape[0]:
+            lm_head(hidden.new_zeros((1, hidden.shape[-1])))
+            continue
+        logits = lm_head(hidden[start : start + chunk_size]).float()
+        out[start : start + chunk_size] = torch.log_softmax(logits, dim=-1).gather(
+            1, targets[start : start + chunk_size, None]
+        ).squeeze(1)
+        del logits
+    return out
+
+
+@torch.no_grad()
+def score_batch(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    pad_token_id: int,
+    chunk_size: int = 512,
+    sync_n_chunks: Callable[[int], int] | None = None,
+) -> list[tuple[float, int]]:
+    """(mean log-prob of the response tokens, number of response tokens) for each pair.
+
+    Prompt and response are tokenized apart and concatenated, so no token merges across
+    their boundary. An empty response scores NaN. Right padding keeps positions intact
+    for a causal model.
+    """
+    decoder, lm_head = split_model(model)
+    device = lm_head.weight.device if hasattr(lm_head, "weight") else next(model.parameters()).device
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    rows, positions, targets = [], [], []
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        ids = list(p) + list(r)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+        # hidden state at position t predicts the token at t + 1
+        for t in range(len(p) - 1, len(ids) - 1):
+            rows.append(i)
+            positions.append(t)
+            targets.append(ids[t + 1])
+    hidden = decoder(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+    ).last_hidden_state
+    long = dict(dtype=torch.long, device=device)
+    selected = hidden[torch.tensor(rows, **long), torch.tensor(positions, **long)]
+    del hidden
+    logprobs = token_logprobs_chunked(
+        selected, torch.tensor(targets, **long), lm_head, chunk_size, sync_n_chunks
+    ).cpu()
+    sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, torch.tensor(rows, dtype=torch.long), logprobs.double())
+    results = []
+    for i, r in enumerate(response_ids):
+        n = len(r)
+        results.append((float(sums[i] / n) if n else math.nan, n))
+    return results
