@@ -35,7 +35,7 @@ TINY_ARCHITECTURE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-PRETRAIN = dict(block_size=256, batch_size=8, steps=300, learning_rate=3e-3, warmup_steps=20, seed=1234)
+PRETRAIN = dict(block_size=256, batch_size=8, steps=200, learning_rate=4e-3, warmup_steps=20, seed=1234)
 
 
 def sample_files(samples_dir: Path = SAMPLES_DIR) -> list[Path]:

@@ -1,0 +1,34 @@
+"""Shared fixtures: models are built once per test session (and the `tiny` preset once per machine)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    from probdiff_callback.tokenizer import load_qwen_tokenizer
+
+    return load_qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    """Directory of the `tiny` preset (pretrained on data/samples, cached under PROBDIFF_CACHE)."""
+    from probdiff_callback.tiny import tiny_model_dir
+
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path):
+    """(model, tokenizer) of the `tiny` preset in fp32 on CPU; tests must not modify it."""
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
