@@ -43,6 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", help="directory with the v1 config.json, weights and qwen.tiktoken")
     convert.add_argument("dst", help="output directory")
     convert.add_argument("--max-shard-size", default="5GB")
+
+    select = commands.add_parser("select", help="rank the checkpoints of a training run evaluated by ProbDiffCallback")
+    select.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
+    select.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
+    select_target = select.add_mutually_exclusive_group()
+    select_target.add_argument("--link", action="store_true", help="make RUN_DIR/best a symlink to the best checkpoint")
+    select_target.add_argument("--copy", action="store_true", help="copy the best checkpoint to RUN_DIR/best")
+
+    plot = commands.add_parser("plot", help="one PNG of ProbDiff over a training run: confidence and the distribution of d per step")
+    plot.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
+    plot.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
+    plot.add_argument("--out", default=None, help="PNG path [RUN_DIR/probdiff/probdiff.png]")
     return parser
 
 
@@ -159,9 +171,30 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_select(args) -> int:
+    from probdiff_callback.selection import format_selection, point_best, select_checkpoints
+
+    selection = select_checkpoints(args.run_dir, args.subdir)
+    print(format_selection(selection))
+    if args.link or args.copy:
+        if selection.best_checkpoint is None:
+            raise FileNotFoundError("no checkpoint to point RUN_DIR/best at")
+        target = point_best(args.run_dir, selection.best_checkpoint.checkpoint, copy=args.copy)
+        print(f"{'copied' if args.copy else 'linked'} {target} -> {selection.best_checkpoint.checkpoint}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from probdiff_callback.plotting import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out, args.subdir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"eval": cmd_eval, "score": cmd_score, "compare": cmd_compare, "convert-qwen": cmd_convert}[args.command]
+    handler = {"eval": cmd_eval, "score": cmd_score, "compare": cmd_compare, "convert-qwen": cmd_convert,
+               "select": cmd_select, "plot": cmd_plot}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as err:

@@ -1,0 +1,103 @@
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from probdiff_callback.sampling import ReproducibleSampler, counter_uniforms, row_seed, sample_tokens
+
+
+def nucleus_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
+    """Temperature + top-p as HF's warpers define it, written out directly."""
+    probs = torch.softmax(logits.double() / temperature, -1).numpy()
+    order = np.argsort(-probs, kind="stable")
+    mass_above = np.cumsum(probs[order]) - probs[order]
+    keep = order[mass_above < top_p]
+    out = np.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out / out.sum()
+
+
+def draw(logits, temperature, top_p, n, candidates):
+    rows = logits.expand(n, -1)
+    uniforms = counter_uniforms([row_seed(7, i) for i in range(n)], step=0)
+    return sample_tokens(
+        rows,
+        torch.full((n,), temperature, dtype=torch.float64),
+        torch.full((n,), top_p, dtype=torch.float64),
+        uniforms,
+        candidates=candidates,
+    ).numpy()
+
+
+@pytest.mark.parametrize("candidates", [16, 2], ids=["candidates-hold-nucleus", "fallback-to-sort"])
+def test_sampler_matches_temperature_top_p_distribution(candidates):
+    torch.manual_seed(0)
+    logits = torch.randn(24) * 2
+    expected = nucleus_distribution(logits, 0.7, 0.8)
+    n = 40_000
+    tokens = draw(logits[None], 0.7, 0.8, n, candidates)
+    counts = np.bincount(tokens, minlength=24)
+    assert counts[expected == 0].sum() == 0, "sampled a token outside the nucleus"
+    support = expected > 0
+    assert support.sum() >= 3
+    p_value = chisquare(counts[support], expected[support] * n).pvalue
+    assert p_value > 1e-3, f"chi-square p={p_value:.2g}: sampler distribution differs from temperature+top-p"
+
+
+def test_sampler_top_p_one_samples_full_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    n = 20_000
+    tokens = draw(logits[None], 1.0, 1.0, n, candidates=2)
+    expected = torch.softmax(logits.double(), -1).numpy()
+    assert chisquare(np.bincount(tokens, minlength=4), expected * n).pvalue > 1e-3
+
+
+def test_zero_temperature_is_greedy():
+    logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, 0.0, 0.0]])
+    tokens = sample_tokens(logits, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), counter_uniforms([1, 2], 0))
+    assert tokens.tolist() == [1, 0]
+
+
+def test_uniforms_depend_only_on_seed_and_step():
+    a = counter_uniforms([11, 22, 33], step=5)
+    b = counter_uniforms([33, 11], step=5)
+    assert a[0] == b[1] and a[2] == b[0]
+    assert not torch.equal(counter_uniforms([11], 5), counter_uniforms([11], 6))
+    many = counter_uniforms(list(range(100_000)), step=3).numpy()
+    assert 0 <= many.min() and many.max() < 1
+    assert abs(many.mean() - 0.5) < 0.01
+
+
+def test_row_seed_is_stable_and_keyed():
+    assert row_seed(0, "q1", 0, "answer") == row_seed(0, "q1", 0, "answer")
+    assert len({row_seed(0, "q1", 0, "answer"), row_seed(1, "q1", 0, "answer"), row_seed(0, "q2", 0, "answer"),
+                row_seed(0, "q1", 1, "answer"), row_seed(0, "q1", 0, "revision-1")}) == 5
+
+
+def test_processor_never_picks_ids_without_text():
+    vocab, valid = 50, 40
+    scores = torch.zeros(64, vocab)
+    scores[:, valid:] = 100.0  # padded rows the model happens to like
+    sampler = ReproducibleSampler(range(64), [1.0] * 64, [1.0] * 64, prompt_length=3, n_valid_ids=valid)
+    processed = sampler(torch.zeros(64, 3, dtype=torch.long), scores)
+    chosen = processed.argmax(-1)
+    assert (chosen < valid).all()
+    assert torch.isfinite(processed).sum(-1).eq(1).all(), "exactly one finite score per row"
+
+
+def test_sampling_is_exact_with_mixed_rows():
+    """Rows with different temperatures and top_p in one batch each follow their own setting."""
+    torch.manual_seed(1)
+    logits = torch.randn(16) * 0.5
+    n = 20_000
+    rows = logits.expand(2 * n, -1)
+    temps = torch.tensor([0.5] * n + [1.5] * n, dtype=torch.float64)
+    top_ps = torch.tensor([0.6] * n + [0.95] * n, dtype=torch.float64)
+    tokens = sample_tokens(rows, temps, top_ps, counter_uniforms([row_seed(3, i) for i in range(2 * n)], 0), candidates=4).numpy()
+    for part, (t, p) in zip((tokens[:n], tokens[n:]), ((0.5, 0.6), (1.5, 0.95))):
+        expected = nucleus_distribution(logits, t, p)
+        counts = np.bincount(part, minlength=16)
+        assert counts[expected == 0].sum() == 0
+        support = expected > 0
+        assert support.sum() >= 3
+        assert chisquare(counts[support], expected[support] * n).pvalue > 1e-3

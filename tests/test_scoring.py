@@ -1,0 +1,74 @@
+import math
+
+import pytest
+import torch
+
+from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.evaluator import chat_prompt_ids, score_texts
+from probdiff_callback.scoring import score_batch, token_logprobs_chunked
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def direct_mean_logprob(model, prompt, response):
+    """One sequence alone, full forward, full log-softmax: the reference code's way."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits.float(), -1)[0]
+    return sum(logp[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(response)) / len(response)
+
+
+def test_chunked_batched_scores_equal_direct_computation(small_model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (12, 3, 25, 1)]
+    for chunk in (4, 7, 512):
+        scores = score_batch(small_model, prompts, responses, pad_token_id=0, chunk_size=chunk)
+        for (mean, n), p, r in zip(scores, prompts, responses):
+            assert n == len(r)
+            assert abs(mean - direct_mean_logprob(small_model, p, r)) < 1e-5
+
+
+def test_empty_response_scores_nan(small_model):
+    scores = score_batch(small_model, [[1, 2, 3], [4, 5]], [[], [6, 7]], pad_token_id=0)
+    assert math.isnan(scores[0][0]) and scores[0][1] == 0
+    assert abs(scores[1][0] - direct_mean_logprob(small_model, [4, 5], [6, 7])) < 1e-5
+
+
+def test_sync_runs_extra_lm_head_calls_without_changing_scores(small_model):
+    calls = []
+    head = small_model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        hidden = torch.randn(10, 32)
+        targets = torch.randint(0, 300, (10,))
+        plain = token_logprobs_chunked(hidden, targets, head, chunk_size=4)
+        n_plain = len(calls)
+        synced = token_logprobs_chunked(hidden, targets, head, chunk_size=4, sync_n_chunks=lambda n: n + 2)
+    finally:
+        handle.remove()
+    assert n_plain == 3 and len(calls) - n_plain == 5
+    assert torch.equal(plain, synced)
+
+
+def test_response_is_tokenized_apart_from_the_prompt(tiny_model):
+    """Joint tokenization merges the prompt's final newline with a response starting with newlines."""
+    model, tokenizer = tiny_model
+    config = ProbDiffConfig()
+    prompt = chat_prompt_ids(tokenizer, config.system_prompt, "Say something")
+    response = "\n\nHello there"
+    prompt_text = tokenizer.decode(prompt)
+    joint = tokenizer(prompt_text + response, add_special_tokens=False)["input_ids"]
+    apart = tokenizer(response, add_special_tokens=False)["input_ids"]
+    assert joint[: len(prompt)] != prompt, "the test needs a boundary where joint tokenization merges"
+    [(mean, n)] = score_texts(model, tokenizer, [prompt], [response], config)
+    assert n == len(apart)
+    assert abs(mean - direct_mean_logprob(model, prompt, apart)) < 1e-5
