@@ -204,20 +204,21 @@ def _max_over_ranks(device: torch.device):
     return sync
 
 
-def planned_evaluation_steps(args: TrainingArguments, state: TrainerState, every: int) -> int:
-    """How many evaluations the run's schedule triggers (before `at_end` and the baseline)."""
-    max_steps = state.max_steps
+def planned_evaluations(args: TrainingArguments, state: TrainerState, every: int, at_end: bool) -> int:
+    """How many evaluations the run's schedule will trigger after the baseline (the last step
+    included when `at_end` adds it)."""
     if args.eval_strategy == "steps" and state.eval_steps:
-        triggers = math.ceil(max_steps / state.eval_steps)
-    elif args.eval_strategy == "epoch":
-        triggers = math.ceil(state.num_train_epochs)
-    elif args.save_strategy == "steps" and state.save_steps:
-        triggers = math.ceil(max_steps / state.save_steps)
-    elif args.save_strategy == "epoch":
-        triggers = math.ceil(state.num_train_epochs)
+        interval, triggers = state.eval_steps, state.max_steps // state.eval_steps
+    elif args.eval_strategy == "no" and args.save_strategy == "steps" and state.save_steps:
+        interval, triggers = state.save_steps, state.max_steps // state.save_steps
+    elif args.eval_strategy == "epoch" or (args.eval_strategy == "no" and args.save_strategy == "epoch"):
+        steps_per_epoch = max(round(state.max_steps / max(state.num_train_epochs, 1)), 1)
+        interval, triggers = steps_per_epoch, state.max_steps // steps_per_epoch
     else:
-        triggers = 0
-    return max(triggers // every, 0)
+        return int(at_end)
+    evaluated = triggers // every
+    last_is_evaluated = evaluated > 0 and (state.max_steps % (interval * every) == 0)
+    return evaluated + int(at_end and not last_is_evaluated)
 
 
 class ProbDiffCallback(TrainerCallback):
@@ -256,6 +257,7 @@ class ProbDiffCallback(TrainerCallback):
         self._wandb_table = None
         self._evaluation_seconds: float | None = None
         self._train_started_at: float | None = None
+        self._seconds_evaluating_in_training = 0.0
         self._train_start_step = 0
         self._cost_reported = False
 
@@ -299,6 +301,7 @@ class ProbDiffCallback(TrainerCallback):
             self._run(state, kind="baseline", base_model=True)
             self._report_planned_cost(args, state)
         self._train_started_at = time.perf_counter()
+        self._seconds_evaluating_in_training = 0.0
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._report_training_share(args, state)
@@ -378,6 +381,8 @@ class ProbDiffCallback(TrainerCallback):
         self.last_outcome = outcome
         if kind == "baseline" or self._evaluation_seconds is None:
             self._evaluation_seconds = outcome.seconds
+        if self._train_started_at is not None:
+            self._seconds_evaluating_in_training += outcome.seconds
         if outcome.error is not None:
             logger.error(f"ProbDiff evaluation at step {step} failed; training goes on:\n{outcome.error}")
         self._log(state, outcome)
@@ -500,7 +505,7 @@ class ProbDiffCallback(TrainerCallback):
     def _report_planned_cost(self, args: TrainingArguments, state: TrainerState) -> None:
         if not self._is_main() or self._evaluation_seconds is None:
             return
-        planned = planned_evaluation_steps(args, state, self.options.every) + int(self.options.at_end and self.options.baseline)
+        planned = planned_evaluations(args, state, self.options.every, self.options.at_end)
         print(
             f"ProbDiff: one evaluation ({len(self.queries)} queries, max_new_tokens={self.config.max_new_tokens}) "
             f"took {self._evaluation_seconds:.1f}s; about {planned} more planned, "
@@ -516,17 +521,15 @@ class ProbDiffCallback(TrainerCallback):
         if done < min(3, remaining):
             return
         self._cost_reported = True
-        # Evaluations already run since train begin are not training time.
-        evaluated_since = sum(1 for s in self.evaluated if self._train_start_step < s <= state.global_step)
-        train_seconds = time.perf_counter() - self._train_started_at - evaluated_since * self._evaluation_seconds
+        # Evaluations run since train begin are not training time.
+        train_seconds = time.perf_counter() - self._train_started_at - self._seconds_evaluating_in_training
         per_step = max(train_seconds, 0.0) / done
         planned_training = per_step * remaining
-        planned = planned_evaluation_steps(args, state, self.options.every)
+        planned = planned_evaluations(args, state, self.options.every, self.options.at_end)
         evaluation_total = planned * self._evaluation_seconds
-        share = evaluation_total / (planned_training + evaluation_total) if planned_training + evaluation_total > 0 else math.nan
+        added = f"{100 * evaluation_total / planned_training:.0f}% of the training time" if planned_training > 0 else "all of the run's time"
         print(
             f"ProbDiff: training {per_step:.2f}s/step, about {planned_training:.0f}s for {remaining} steps; "
-            f"{planned} evaluations of {self._evaluation_seconds:.1f}s add {evaluation_total:.0f}s, "
-            f"{100 * share:.1f}% of the run's time",
+            f"{planned} evaluations of {self._evaluation_seconds:.1f}s add {evaluation_total:.0f}s, {added}",
             flush=True,
         )

@@ -69,12 +69,13 @@ def sample_tokens(
     candidates: int = 64,
 ) -> torch.Tensor:
     """Token ids [B] sampled from `logits` [B, V] with per-row temperature (<= 0: greedy) and top-p."""
-    logits = logits.double()
+    # Full-vocabulary passes stay in fp32 (the cost); the candidates' probabilities are fp64.
+    logits = logits.float()
     chosen = logits.argmax(dim=-1)
     sampled_rows = (temperatures > 0).nonzero().squeeze(-1)
     if sampled_rows.numel() == 0:
         return chosen
-    scaled = logits[sampled_rows] / temperatures[sampled_rows, None].double()
+    scaled = logits[sampled_rows] / temperatures[sampled_rows, None].float()
     log_norm = torch.logsumexp(scaled, dim=-1, keepdim=True)
     top_p = top_ps[sampled_rows].double()
     u = uniforms[sampled_rows]
@@ -93,7 +94,7 @@ def sample_tokens(
             top_values, top_ids = torch.sort(scaled[rows], dim=-1, descending=True)
         else:
             top_values, top_ids = torch.topk(scaled[rows], k, dim=-1)
-        top_probs = torch.exp(top_values - log_norm[rows])
+        top_probs = torch.exp(top_values.double() - log_norm[rows].double())
         inside = (top_probs.sum(-1) >= top_p[rows]) & (top_p[rows] < 1.0) if k < vocab else torch.ones_like(rows, dtype=torch.bool)
         if inside.any():
             pick = _pick_in_nucleus(top_probs[inside], top_p[rows][inside], u[rows][inside])

@@ -1,0 +1,178 @@
+"""Small SFT runs with ProbDiffCallback on the `tiny` preset, shared by the callback tests.
+
+Imported by the tests for `build_trainer`, and launched by tests/test_callback_distributed.py
+as a script under `accelerate launch` (DDP or DeepSpeed ZeRO-3 over gloo on CPU):
+
+    accelerate launch --num_processes 2 --multi_gpu tests/_distributed_eval.py --mode ddp --out DIR
+
+The script trains 2 LoRA steps with the callback (baseline, then an evaluation at the
+checkpoint of step 2), evaluates the final weights again with the parameters gathered
+and (ZeRO-3) left sharded, checks that a failure on rank 1 reaches every rank, and
+writes what each rank saw to DIR/rank-<r>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_FILE = REPO / "data" / "samples" / "blog" / "train.jsonl"
+QUERY_FILE = REPO / "data" / "samples" / "alignbench" / "heldout.jsonl"
+N_QUERIES = 5  # odd, so two ranks need padding
+EVAL_SETTINGS = dict(max_new_tokens=8, batch_size=8, bootstrap_samples=200, seed=3)
+
+
+def probdiff_config():
+    from probdiff_callback.config import ProbDiffConfig
+
+    return ProbDiffConfig(**EVAL_SETTINGS)
+
+
+def held_out_queries():
+    from probdiff_callback.io import load_queries
+
+    return load_queries(QUERY_FILE)
+
+
+def chat_dataset(n_rows: int):
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in TRAIN_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return Dataset.from_list([{"messages": row["messages"]} for row in rows[:n_rows]])
+
+
+def load_tiny(model_path: str | Path):
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(model_path), dtype="float32")
+    model.train()
+    return model, tokenizer
+
+
+def build_trainer(
+    model_path: str | Path,
+    output_dir: str | Path,
+    *,
+    lora: bool = True,
+    plain_trainer: bool = False,
+    n_train_rows: int = 16,
+    callbacks: list | None = None,
+    **training_args,
+):
+    """An SFTTrainer (LoRA by default) or a plain Trainer (full fine-tuning) on a fresh copy
+    of the tiny model: 128-token blog samples, batch 2, fp32 on CPU, no reporting."""
+    from peft import LoraConfig
+
+    model, tokenizer = load_tiny(model_path)
+    settings = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        seed=7,
+        data_seed=7,
+        disable_tqdm=True,
+        save_only_model=False,
+        dataloader_num_workers=0,
+        bf16=False,
+    )
+    settings.update(training_args)
+    if plain_trainer:
+        from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+        texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False) for row in chat_dataset(n_train_rows)]
+        encoded = [tokenizer(text, truncation=True, max_length=128) for text in texts]
+        from datasets import Dataset
+
+        dataset = Dataset.from_list([{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in encoded])
+        return Trainer(
+            model=model,
+            args=TrainingArguments(**settings),
+            train_dataset=dataset,
+            eval_dataset=dataset.select(range(2)),
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+            processing_class=tokenizer,
+            callbacks=callbacks,
+        )
+    from trl import SFTConfig, SFTTrainer
+
+    dataset = chat_dataset(n_train_rows)
+    return SFTTrainer(
+        model=model,
+        args=SFTConfig(max_length=128, packing=False, dataset_num_proc=None, **settings),
+        train_dataset=dataset,
+        eval_dataset=dataset.select(range(2)),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if lora
+        else None,
+    )
+
+
+def _zero3_config() -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["ddp", "zero3"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import probdiff_callback.callback as callback_module
+    from probdiff_callback.callback import ProbDiffCallback
+
+    extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
+    trainer = build_trainer(args.model, Path(args.out) / "run", max_steps=2, save_steps=2, eval_strategy="no", **extra)
+    callback = ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, fail_on_error=True)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+
+    seen: dict = {"rank": rank, "world_size": trainer.accelerator.num_processes, "history_metrics": callback.evaluated}
+    callback.options.gather_params = True
+    gathered = callback.evaluate_model()
+    seen["gathered"] = {"records": gathered.records, "summary": gathered.summary, "error": gathered.error}
+    if args.mode == "zero3":
+        callback.options.gather_params = False
+        sharded = callback.evaluate_model()
+        seen["sharded"] = {"records": sharded.records, "summary": sharded.summary, "error": sharded.error}
+        callback.options.gather_params = True
+
+    real_evaluate = callback_module.evaluate
+
+    def fail_on_rank_1(*a, **k):
+        if rank == 1:
+            raise RuntimeError("injected failure on rank 1")
+        return real_evaluate(*a, **k)
+
+    callback_module.evaluate = fail_on_rank_1
+    failed = callback.evaluate_model()
+    callback_module.evaluate = real_evaluate
+    seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
+
+    from probdiff_callback.io import write_json
+
+    write_json(Path(args.out) / f"rank-{rank}.json", seen)
+    trainer.accelerator.wait_for_everyone()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())

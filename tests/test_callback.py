@@ -1,0 +1,384 @@
+"""ProbDiffCallback in single-process training runs on the `tiny` preset (CPU, offline)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import EarlyStoppingCallback
+
+import probdiff_callback.callback as callback_module
+from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
+from probdiff_callback import history
+from probdiff_callback.callback import (
+    ProbDiffCallback,
+    ProbDiffCallbackArgs,
+    metrics_from_summary,
+    pad_to_equal_shards,
+    preserved_rng_state,
+    select_queries,
+)
+from probdiff_callback.evaluator import evaluate
+from probdiff_callback.io import Query, read_jsonl
+from probdiff_callback.metric import summarize
+from probdiff_callback.selection import select_checkpoints
+
+SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
+
+
+def history_rows(run_dir: Path) -> list[dict]:
+    return history.read_history(history.history_path(run_dir))
+
+
+def probdiff_logs(trainer) -> dict[int, dict]:
+    return {entry["step"]: entry for entry in trainer.state.log_history if "eval_probdiff_confidence" in entry}
+
+
+def assert_same_records(actual: list[dict], expected: list[dict]) -> None:
+    assert [r["id"] for r in actual] == [r["id"] for r in expected]
+    for a, e in zip(actual, expected):
+        assert a["response"] == e["response"]
+        assert a["revisions"] == e["revisions"]
+        assert abs(a["logp_response"] - e["logp_response"]) < 1e-4
+        assert abs(a["logp_revised"] - e["logp_revised"]) < 1e-4
+
+
+# ---- helpers, no model ----
+
+def test_pad_to_equal_shards_pads_with_the_last_item_and_keeps_order():
+    shards = pad_to_equal_shards([0, 1, 2, 3, 4], 2)
+    assert shards == [[0, 1, 2], [3, 4, 4]]
+    assert [x for shard in shards for x in shard][:5] == [0, 1, 2, 3, 4]
+    assert pad_to_equal_shards([0, 1], 4) == [[0], [1], [1], [1]]
+    assert pad_to_equal_shards([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError):
+        pad_to_equal_shards([], 2)
+
+
+def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_global_rng():
+    queries = [Query(f"q{i}", f"text {i}") for i in range(20)]
+    random.seed(5)
+    before = random.random()
+    random.seed(5)
+    first = select_queries(queries, 6, seed=1)
+    assert random.random() == before  # the global stream is where it was
+    assert first == select_queries(queries, 6, seed=1)
+    assert first != select_queries(queries, 6, seed=2)
+    assert len(first) == 6 and [q.id for q in first] == sorted((q.id for q in first), key=lambda i: int(i[1:]))
+    assert select_queries(queries, None, 0) == queries and select_queries(queries, 50, 0) == queries
+    with pytest.raises(ValueError, match="unique"):
+        select_queries([Query("a", "x"), Query("a", "y")], 1, 0)
+
+
+def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
+    records = [
+        {"id": str(i), "category": c, "d": d, "logp_response": -2.0, "logp_revised": -2.0 + d,
+         "n_tokens_response": 5, "n_tokens_revised": 5, "truncated": False}
+        for i, (c, d) in enumerate([("a b", 0.1), ("a b", -0.2), ("c/d", 0.3)])
+    ]
+    summary = summarize(records, -0.05, [0.0, -0.1], 100, 0)
+    metrics = metrics_from_summary(summary, [0.0, -0.1], ["a b", "c/d"])
+    assert metrics["eval_probdiff_confidence"] == pytest.approx(2 / 3)
+    assert metrics["eval_probdiff_confidence_a_b"] == 0.5 and metrics["eval_probdiff_confidence_c_d"] == 1.0
+    assert metrics["eval_probdiff_d_mean"] == pytest.approx(0.2 / 3)
+    assert metrics["eval_probdiff_confidence_at_-0.1"] == pytest.approx(2 / 3)
+    assert metrics["eval_probdiff_confidence_at_0"] == pytest.approx(2 / 3)
+    assert metrics["eval_probdiff_n_invalid"] == 0
+    failed = metrics_from_summary(None, [0.0, -0.1], ["a b", "c/d"])
+    assert set(failed) >= {"eval_probdiff_confidence", "eval_probdiff_d_mean", "eval_probdiff_confidence_a_b",
+                           "eval_probdiff_confidence_at_-0.1", "eval_probdiff_confidence_at_0"}
+    assert all(math.isnan(v) for v in failed.values())
+
+
+def test_preserved_rng_state_restores_every_stream():
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    expected = (torch.rand(2), np.random.rand(2), random.random())
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    with preserved_rng_state():
+        torch.rand(5), np.random.rand(5), random.random()
+    assert torch.equal(torch.rand(2), expected[0])
+    assert np.array_equal(np.random.rand(2), expected[1]) and random.random() == expected[2]
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="every=0"):
+        ProbDiffCallbackArgs(every=0)
+    with pytest.raises(ValueError, match="n_queries=0"):
+        ProbDiffCallbackArgs(n_queries=0)
+
+
+# ---- training runs ----
+
+def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, tiny_model_path, tiny_model, capsys):
+    run = tmp_path / "run"
+    trainer = build_trainer(
+        tiny_model_path, run, max_steps=6, eval_strategy="steps", eval_steps=2, save_steps=2,
+        metric_for_best_model="probdiff_confidence", greater_is_better=True, load_best_model_at_end=True,
+        # a threshold no confidence gain can pass: the second ProbDiff evaluation stops training
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)],
+    )
+    queries = held_out_queries()
+    callback = ProbDiffCallback(trainer, queries, probdiff_config(), n_queries=N_QUERIES)
+    trainer.add_callback(callback)  # lands after EarlyStoppingCallback; the callback moves itself
+    trainer.train()
+
+    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+    assert names.index("ProbDiffCallback") < names.index("EarlyStoppingCallback")
+    assert trainer.state.global_step == 4, "early stopping did not act on eval_probdiff_confidence"
+    printed = capsys.readouterr().out
+    assert "ProbDiff: one evaluation (5 queries" in printed and "of the training time" in printed
+
+    rows = history_rows(run)
+    assert [r["global_step"] for r in rows] == [0, 2, 4]
+    assert [r["kind"] for r in rows] == ["baseline", "evaluate", "evaluate"]
+    assert [r["base_model"] for r in rows] == [True, False, False]
+    assert all(r["error"] is None and r["seconds"] > 0 for r in rows)
+    subset = [q.id for q in select_queries(queries, N_QUERIES, probdiff_config().seed)]
+    config = probdiff_config()
+    for row in rows:
+        records = read_jsonl(run / "probdiff" / row["records"])
+        assert [r["id"] for r in records] == subset
+        assert row["summary"] == json.loads(json.dumps(summarize(records, config.delta, config.sweep, config.bootstrap_samples, config.seed)))
+    for row in rows[1:]:
+        assert row["checkpoint"] == str(run / f"checkpoint-{row['global_step']}")
+        assert json.loads((run / f"checkpoint-{row['global_step']}" / "probdiff.json").read_text()) == row
+    assert rows[0]["checkpoint"] is None
+
+    # The baseline is the base model: the adapters were disabled.
+    model, tokenizer = tiny_model
+    base_records = evaluate(model, tokenizer, select_queries(queries, N_QUERIES, config.seed), config, progress=False)
+    assert_same_records(read_jsonl(run / "probdiff" / rows[0]["records"]), base_records)
+
+    logged = probdiff_logs(trainer)
+    assert sorted(logged) == [0, 2, 4]
+    categories = sorted({q.category for q in select_queries(queries, N_QUERIES, config.seed)})
+    for row in rows:
+        entry, summary = logged[row["global_step"]], row["summary"]
+        assert entry["eval_probdiff_confidence"] == summary["confidence"]
+        assert [entry["eval_probdiff_confidence_ci_low"], entry["eval_probdiff_confidence_ci_high"]] == summary["confidence_ci"]
+        assert entry["eval_probdiff_d_mean"] == pytest.approx(summary["d_mean"])
+        assert entry["eval_probdiff_d_median"] == pytest.approx(summary["d_median"])
+        assert entry["eval_probdiff_logp_response"] == pytest.approx(summary["logp_response_mean"])
+        assert entry["eval_probdiff_logp_revised"] == pytest.approx(summary["logp_revised_mean"])
+        assert entry["eval_probdiff_n_invalid"] == summary["n_invalid"]
+        for key in SWEEP_KEYS:
+            assert entry[f"eval_probdiff_confidence_at_{key}"] == summary["confidence_sweep"][key]
+        for category in categories:
+            assert entry[f"eval_probdiff_confidence_{category}"] == summary["by_category"][category]["confidence"]
+
+    # metric_for_best_model: the Trainer kept the first step with the highest confidence.
+    trained = rows[1:]
+    best_value = max(r["summary"]["confidence"] for r in trained)
+    best_step = next(r["global_step"] for r in trained if r["summary"]["confidence"] == best_value)
+    assert trainer.state.best_metric == best_value
+    assert trainer.state.best_global_step == best_step
+    assert trainer.state.best_model_checkpoint == str(run / f"checkpoint-{best_step}")
+
+    selection = select_checkpoints(run)
+    assert selection.baseline.global_step == 0
+    assert [s.global_step for s in selection.ranked] == sorted(
+        [2, 4], key=lambda s: (-rows[s // 2]["summary"]["confidence"], -rows[s // 2]["summary"]["d_mean"], s)
+    )
+    assert selection.ranked[0].confidence == best_value
+    assert selection.best_checkpoint.checkpoint == str(run / f"checkpoint-{selection.ranked[0].global_step}")
+
+
+def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, tiny_model_path):
+    def losses(run: Path, with_callback: bool) -> list[float]:
+        trainer = build_trainer(tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=2, save_strategy="no")
+        if with_callback:
+            ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    plain = losses(tmp_path / "plain", with_callback=False)
+    evaluated = losses(tmp_path / "evaluated", with_callback=True)
+    assert len(plain) == 3
+    assert evaluated == plain
+    # the last step (3) is not on the eval_steps grid, but the Trainer evaluates it at the end
+    assert [r["global_step"] for r in history_rows(tmp_path / "evaluated")] == [0, 2, 3]
+
+
+def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_model_path, monkeypatch):
+    trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=1)
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(), n_queries=2)
+    model, tokenizer = trainer.model, callback.tokenizer
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    tokenizer.padding_side = "right"
+    seen = {}
+
+    def observing_evaluate(m, *args, **kwargs):
+        seen["checkpointing"] = m.is_gradient_checkpointing
+        records = evaluate(m, *args, **kwargs)
+        return records
+
+    monkeypatch.setattr(callback_module, "evaluate", observing_evaluate)
+    torch_state, numpy_state = torch.random.get_rng_state(), np.random.get_state()
+    outcome = callback.evaluate_model()
+    assert outcome.error is None and len(outcome.records) == 2
+    assert seen["checkpointing"] is False
+    assert model.training and model.is_gradient_checkpointing
+    assert model.config.use_cache is False
+    assert tokenizer.padding_side == "right"
+    assert torch.equal(torch.random.get_rng_state(), torch_state)
+    assert np.array_equal(np.random.get_state()[1], numpy_state[1])
+
+
+def test_a_failed_evaluation_is_recorded_and_training_goes_on(tmp_path, tiny_model_path, monkeypatch):
+    calls = {"n": 0}
+    real_evaluate = callback_module.evaluate
+
+    def fails_on_second_call(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected evaluation failure")
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(callback_module, "evaluate", fails_on_second_call)
+    run = tmp_path / "run"
+    # a plain Trainer with full fine-tuning; the metric is checked by the Trainer at every evaluation
+    trainer = build_trainer(
+        tiny_model_path, run, plain_trainer=True, lora=False, max_steps=4, eval_strategy="steps", eval_steps=2,
+        save_strategy="no", metric_for_best_model="probdiff_confidence",
+    )
+    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    rows = history_rows(run)
+    assert [r["global_step"] for r in rows] == [0, 2, 4]
+    failed = rows[1]
+    assert "injected evaluation failure" in failed["error"] and "Traceback" in failed["error"]
+    assert failed["summary"] is None and failed["records"] is None
+    assert rows[0]["error"] is None and rows[2]["error"] is None
+    assert math.isnan(probdiff_logs(trainer)[2]["eval_probdiff_confidence"])
+    assert trainer.state.best_global_step == 4
+    selection = select_checkpoints(run)
+    assert selection.failed_steps == [2]
+    assert [s.global_step for s in selection.ranked] == [4]
+
+
+def test_fail_on_error_reraises(tmp_path, tiny_model_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected evaluation failure")
+
+    monkeypatch.setattr(callback_module, "evaluate", broken)
+    trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=2, save_strategy="no")
+    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, fail_on_error=True)
+    with pytest.raises(RuntimeError, match="fail_on_error=True"):
+        trainer.train()
+    rows = history_rows(tmp_path / "run")
+    assert [r["global_step"] for r in rows] == [0] and "injected evaluation failure" in rows[0]["error"]
+
+
+def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_model_path):
+    run = tmp_path / "run"
+    settings = dict(max_steps=4, eval_strategy="no", save_steps=2)
+    first = build_trainer(tiny_model_path, run, **settings)
+    ProbDiffCallback.attach(first, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+    first.train()
+    before = history_rows(run)
+    assert [(r["global_step"], r["kind"]) for r in before] == [(0, "baseline"), (2, "save"), (4, "save")]
+    assert [r["checkpoint"] for r in before] == [None, str(run / "checkpoint-2"), str(run / "checkpoint-4")]
+
+    # As if the run had died after step 4's evaluation and were resumed from checkpoint-2.
+    resumed = build_trainer(tiny_model_path, run, **settings)
+    callback = ProbDiffCallback.attach(resumed, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+    resumed.train(resume_from_checkpoint=str(run / "checkpoint-2"))
+    after = history_rows(run)
+    assert [r["global_step"] for r in after] == [0, 2, 4]
+    assert after[:2] == before[:2]  # kept as they were, not evaluated again
+    assert sorted(callback.evaluated) == [0, 2, 4]
+    assert after[2]["kind"] == "save" and after[2]["error"] is None
+    assert json.loads((run / "checkpoint-4" / "probdiff.json").read_text()) == after[2]
+
+
+# ---- W&B ----
+
+LEVELDB_BLOCK = 32768
+LEVELDB_HEADER = 7
+WANDB_FILE_HEADER = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def read_wandb_records(path: Path) -> list:
+    """The protobuf records of an offline `run-*.wandb` file: a 7-byte header, then a LevelDB
+    log (32 KiB blocks counted from the start of the file; records split across blocks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    position, pending, records = WANDB_FILE_HEADER, b"", []
+    while position + LEVELDB_HEADER <= len(data):
+        left_in_block = LEVELDB_BLOCK - position % LEVELDB_BLOCK
+        if left_in_block < LEVELDB_HEADER:  # the block's tail is zero padding
+            position += left_in_block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[position : position + LEVELDB_HEADER])
+        payload = data[position + LEVELDB_HEADER : position + LEVELDB_HEADER + length]
+        position += LEVELDB_HEADER + length
+        if kind == 0 and length == 0:
+            break  # zeroed tail of the last block: the writer stopped here
+        if kind in (FULL, FIRST):
+            pending = payload
+        else:
+            pending += payload
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def wandb_history_rows(path: Path) -> list[dict]:
+    rows = []
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row = {}
+        for item in record.history.item:
+            key = item.key or "/".join(item.nested_key)
+            row[key] = json.loads(item.value_json)
+        rows.append(row)
+    return rows
+
+
+def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step(tmp_path, tiny_model_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_PROJECT", "probdiff-test")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    trainer = build_trainer(tiny_model_path, run, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="no", report_to="wandb")
+    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, wandb_table_rows=3)
+    try:
+        trainer.train()
+    finally:
+        wandb.finish()
+    files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    logged = wandb_history_rows(files[0])
+    expected = {r["global_step"]: r["summary"] for r in history_rows(run)}
+    assert sorted(expected) == [0, 2, 4]
+
+    scalars = {row["train/global_step"]: row for row in logged if "eval/probdiff_confidence" in row}
+    histograms = {row["train/global_step"]: row["eval/probdiff_d"] for row in logged if "eval/probdiff_d" in row}
+    tables = [row["train/global_step"] for row in logged if "eval/probdiff_records" in row]
+    assert sorted(scalars) == [0, 2, 4] and sorted(histograms) == [0, 2, 4] and tables == [0, 2, 4]
+    for step, summary in expected.items():
+        assert scalars[step]["eval/probdiff_confidence"] == summary["confidence"]
+        assert scalars[step]["eval/probdiff_d_mean"] == pytest.approx(summary["d_mean"])
+        assert scalars[step]["eval/probdiff_confidence_at_-0.05"] == summary["confidence_sweep"]["-0.05"]
+        histogram = histograms[step]
+        assert histogram["_type"] == "histogram"
+        assert sum(histogram["values"]) == summary["n"] - summary["n_invalid"]
+        assert histogram["bins"][0] <= summary["d_quantiles"]["0.05"] and histogram["bins"][-1] >= summary["d_quantiles"]["0.95"]

@@ -1,0 +1,75 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from probdiff_callback.cli import main
+
+SAMPLES = "data/samples/alignbench/heldout.jsonl"
+
+
+@pytest.fixture(scope="module")
+def eval_dirs(tiny_model_path, tmp_path_factory):
+    """Two `probdiff eval` runs (seeds 0 and 1) on the shipped AlignBench-style sample, through the CLI."""
+    out = tmp_path_factory.mktemp("cli")
+    dirs = []
+    for seed in (0, 1):
+        target = out / f"seed{seed}"
+        code = main(["eval", "--model", "tiny", "--device", "cpu", "--queries", SAMPLES, "--out", str(target), "--limit", "6",
+                     "max_new_tokens=12", f"seed={seed}", "answer_temperature_by_category.Mathematics=0.1"])
+        assert code == 0
+        dirs.append(target)
+    return dirs
+
+
+def test_eval_writes_records_and_summary(eval_dirs, capsys):
+    records = [json.loads(line) for line in (eval_dirs[0] / "records.jsonl").read_text().splitlines()]
+    summary = json.loads((eval_dirs[0] / "summary.json").read_text())
+    assert len(records) == 6 and summary["n"] == 6
+    assert [r["id"] for r in records] == [f"alignbench-heldout-{i:03d}" for i in range(1, 7)]
+    ds = [math.nan if r["d"] is None else r["d"] for r in records]
+    assert summary["confidence"] == pytest.approx(sum(d >= -0.05 for d in ds if not math.isnan(d)) / 6)
+    assert set(summary["confidence_sweep"]) == {"0", "-0.02", "-0.05", "-0.1"}
+    assert summary["config"]["max_new_tokens"] == 12
+    assert summary["config"]["answer_temperature_by_category"] == {"Mathematics": 0.1}
+    assert set(summary["by_category"]) == {r["category"] for r in records}
+    for key in ("n_invalid", "n_truncated", "confidence_ci", "d_mean", "d_median", "d_std", "d_quantiles", "logp_response_mean",
+                "logp_revised_mean", "len_response_mean", "len_revised_mean", "length_changed_share"):
+        assert key in summary
+
+
+def test_score_reproduces_eval_scores(eval_dirs, tmp_path):
+    records = [json.loads(line) for line in (eval_dirs[0] / "records.jsonl").read_text().splitlines()]
+    pairs = tmp_path / "pairs.json"
+    pairs.write_text(json.dumps([{"id": r["id"], "query": r["query"], "response": r["response"], "revised": r["revisions"][-1]} for r in records]))
+    assert main(["score", "--model", "tiny", "--device", "cpu", "--pairs", str(pairs), "--out", str(tmp_path / "scored")]) == 0
+    scored = [json.loads(line) for line in (tmp_path / "scored" / "records.jsonl").read_text().splitlines()]
+    for a, b in zip(records, scored):
+        if a["d"] is None:
+            assert b["d"] is None
+        else:
+            assert b["d"] == pytest.approx(a["d"], abs=1e-4)
+
+
+def test_compare_prints_win_tie_lose(eval_dirs, capsys):
+    assert main(["compare", str(eval_dirs[0]), str(eval_dirs[1])]) == 0
+    out = capsys.readouterr().out
+    assert "6 shared queries at delta -0.05" in out
+    assert "A wins" in out and "ties" in out and "loses" in out and "Wilcoxon" in out
+
+
+def test_bad_input_gives_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query": "fine"}\n{"prompt": "wrong key"}\n')
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert f"{bad}:2: no query found" in capsys.readouterr().err
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta_typo=1"]) == 2
+    assert "unknown key 'delta_typo'" in capsys.readouterr().err
+
+
+def test_console_script_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "probdiff_callback.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("eval", "score", "compare", "convert-qwen"):
+        assert command in out

@@ -1,0 +1,137 @@
+import dataclasses
+import math
+
+import pytest
+
+from probdiff_callback.config import ProbDiffConfig, apply_overrides
+from probdiff_callback.evaluator import build_record, evaluate, neutral_generation_config, score_pairs, truncate_middle, PreparedQuery
+from probdiff_callback.io import Query, load_queries
+from probdiff_callback.prompts import REWRITER, refinement_request
+
+SAMPLES = "data/samples/blog/heldout.jsonl"
+
+
+@pytest.fixture(scope="module")
+def queries():
+    return load_queries(SAMPLES)[:8]
+
+
+@pytest.fixture(scope="module")
+def reference_records(tiny_model, queries):
+    model, tokenizer = tiny_model
+    return evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=8), progress=False)
+
+
+def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, reference_records):
+    model, tokenizer = tiny_model
+    for batch_size in (1, 3):
+        records = evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=batch_size), progress=False)
+        assert [r["response"] for r in records] == [r["response"] for r in reference_records]
+        assert [r["revisions"] for r in records] == [r["revisions"] for r in reference_records]
+        for a, b in zip(records, reference_records):
+            assert a["d"] == pytest.approx(b["d"], abs=1e-4)
+    # a query evaluated among other queries, or alone, or in reverse order: same texts
+    alone = evaluate(model, tokenizer, queries[5:6], ProbDiffConfig(max_new_tokens=24), progress=False)
+    assert alone[0]["response"] == reference_records[5]["response"]
+    reordered = evaluate(model, tokenizer, queries[::-1], ProbDiffConfig(max_new_tokens=24, batch_size=3), progress=False)
+    assert [r["id"] for r in reordered] == [q.id for q in queries[::-1]]
+    assert [r["response"] for r in reordered[::-1]] == [r["response"] for r in reference_records]
+
+
+def test_records_hold_the_documented_fields(reference_records, queries):
+    record = reference_records[0]
+    assert set(record) == {"id", "category", "query", "response", "revisions", "logp_response", "logp_revised", "d",
+                           "n_tokens_response", "n_tokens_revised", "confident", "truncated"}
+    assert record["id"] == queries[0].id and record["category"] == "blog"
+    assert len(record["revisions"]) == 1
+    for r in reference_records:
+        if r["n_tokens_response"] and r["n_tokens_revised"]:
+            assert r["d"] == pytest.approx(r["logp_revised"] - r["logp_response"])
+            assert r["logp_response"] < 0
+        assert r["confident"] == (r["d"] is not None and not math.isnan(r["d"]) and r["d"] >= -0.05)
+
+
+def test_seed_changes_texts(tiny_model, queries, reference_records):
+    model, tokenizer = tiny_model
+    other = evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=8, seed=1), progress=False)
+    assert [r["response"] for r in other] != [r["response"] for r in reference_records]
+
+
+def test_several_samples_and_revisions(tiny_model, queries):
+    model, tokenizer = tiny_model
+    config = ProbDiffConfig(max_new_tokens=12, n_samples=3, n_revisions=2, batch_size=4)
+    records = evaluate(model, tokenizer, queries[:2], config, progress=False)
+    for r in records:
+        assert len(r["responses"]) == 3 and len(r["revisions_by_sample"]) == 3 and len(r["d_samples"]) == 3
+        assert all(len(revs) == 2 for revs in r["revisions_by_sample"])
+        finite = [d for d in r["d_samples"] if not math.isnan(d)]
+        assert r["d"] == pytest.approx(sum(finite) / len(finite))
+        assert r["response"] == r["responses"][0]
+    single = evaluate(model, tokenizer, queries[:2], dataclasses.replace(config, n_samples=1), progress=False)
+    assert [r["response"] for r in single] == [r["responses"][0] for r in records], "sample 0 does not depend on n_samples"
+
+
+def test_per_category_answer_temperature(tiny_model):
+    model, tokenizer = tiny_model
+    queries = [Query("a", "写一首关于秋天的诗", "Writing"), Query("b", "写一首关于秋天的诗", "Mathematics")]
+    config = ProbDiffConfig(max_new_tokens=16, answer_temperature_by_category={"Mathematics": 0.0})
+    greedy = evaluate(model, tokenizer, queries[1:], config, progress=False)[0]["response"]
+    # temperature 0 is greedy: the same text under any seed
+    assert evaluate(model, tokenizer, queries[1:], dataclasses.replace(config, seed=5), progress=False)[0]["response"] == greedy
+    assert config.answer_temperature_for("Writing") == 0.7 and config.answer_temperature_for(None) == 0.7
+
+
+def test_middle_truncation_keeps_head_and_tail(qwen_tokenizer):
+    text = "INSTRUCTION: summarise this. " + " ".join(f"word{i}" for i in range(400)) + " THE END"
+    cut, truncated = truncate_middle(qwen_tokenizer, text, 60)
+    assert truncated
+    assert cut.startswith("INSTRUCTION: summarise") and cut.endswith("THE END")
+    assert len(qwen_tokenizer(cut, add_special_tokens=False)["input_ids"]) <= 60
+    assert truncate_middle(qwen_tokenizer, "short", 60) == ("short", False)
+
+
+def test_long_queries_are_truncated_and_counted(tiny_model):
+    model, tokenizer = tiny_model
+    long_query = Query("long", "请总结下面的内容。" + "今天天气很好，我们去公园散步。" * 200)
+    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=128), progress=False)
+    assert [r["truncated"] for r in records] == [True, False]
+    assert records[0]["query"] == long_query.text, "records keep the original query"
+
+
+def test_empty_texts_give_nan_and_count_as_not_confident(tiny_model):
+    model, tokenizer = tiny_model
+    config = ProbDiffConfig()
+    pairs = [(Query("e1", "hi"), "", "something"), (Query("e2", "hi"), "something", ""), (Query("ok", "hi"), "a b", "a b")]
+    records = score_pairs(model, tokenizer, pairs, config, progress=False)
+    assert math.isnan(records[0]["d"]) and math.isnan(records[1]["d"])
+    assert records[0]["confident"] is False and records[1]["confident"] is False
+    assert records[2]["d"] == pytest.approx(0.0, abs=1e-6) and records[2]["confident"] is True
+
+
+def test_build_record_mean_over_valid_samples():
+    prepared = PreparedQuery(Query("q", "text"), "text", False, [1, 2])
+    record = build_record(prepared, ["a", ""], [["b"], ["c"]], [(-1.0, 3), (math.nan, 0)], [(-0.5, 3), (-2.0, 2)], -0.05)
+    assert record["d"] == pytest.approx(0.5) and math.isnan(record["d_samples"][1])
+
+
+def test_refinement_request_fills_once():
+    filled = refinement_request(REWRITER, "a {response} in the query", "the answer")
+    assert "#Given Prompt#:\na {response} in the query\n#Given Response#:\nthe answer\n#Rewritten Response#:\n" in filled
+
+
+def test_neutral_generation_config_disables_model_defaults(qwen_tokenizer):
+    config = neutral_generation_config(qwen_tokenizer, 7)
+    assert config.do_sample is False and config.repetition_penalty == 1.0 and config.max_new_tokens == 7
+    assert config.no_repeat_ngram_size == 0 and config.top_k == 50  # unused without sampling
+
+
+def test_config_overrides_reject_unknown_keys_and_bad_types():
+    config = apply_overrides(ProbDiffConfig(), ["delta=-0.02", "n_samples=2", "answer_temperature_by_category.Writing=0.7"])
+    assert config.delta == -0.02 and config.n_samples == 2 and config.answer_temperature_by_category == {"Writing": 0.7}
+    with pytest.raises(ValueError, match=r"unknown key 'deltaa'.*Valid keys: delta, sweep"):
+        apply_overrides(ProbDiffConfig(), ["deltaa=1"])
+    with pytest.raises(ValueError, match=r"wrong type for 'n_samples'"):
+        apply_overrides(ProbDiffConfig(), ["n_samples=many"])
+    with pytest.raises(ValueError, match="refinement_prompt"):
+        ProbDiffConfig(refinement_prompt="rewrite it")
+    assert ProbDiffConfig(refinement_prompt="Fix {response} for {instruction}").refinement_prompt

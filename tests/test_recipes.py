@@ -1,0 +1,251 @@
+"""Every recipe under every model preset loads and validates; the accelerate configs load as accelerate
+configs; errors name the key and list what is valid; threads, W&B and run-directory helpers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from probdiff_callback.models import PRESETS
+from probdiff_callback.recipe import (
+    RECIPES_DIR,
+    TASKS,
+    Recipe,
+    RecipeError,
+    available_recipes,
+    configure_threads,
+    data_files,
+    default_run_name,
+    load_recipe,
+    quantization_config,
+    resolve_run,
+    setup_wandb,
+    wandb_logged_in,
+)
+
+TASK_RECIPES = sorted(p for p in RECIPES_DIR.rglob("*.yaml") if "accelerate" not in p.relative_to(RECIPES_DIR).parts)
+ACCELERATE_CONFIGS = sorted((RECIPES_DIR / "accelerate").glob("*.yaml"))
+
+
+def test_every_task_has_a_recipe():
+    assert sorted(p.stem for p in TASK_RECIPES) == sorted(TASKS)
+    assert available_recipes() == sorted(TASKS)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("path", TASK_RECIPES, ids=lambda p: p.stem)
+def test_recipe_loads_for_every_preset(path: Path, preset: str):
+    recipe = load_recipe([f"recipe={path.stem}", f"model={preset}"])
+    assert recipe.recipe == path.stem and recipe.task == path.stem and recipe.model == preset
+    assert recipe.probdiff.delta == -0.05 and -0.02 in recipe.probdiff.sweep and recipe.probdiff.n_revisions == 1
+    assert recipe.metric_for_best_model == "probdiff_confidence"
+    assert recipe.save_steps % recipe.eval_steps == 0
+    if preset == "tiny":
+        assert recipe.dtype == "float32" and recipe.bf16 is False and recipe.max_steps > 0
+        # enough evaluations for a curve: a baseline plus at least four checkpoints
+        assert recipe.max_steps // recipe.eval_steps >= 4 and recipe.callback.baseline
+    else:
+        assert recipe.dtype == "bfloat16" and recipe.bf16 and recipe.gradient_checkpointing
+        assert recipe.max_seq_length == 2048
+        assert recipe.lora.enabled and set(recipe.lora.target_modules) == {
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+@pytest.mark.parametrize("path", TASK_RECIPES, ids=lambda p: p.stem)
+def test_recipe_opens_with_purpose_and_launch_commands(path: Path):
+    head = path.read_text().split("\n\n")[0]
+    assert head.startswith("# ")
+    assert f"train/sft.py recipe={path.stem}" in head and "accelerate launch" in head
+    assert f"model=tiny" in head
+
+
+def test_alignbench_category_temperatures():
+    recipe = load_recipe(["recipe=alignbench"])
+    temps = recipe.probdiff.answer_temperature_by_category
+    assert sorted(temps) == sorted(["Professional", "Mathematics", "Fundamental", "Logical", "Writing", "Chinese", "Roleplay", "Open-ended"])
+    assert {k for k, v in temps.items() if v == 0.7} == {"Writing", "Roleplay", "Open-ended"}
+    assert {v for k, v in temps.items() if k not in ("Writing", "Roleplay", "Open-ended")} == {0.1}
+    assert recipe.probdiff.answer_temperature_for("Mathematics") == 0.1
+
+
+def test_translation_uses_the_translation_refinement_prompt():
+    assert load_recipe(["recipe=translation"]).probdiff.refinement_prompt == "rewriter-translation"
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_configs_load(path: Path):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    config = load_config_from_file(str(path))
+    assert path.read_text().startswith("# ") and "accelerate launch --config_file recipes/accelerate/" in path.read_text()
+    assert config.num_processes >= 1 and config.mixed_precision == "bf16"
+    if config.distributed_type == DistributedType.DEEPSPEED:
+        assert config.deepspeed_config["zero_stage"] in (2, 3)
+        if config.deepspeed_config["zero_stage"] == 3:
+            assert config.deepspeed_config["zero3_save_16bit_model"] is True
+    if config.num_machines > 1:
+        assert config.main_process_ip and config.main_process_port
+
+
+def test_accelerate_configs_cover_the_setups():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    kinds = set()
+    for path in ACCELERATE_CONFIGS:
+        config = load_config_from_file(str(path))
+        ds = config.deepspeed_config or {}
+        kinds.add((str(config.distributed_type), ds.get("zero_stage"), ds.get("offload_param_device"), config.num_machines > 1))
+    assert ("DistributedType.NO", None, None, False) in kinds
+    assert ("DistributedType.MULTI_GPU", None, None, False) in kinds
+    assert ("DistributedType.DEEPSPEED", 2, "none", False) in kinds
+    assert ("DistributedType.DEEPSPEED", 3, "none", False) in kinds
+    assert ("DistributedType.DEEPSPEED", 3, "cpu", False) in kinds
+    assert any(multi for *_, multi in kinds)
+
+
+# --- overrides and errors ----------------------------------------------------------------------------
+def test_overrides_nested_and_precedence():
+    recipe = load_recipe(["recipe=blog", "model=tiny", "lora.r=8", "probdiff.delta=-0.02", "callback.n_queries=3", "max_steps=7"])
+    assert recipe.lora.r == 8 and recipe.probdiff.delta == -0.02 and recipe.callback.n_queries == 3
+    assert recipe.max_steps == 7  # the command line beats presets.tiny
+    assert recipe.lora.alpha == 128  # presets.tiny beats the YAML body
+
+
+def test_unknown_key_names_it_and_lists_valid_keys():
+    with pytest.raises(RecipeError, match=r"unknown key 'learning_rat'.*Valid keys: .*learning_rate"):
+        load_recipe(["recipe=blog", "learning_rat=1e-4"])
+    with pytest.raises(RecipeError, match=r"unknown key 'lora.rank'. Valid keys in lora: enabled, r, alpha, dropout, target_modules"):
+        load_recipe(["recipe=blog", "lora.rank=8"])
+    with pytest.raises(RecipeError, match=r"unknown key 'probdiff.dleta'.*Valid keys in probdiff: delta"):
+        load_recipe(["recipe=blog", "probdiff.dleta=0"])
+
+
+def test_wrong_type_names_key_and_expected_type():
+    with pytest.raises(RecipeError, match=r"wrong type for 'learning_rate'.*'fast'.*expected float"):
+        load_recipe(["recipe=blog", "learning_rate=fast"])
+    with pytest.raises(RecipeError, match=r"wrong type for 'callback.n_queries'"):
+        load_recipe(["recipe=blog", "callback.n_queries=many"])
+
+
+def test_missing_and_misspelled_recipe_list_the_recipes():
+    for args in (["model=tiny"], ["recipe=blgo"]):
+        with pytest.raises(RecipeError) as info:
+            load_recipe(args)
+        assert all(name in str(info.value) for name in TASKS)
+
+
+def test_bad_values_in_a_recipe_file_name_the_file(tmp_path):
+    (tmp_path / "broken.yaml").write_text("task: blog\nlora:\n  rank: 8\n")
+    with pytest.raises(RecipeError, match=r"broken.yaml: unknown key 'lora.rank'"):
+        load_recipe(["recipe=broken"], directory=tmp_path)
+    (tmp_path / "badpreset.yaml").write_text("task: blog\npresets:\n  tiny:\n    lerning_rate: 1\n")
+    with pytest.raises(RecipeError, match=r"presets.tiny: unknown key 'lerning_rate'"):
+        load_recipe(["recipe=badpreset", "model=tiny"], directory=tmp_path)
+
+
+def test_cross_field_validation():
+    with pytest.raises(RecipeError, match="save_steps=30 must be a multiple of eval_steps=20"):
+        load_recipe(["recipe=blog", "eval_steps=20", "save_steps=30"])
+    with pytest.raises(RecipeError, match="quantization='8bit'"):
+        load_recipe(["recipe=blog", "quantization=8bit"])
+    with pytest.raises(RecipeError, match="needs lora.enabled=true"):
+        load_recipe(["recipe=blog", "quantization=4bit", "lora.enabled=false"])
+    with pytest.raises(RecipeError, match="not key=value"):
+        load_recipe(["recipe=blog", "model"])
+
+
+def test_qlora_needs_cuda_here():
+    import torch
+
+    recipe = load_recipe(["recipe=blog", "quantization=4bit"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RecipeError, match="needs an NVIDIA GPU with CUDA and the bitsandbytes package"):
+        quantization_config(recipe)
+
+
+# --- data ----------------------------------------------------------------------------------------
+def test_missing_prepared_data_falls_back_to_samples_with_a_notice(tmp_path):
+    recipe = load_recipe(["recipe=blog", f"train_file={tmp_path}/none.jsonl", f"heldout_file={tmp_path}/none2.jsonl"])
+    train, heldout, notices = data_files(recipe)
+    assert train.parts[-3:] == ("samples", "blog", "train.jsonl") and heldout.name == "heldout.jsonl"
+    assert len(notices) == 2 and "python data/prepare.py blog" in notices[0]
+
+
+def test_missing_alignbench_training_file_stops_with_a_message(tmp_path):
+    recipe = load_recipe(["recipe=alignbench", f"train_file={tmp_path}/mine.jsonl"])
+    with pytest.raises(RecipeError, match=r"AlignBench training data not found at .*mine.jsonl.*not public.*--train FILE"):
+        data_files(recipe)
+    tiny = load_recipe(["recipe=alignbench", "model=tiny", f"train_file={tmp_path}/mine.jsonl"])
+    train, _, notices = data_files(tiny)
+    assert train.parts[-3:] == ("samples", "alignbench", "train.jsonl") and "offline samples" in notices[0]
+
+
+# --- threads ----------------------------------------------------------------------------------------
+def test_threads_accelerate_default_is_replaced_user_value_kept():
+    import torch
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        launched = {"ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1"}
+        count, why = configure_threads(environ=launched, launcher_environ={"PATH": "/bin"})  # the user had none
+        assert count == cores and torch.get_num_threads() == cores and "cores" in why
+        torch.set_num_threads(1)
+        count, why = configure_threads(environ=launched, launcher_environ={"OMP_NUM_THREADS": "1"})  # the user's own
+        assert count == 1 and "set by the user" in why
+        count, _ = configure_threads(environ={**launched, "LOCAL_WORLD_SIZE": "2"}, launcher_environ={})
+        assert count == max(1, cores // 2)
+        count, why = configure_threads(threads=1, environ=launched)
+        assert count == 1 and torch.get_num_threads() == 1 and "recipe" in why
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- W&B and runs ----------------------------------------------------------------------------------
+def test_wandb_offline_when_not_logged_in(tmp_path, monkeypatch):
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not wandb_logged_in()
+    recipe = load_recipe(["recipe=blog"])
+    sync = setup_wandb(recipe, tmp_path / "run")
+    assert os.environ["WANDB_MODE"] == "offline" and os.environ["WANDB_PROJECT"] == "probdiff-blog"
+    assert sync == f"wandb sync {tmp_path / 'run' / 'wandb' / 'offline-run-*'}"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert wandb_logged_in()
+    monkeypatch.delenv("WANDB_MODE")
+    assert setup_wandb(load_recipe(["recipe=blog", "report_to=none"]), tmp_path / "run") is None
+    assert "WANDB_MODE" not in os.environ
+
+
+def test_run_name_is_stable_and_ignores_run_level_keys():
+    a = load_recipe(["recipe=blog", "model=tiny"])
+    b = load_recipe(["recipe=blog", "model=tiny", "report_to=none", "resume=true"])
+    c = load_recipe(["recipe=blog", "model=tiny", "learning_rate=1e-3"])
+    assert default_run_name(a) == default_run_name(b) != default_run_name(c)
+    assert default_run_name(a).startswith("tiny-")
+
+
+def test_resolve_run_resume_and_existing_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    recipe = load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}"])
+    assert resolve_run(recipe) == (run, None)
+    for step in (4, 12, 8):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    with pytest.raises(RecipeError, match="already has checkpoints .checkpoint-12.*resume=true"):
+        resolve_run(recipe)
+    assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "resume=true"])) == (run, str(run / "checkpoint-12"))
+    other = load_recipe(["recipe=blog", "model=tiny", f"resume={run / 'checkpoint-4'}"])
+    assert resolve_run(other) == (run, str(run / "checkpoint-4"))  # the checkpoint's own run goes on
+    with pytest.raises(RecipeError, match="not a training checkpoint"):
+        resolve_run(load_recipe(["recipe=blog", f"resume={tmp_path}"]))
+    assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "overwrite=true"])) == (run, None)
+
+
+def test_schema_defaults_validate():
+    assert Recipe().model == "qwen-14b-chat" and Recipe().probdiff.delta == -0.05
