@@ -22,7 +22,8 @@ Sources (the splits of the ProbDiff paper):
                  (rows `{document, summary}` or `{article, highlights}`); what DIR lacks comes from the hub.
   blog           The paper's Xiaohongshu set (469 train, 100 held-out): `redbook/train.json` (a JSON list of
                  `conversations`) and `redbook/test.json` (JSON lines `{user, assistant}`) from the paper's
-                 repository, or from `--source` (a URL prefix or a directory holding them, or its parent).
+                 repository, or from `--source` (a URL prefix or directory holding `redbook/`, or that folder).
+                 A URL --source for translation likewise holds `<pair>/train.json` and `<pair>/test.json`.
   alignbench     AlignBench's `data_release.jsonl` (683 questions, 8 categories) as held-out queries with
                  their reference answers. The paper's 10,245 GPT-4-generated training samples are not public:
                  pass your own conversations with `--train FILE` (rows with `messages` or `conversations`).
@@ -50,7 +51,7 @@ DEFAULT_OUT = REPO_ROOT / "data" / "processed"
 TASKS = ("translation", "summarization", "blog", "alignbench")
 
 PROBDIFF_RAW = "https://raw.githubusercontent.com/xiatingyu/ProbDiff/HEAD"
-BLOG_SOURCE = f"{PROBDIFF_RAW}/generation_task/data/redbook"
+BLOG_SOURCE = f"{PROBDIFF_RAW}/generation_task/data"  # + redbook/train.json, redbook/test.json
 ALIGNBENCH_SOURCE = "https://raw.githubusercontent.com/THUDM/AlignBench/HEAD/data/data_release.jsonl"
 
 # --- task constants (REFERENCE.md) ---------------------------------------------------------
@@ -114,7 +115,7 @@ def locate(source: str, relative: str, cache: Path, required: bool = True) -> Pa
     """`relative` (e.g. `redbook/train.json`) under a URL prefix or a directory; a directory may also be
     the file's own folder (`.../redbook`) or the file itself."""
     if is_url(source):
-        return fetch(f"{source.rstrip('/')}/{relative.split('/')[-1]}", cache)
+        return fetch(f"{source.rstrip('/')}/{relative}", cache)
     base = Path(source)
     name = relative.split("/")[-1]
     candidates = [base / relative, base / name] if base.is_dir() else [base]
@@ -285,14 +286,15 @@ def prepare_translation(source: str | None, seed: int, cache: Path) -> tuple[lis
                     prompt = next(m["content"] for m in messages if m["role"] == "user")
                     category = translation_category(prompt, pair, where)
                     train.append({"category": category, "messages": messages})
-            else:
+            else:  # plain pairs (e.g. a dump of the hub dataset): a seeded subset of n_train
                 pairs = translation_pairs(((f"{train_file}:{line}", r) for line, r in rows), pair)
-                train += split_directions(pairs, pair, TRANSLATION_TRAIN_PROMPT)
+                random.Random(f"{seed}-{pair}").shuffle(pairs)
+                train += split_directions(pairs[:n_train], pair, TRANSLATION_TRAIN_PROMPT)
         else:
             hub = hub_rows("wmt/wmt19", pair, "train", n_train, seed)
             train += split_directions(translation_pairs(((f"wmt/wmt19 {pair} train", r) for r in hub), pair), pair, TRANSLATION_TRAIN_PROMPT)
-        if test_file is not None:
-            pairs = translation_pairs(((f"{test_file}:{line}", r) for line, r in read_rows(test_file)), pair)
+        if test_file is not None:  # in file order, as the paper's code reads its test files
+            pairs = translation_pairs(((f"{test_file}:{line}", r) for line, r in read_rows(test_file)), pair)[:n_heldout]
         else:
             hub = hub_rows("wmt/wmt19", pair, "validation", n_heldout, seed)
             pairs = translation_pairs(((f"wmt/wmt19 {pair} validation", r) for r in hub), pair)

@@ -168,15 +168,40 @@ def is_zero3(accelerator) -> bool:
     return plugin is not None and plugin.zero_stage == 3
 
 
+def _has_activation_checkpointing_api(model) -> bool:
+    # transformers 5.x renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
+    return hasattr(model, "activation_checkpointing_enable")
+
+
+def activation_checkpointing_on(model) -> bool:
+    if _has_activation_checkpointing_api(model):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def set_activation_checkpointing(model, enabled: bool, args: TrainingArguments) -> None:
+    """Switch activation checkpointing; re-enabling uses the run's settings as the Trainer does."""
+    modern = _has_activation_checkpointing_api(model)
+    if not enabled:
+        (model.activation_checkpointing_disable if modern else model.gradient_checkpointing_disable)()
+        return
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if modern:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
 @contextlib.contextmanager
-def unwrapped_for_evaluation(model_wrapped, accelerator, gather_params: bool, gradient_checkpointing_kwargs: dict | None):
+def unwrapped_for_evaluation(model_wrapped, accelerator, gather_params: bool, args: TrainingArguments):
     """The bare model (PEFT wrapper included) ready for generate, as trl's
-    `unwrap_model_for_generation`: gradient checkpointing off, and under ZeRO-3 the
+    `unwrap_model_for_generation`: activation checkpointing off, and under ZeRO-3 the
     parameters gathered once for the whole evaluation unless `gather_params` is False."""
     unwrapped = accelerator.unwrap_model(model_wrapped)
-    checkpointing = bool(getattr(unwrapped, "is_gradient_checkpointing", False))
+    checkpointing = activation_checkpointing_on(unwrapped)
     if checkpointing:
-        unwrapped.gradient_checkpointing_disable()
+        set_activation_checkpointing(unwrapped, False, args)
     try:
         if is_zero3(accelerator) and gather_params:
             import deepspeed
@@ -192,7 +217,7 @@ def unwrapped_for_evaluation(model_wrapped, accelerator, gather_params: bool, gr
             yield unwrapped
     finally:
         if checkpointing:
-            unwrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+            set_activation_checkpointing(unwrapped, True, args)
 
 
 def _max_over_ranks(device: torch.device):
@@ -290,7 +315,9 @@ class ProbDiffCallback(TrainerCallback):
         kept: list[dict] = []
         if self._is_main():
             kept, dropped = history.continue_history(self._history_path, state.global_step)
-            if dropped:
+            if dropped and state.global_step == 0:
+                logger.warning(f"ProbDiff: a new run in {self._output_dir}: replacing the {dropped} rows of an earlier history")
+            elif dropped:
                 logger.warning(
                     f"ProbDiff: resumed at step {state.global_step}; dropped {dropped} history rows of later steps "
                     "(they are trained and evaluated again)"
@@ -404,7 +431,7 @@ class ProbDiffCallback(TrainerCallback):
         error = None
         try:
             with preserved_rng_state(), preserved_padding_side(self.tokenizer), unwrapped_for_evaluation(
-                trainer.model_wrapped, accelerator, self.options.gather_params, trainer.args.gradient_checkpointing_kwargs
+                trainer.model_wrapped, accelerator, self.options.gather_params, trainer.args
             ) as model:
                 adapters_off = model.disable_adapter() if base_model and hasattr(model, "disable_adapter") else contextlib.nullcontext()
                 with adapters_off:

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                "select": cmd_select, "plot": cmd_plot}[args.command]
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"probdiff {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -81,9 +81,6 @@ def neutral_generation_config(tokenizer, max_new_tokens: int):
         min_new_tokens=None,
         eos_token_id=stop_token_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
-        # [] rather than None: None would take the model's list (the sampler masks those ids itself)
-        suppress_tokens=[],
-        begin_suppress_tokens=[],
         bad_words_ids=None,
         sequence_bias=None,
     )

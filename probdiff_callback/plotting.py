@@ -27,7 +27,9 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
 
     run_dir = Path(run_dir)
     directory = history.probdiff_dir(run_dir, subdir)
-    rows = [r for r in history.read_history(directory / history.HISTORY_FILE) if r.get("summary") is not None]
+    all_rows = history.read_history(directory / history.HISTORY_FILE)
+    rows = [r for r in all_rows if r.get("summary") is not None]
+    failed_steps = [r["global_step"] for r in all_rows if r.get("summary") is None]
     if not rows:
         raise FileNotFoundError(f"{directory / history.HISTORY_FILE}: no successful evaluations to plot")
     out = Path(out) if out is not None else directory / "probdiff.png"
@@ -48,6 +50,8 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     baseline = [r for r in rows if r.get("kind") == "baseline"]
     for row in baseline:
         top.annotate("baseline", (row["global_step"], 100 * (row["summary"]["confidence"] or 0)), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    for index, step in enumerate(failed_steps):
+        top.axvline(step, color="tab:red", alpha=0.5, linestyle=":", label="failed evaluation" if index == 0 else None)
     top.set_ylabel("ProbDiff confidence (%)")
     top.set_ylim(-2, 102)
     top.grid(alpha=0.3)

@@ -69,38 +69,40 @@ def sample_tokens(
     candidates: int = 64,
 ) -> torch.Tensor:
     """Token ids [B] sampled from `logits` [B, V] with per-row temperature (<= 0: greedy) and top-p."""
-    # Full-vocabulary passes stay in fp32 (the cost); the candidates' probabilities are fp64.
-    logits = logits.float()
-    chosen = logits.argmax(dim=-1)
-    sampled_rows = (temperatures > 0).nonzero().squeeze(-1)
-    if sampled_rows.numel() == 0:
+    chosen = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy = temperatures <= 0
+    if greedy.any():
+        chosen[greedy] = logits[greedy].argmax(dim=-1)
+    rows = (~greedy).nonzero().squeeze(-1)
+    if rows.numel() == 0:
         return chosen
-    scaled = logits[sampled_rows] / temperatures[sampled_rows, None].float()
-    log_norm = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    top_p = top_ps[sampled_rows].double()
-    u = uniforms[sampled_rows]
+    sampled = logits if rows.numel() == logits.shape[0] else logits[rows]
+    # One fused softmax over the vocabulary (fp32); only the candidates go to fp64.
+    probs = torch.softmax(sampled.float() / temperatures[rows, None].float(), dim=-1)
+    top_p = top_ps[rows].double()
+    u = uniforms[rows]
 
     # Widen the candidate set only for rows that need it: when the candidates already hold
     # top_p of the mass, the nucleus lies inside them. Flat rows (an untrained model, top_p = 1)
     # end in a sort of the whole vocabulary.
-    result = torch.empty_like(sampled_rows)
-    pending = torch.ones_like(sampled_rows, dtype=torch.bool)
-    vocab = scaled.shape[-1]
+    result = torch.empty_like(rows)
+    pending = torch.arange(rows.numel(), device=logits.device)
+    vocab = probs.shape[-1]
     for k in (min(candidates, vocab), min(candidates * 64, vocab), vocab):
-        rows = pending.nonzero().squeeze(-1)
-        if rows.numel() == 0:
+        if pending.numel() == 0:
             break
+        subset = probs if pending.numel() == probs.shape[0] else probs[pending]
         if k == vocab:
-            top_values, top_ids = torch.sort(scaled[rows], dim=-1, descending=True)
+            top_probs, top_ids = torch.sort(subset, dim=-1, descending=True)
+            inside = torch.ones_like(pending, dtype=torch.bool)
         else:
-            top_values, top_ids = torch.topk(scaled[rows], k, dim=-1)
-        top_probs = torch.exp(top_values.double() - log_norm[rows].double())
-        inside = (top_probs.sum(-1) >= top_p[rows]) & (top_p[rows] < 1.0) if k < vocab else torch.ones_like(rows, dtype=torch.bool)
+            top_probs, top_ids = torch.topk(subset, k, dim=-1)
+            inside = (top_probs.double().sum(-1) >= top_p[pending]) & (top_p[pending] < 1.0)
         if inside.any():
-            pick = _pick_in_nucleus(top_probs[inside], top_p[rows][inside], u[rows][inside])
-            result[rows[inside]] = top_ids[inside].gather(1, pick[:, None]).squeeze(1)
-            pending[rows[inside]] = False
-    chosen[sampled_rows] = result
+            pick = _pick_in_nucleus(top_probs[inside].double(), top_p[pending][inside], u[pending][inside])
+            result[pending[inside]] = top_ids[inside].gather(1, pick[:, None]).squeeze(1)
+        pending = pending[~inside]
+    chosen[rows] = result
     return chosen
 
 
@@ -130,17 +132,15 @@ class ReproducibleSampler:
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         step = input_ids.shape[1] - self.prompt_length
-        logits = scores.detach().float().clone()
-        if self.n_valid_ids is not None and self.n_valid_ids < logits.shape[-1]:
-            logits[:, self.n_valid_ids :] = float("-inf")
-        device = logits.device
+        # generate hands processors a fresh fp32 copy of the logits: edit it in place.
+        if self.n_valid_ids is not None and self.n_valid_ids < scores.shape[-1]:
+            scores[:, self.n_valid_ids :] = float("-inf")
+        device = scores.device
         tokens = sample_tokens(
-            logits,
+            scores,
             self.temperatures.to(device),
             self.top_ps.to(device),
             counter_uniforms(self.seeds, step).to(device),
             self.candidates,
         )
-        only_chosen = torch.full_like(scores, float("-inf"))
-        only_chosen.scatter_(1, tokens[:, None], 0.0)
-        return only_chosen
+        return scores.fill_(float("-inf")).scatter_(1, tokens[:, None], 0.0)

@@ -169,7 +169,9 @@ def point_best(run_dir: str | os.PathLike, checkpoint: str, copy: bool = False) 
         shutil.copytree(checkpoint, staging, symlinks=True)
     else:
         os.symlink(os.path.relpath(Path(checkpoint).resolve(), Path(run_dir).resolve()), staging, target_is_directory=True)
-    if target.is_dir() and not target.is_symlink():
+    if target.is_symlink() and copy:
+        target.unlink()  # rename cannot put a directory over a symlink
+    elif target.is_dir() and not target.is_symlink():
         shutil.rmtree(target)
-    os.replace(staging, target)  # a symlink is swapped atomically
+    os.replace(staging, target)  # a symlink over a symlink is swapped atomically
     return target

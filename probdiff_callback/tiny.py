@@ -154,7 +154,6 @@ def build_tiny_model(files: list[Path], target: Path) -> None:
     model.generation_config = GenerationConfig(
         eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|im_start|>")],
         pad_token_id=tokenizer.pad_token_id,
-        suppress_tokens=list(range(len(tokenizer), TINY_ARCHITECTURE["vocab_size"])),
     )
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -63,7 +63,7 @@ def build_trainer(
     **training_args,
 ):
     """An SFTTrainer (LoRA by default) or a plain Trainer (full fine-tuning) on a fresh copy
-    of the tiny model: 128-token blog samples, batch 2, fp32 on CPU, no reporting."""
+    of the tiny model: 64-token blog samples, batch 2, fp32 on CPU, no reporting."""
     from peft import LoraConfig
 
     model, tokenizer = load_tiny(model_path)
@@ -88,7 +88,7 @@ def build_trainer(
         from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
         texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False) for row in chat_dataset(n_train_rows)]
-        encoded = [tokenizer(text, truncation=True, max_length=128) for text in texts]
+        encoded = [tokenizer(text, truncation=True, max_length=64) for text in texts]
         from datasets import Dataset
 
         dataset = Dataset.from_list([{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in encoded])
@@ -106,7 +106,7 @@ def build_trainer(
     dataset = chat_dataset(n_train_rows)
     return SFTTrainer(
         model=model,
-        args=SFTConfig(max_length=128, packing=False, dataset_num_proc=None, **settings),
+        args=SFTConfig(max_length=64, packing=False, dataset_num_proc=None, **settings),
         train_dataset=dataset,
         eval_dataset=dataset.select(range(2)),
         processing_class=tokenizer,

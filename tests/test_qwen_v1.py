@@ -168,7 +168,7 @@ def v1_reference_logits(sd: dict[str, torch.Tensor], input_ids: torch.Tensor, at
 
 
 # --- fixtures -----------------------------------------------------------------------------
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _private_cache(tmp_path_factory):
     """The converted-tokenizer cache goes to a throwaway directory, not the user's."""
     previous = os.environ.get("PROBDIFF_CACHE")
@@ -635,3 +635,29 @@ def test_streaming_peak_memory(tmp_path, fmt):
     growth = json.loads(result.stdout.strip().splitlines()[-1])["growth_bytes"]
     print(f"{fmt}: peak growth {growth / 2**20:.1f} MiB = {growth / shard_bytes:.2f}x a 12 MiB shard")
     assert growth < 2.5 * shard_bytes, f"peak grew {growth / shard_bytes:.2f}x one shard"
+
+
+# --- the project's one model loader and CLI go through this path ----------------------------
+def test_preset_qwen_14b_chat_resolves_to_the_v1_loader():
+    from probdiff_callback.models import is_qwen_v1, resolve_model_path
+
+    assert resolve_model_path("qwen-14b-chat") == "Qwen/Qwen-14B-Chat"
+    assert is_qwen_v1("Qwen/Qwen-14B-Chat")
+
+
+def test_model_loader_converts_a_v1_directory_in_memory(v1_dir, v1_sd, capsys):
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(v1_dir), dtype="float32", device="cpu")
+    assert "converting to Qwen2ForCausalLM in memory" in capsys.readouterr().out
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert _max_logit_gap(model, v1_sd) < 1e-5
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 151645
+
+
+def test_cli_convert_qwen(v1_dir, tmp_path, capsys):
+    from probdiff_callback.cli import main
+
+    assert main(["convert-qwen", str(v1_dir), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert main(["convert-qwen", str(v1_dir), str(tmp_path / "out")]) == 2, "refuses to overwrite a checkpoint"

@@ -1,0 +1,127 @@
+"""ProbDiffCallback on 2 processes (CPU, gloo): DDP and DeepSpeed ZeRO-3 + LoRA.
+
+Each launch runs tests/_distributed_eval.py once (2 LoRA steps with the callback, then the
+final weights evaluated again, and a failure injected on rank 1); the tests share the
+launches and compare what each rank saw with a single-process evaluation of the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _distributed_eval import N_QUERIES, held_out_queries, load_tiny, probdiff_config
+from probdiff_callback import history
+from probdiff_callback.callback import select_queries
+from probdiff_callback.evaluator import evaluate
+from probdiff_callback.io import read_jsonl
+
+SCRIPT = Path(__file__).with_name("_distributed_eval.py")
+LAUNCH_TIMEOUT_S = 420  # a hang (unequal collective calls) fails the test instead of blocking CI
+
+LAUNCHERS = {
+    # on CPU, --multi_gpu is what makes accelerate start 2 processes (DDP over gloo)
+    "ddp": ["--multi_gpu"],
+    "zero3": ["--use_deepspeed", "--zero_stage", "3"],
+}
+
+pytestmark = pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+
+
+def launch(mode: str, model_path: Path, out: Path) -> list[dict]:
+    command = [
+        "accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", *LAUNCHERS[mode], str(SCRIPT), "--mode", mode, "--model", str(model_path), "--out", str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(SCRIPT.parents[1])}
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{mode}: the 2-process run did not finish in {LAUNCH_TIMEOUT_S}s (a hang?)\n{(err.stderr or b'')[-4000:]}")
+    assert done.returncode == 0, f"{mode} launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    return out, launch("ddp", tiny_model_path, out)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tiny_model_path, tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("zero3")
+    return out, launch("zero3", tiny_model_path, out)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    """Single-process evaluations: of the base model, and (per run directory) of its checkpoint-2 adapter."""
+    from peft import PeftModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the launched ranks; contention on 2 shared cores slows threaded ops badly
+    queries = select_queries(held_out_queries(), N_QUERIES, probdiff_config().seed)
+    cache = {}
+
+    def evaluate_weights(adapter: Path | None) -> list[dict]:
+        if adapter not in cache:
+            model, tokenizer = load_tiny(tiny_model_path)
+            if adapter is not None:
+                model = PeftModel.from_pretrained(model, str(adapter))
+            cache[adapter] = evaluate(model, tokenizer, queries, probdiff_config(), progress=False)
+        return cache[adapter]
+
+    yield evaluate_weights
+    torch.set_num_threads(threads)
+
+
+def assert_same_records(actual: list[dict], expected: list[dict]) -> None:
+    """Same texts, log-probs within float noise (batch composition differs between 1 and 2 ranks)."""
+    assert [r["id"] for r in actual] == [r["id"] for r in expected]
+    for a, e in zip(actual, expected):
+        assert (a["response"], a["revisions"]) == (e["response"], e["revisions"]), a["id"]
+        assert abs(a["logp_response"] - e["logp_response"]) < 1e-4, a["id"]
+        assert abs(a["logp_revised"] - e["logp_revised"]) < 1e-4, a["id"]
+
+
+def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None:
+    assert [seen["world_size"] for seen in ranks] == [2, 2]
+    for path in paths:
+        first, second = ranks[0][path], ranks[1][path]
+        assert first["error"] is None and second["error"] is None
+        assert len(first["records"]) == N_QUERIES  # the padding was dropped
+        assert first["records"] == second["records"] and first["summary"] == second["summary"]
+        assert_same_records(first["records"], reference(out / "run" / "checkpoint-2"))
+    # the metric handed to the Trainer was the same on both ranks at every evaluated step
+    assert ranks[0]["history_metrics"] == ranks[1]["history_metrics"]
+    assert sorted(ranks[0]["history_metrics"], key=int) == ["0", "2"]
+
+    rows = history.read_history(history.history_path(out / "run"))
+    assert [(r["global_step"], r["kind"], r["error"]) for r in rows] == [(0, "baseline", None), (2, "save", None)]
+    assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), reference(None))
+    assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), reference(out / "run" / "checkpoint-2"))
+    assert rows[1]["summary"]["confidence"] == ranks[0]["history_metrics"]["2"]["eval_probdiff_confidence"]
+
+    # a failure on rank 1 reached both ranks, and neither hung
+    for seen in ranks:
+        assert "rank 1" in seen["failed"]["error"] and "injected failure on rank 1" in seen["failed"]["error"]
+        assert seen["failed"]["records"] == []
+        assert seen["failed"]["metrics"]["eval_probdiff_confidence"] is None  # NaN, written as null
+
+
+def test_ddp_two_ranks_match_a_single_process(ddp_run, reference):
+    out, ranks = ddp_run
+    check_run(out, ranks, reference, ["gathered"])
+
+
+def test_zero3_lora_gathered_and_sharded_match_a_single_process(zero3_run, reference):
+    out, ranks = zero3_run
+    check_run(out, ranks, reference, ["gathered", "sharded"])

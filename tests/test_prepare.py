@@ -1,0 +1,215 @@
+"""data/prepare.py on small files in each real format (written here), on the paper's files when
+they are present, deterministic output, duplicate removal, and errors that name file and line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT.parent / "shared" / "data" / "probdiff-reference"
+SUMMARY_PROMPT_START = "I want you to act as a Summarization Writer.\n"
+
+spec = importlib.util.spec_from_file_location("prepare", ROOT / "data" / "prepare.py")
+prepare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prepare)
+
+
+def write_json_list(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, ensure_ascii=False, indent=2), encoding="utf-8")
+
+
+def write_json_lines(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def conversation(i: int, user: str, assistant: str) -> dict:
+    return {"id": i, "conversations": [{"from": "user", "value": user}, {"from": "assistant", "value": assistant}]}
+
+
+def check_rows(rows: list[dict], categories: set[str]) -> None:
+    assert len({r["id"] for r in rows}) == len(rows)
+    for row in rows:
+        assert row["category"] in categories
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+        assert all(isinstance(m["content"], str) and m["content"] for m in row["messages"])
+
+
+# --- blog: the paper's redbook files (train.json is a JSON list, test.json JSON lines) -------------------
+def blog_source(root: Path) -> Path:
+    write_json_list(root / "redbook" / "train.json", [conversation(i, f"写一篇小红书文案 {i}", f"标题：第{i}篇 ✨") for i in range(5)]
+                    + [conversation(5, "held-out prompt 1", "a copy of a held-out prompt is removed")])
+    write_json_lines(root / "redbook" / "test.json", [{"user": f"held-out prompt {i}", "assistant": f"答 {i}"} for i in range(3)])
+    return root
+
+
+def test_blog_formats_duplicates_and_determinism(tmp_path):
+    source = blog_source(tmp_path / "src")
+    counts = prepare.prepare("blog", str(source), tmp_path / "out")
+    train, heldout = read(tmp_path / "out/blog/train.jsonl"), read(tmp_path / "out/blog/heldout.jsonl")
+    assert (counts["train"], counts["heldout"], counts["train_in_heldout"]) == (5, 3, 1)
+    check_rows(train + heldout, {"blog"})
+    assert train[0]["messages"][0] == {"role": "user", "content": "写一篇小红书文案 0"}
+    assert heldout[2]["messages"][1]["content"] == "答 2"
+    first = (tmp_path / "out/blog/train.jsonl").read_bytes()
+    prepare.prepare("blog", str(source / "redbook"), tmp_path / "out")  # the task folder itself works too
+    assert (tmp_path / "out/blog/train.jsonl").read_bytes() == first
+
+
+# --- translation: the paper's per-pair files -------------------------------------------------------------
+def test_translation_directions_and_prompts(tmp_path):
+    src = tmp_path / "src"
+    for pair, lang in (("cs-en", "Czech"), ("de-en", "German"), ("ru-en", "Russian"), ("zh-en", "Chinese")):
+        other = pair[:2]
+        write_json_list(src / pair / "train.json", [
+            conversation(0, f"Translate the sentence into English.\n{other} sentence", "English sentence"),
+            conversation(1, f"Translate the sentence into {lang}.\nAnother English sentence", f"{other} text"),
+        ])
+        write_json_lines(src / pair / "test.json", [{other: f"{other} test {i}", "en": f"en test {i}"} for i in range(4)])
+    counts = prepare.prepare("translation", str(src), tmp_path / "out")
+    assert counts["train_by_category"] == {c: 1 for c in ("cs-en", "en-cs", "de-en", "en-de", "ru-en", "en-ru", "zh-en", "en-zh")}
+    assert counts["heldout_by_category"] == {c: 2 for c in counts["train_by_category"]}
+    heldout = read(tmp_path / "out/translation/heldout.jsonl")
+    check_rows(heldout, set(counts["train_by_category"]))
+    zh = [r for r in heldout if r["category"] in ("zh-en", "en-zh")]
+    # first half into English, second half out of it, with the reference test prompt
+    assert zh[0]["messages"] == [{"role": "user", "content": "Translate the sentence into English:\nzh test 0"},
+                                 {"role": "assistant", "content": "en test 0"}]
+    assert zh[-1]["messages"] == [{"role": "user", "content": "Translate the sentence into Chinese:\nen test 3"},
+                                  {"role": "assistant", "content": "zh test 3"}]
+
+
+def test_translation_wrong_language_names_file_and_line(tmp_path):
+    src = tmp_path / "src"
+    # cs-en is read first, so the error comes before any other pair is looked for
+    write_json_list(src / "cs-en" / "train.json", [conversation(0, "Translate the sentence into English.\nx", "y"),
+                                                   conversation(1, "Translate the sentence into German.\nx", "y")])
+    with pytest.raises(prepare.DataFileError, match=r"cs-en/train.json:15: prompt asks for German, but this is the cs-en pair"):
+        prepare.prepare_translation(str(src), 0, tmp_path)
+
+
+# --- summarization: XSum {document, summary} and CNN/DM {article, highlights} ---------------------------
+def test_summarization_formats_and_seeded_subsets(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    write_json_lines(src / "xsum" / "train.jsonl", [{"document": f"doc {i}", "summary": f"sum {i}", "id": str(i)} for i in range(8)])
+    write_json_lines(src / "xsum" / "test.json", [{"document": f"test doc {i}", "summary": f"test sum {i}", "id": str(i)} for i in range(3)])
+    write_json_list(src / "cnn_dm" / "train.json", [{"article": f"article {i}", "highlights": f"hl {i}", "id": str(i)} for i in range(4)])
+    write_json_lines(src / "cnn_dm" / "test.jsonl", [{"article": "test article", "highlights": "hl"}])
+    monkeypatch.setattr(prepare, "SUMMARIZATION_SIZES", (5, 2))
+    prepare.prepare("summarization", str(src), tmp_path / "a", seed=1)
+    prepare.prepare("summarization", str(src), tmp_path / "b", seed=1)
+    prepare.prepare("summarization", str(src), tmp_path / "c", seed=2)
+    a = read(tmp_path / "a/summarization/train.jsonl")
+    assert a == read(tmp_path / "b/summarization/train.jsonl")
+    assert a != read(tmp_path / "c/summarization/train.jsonl")
+    assert [r["category"] for r in a].count("xsum") == 5 and [r["category"] for r in a].count("cnn_dm") == 4
+    check_rows(a, {"xsum", "cnn_dm"})
+    assert a[0]["messages"][0]["content"].startswith(SUMMARY_PROMPT_START) and a[0]["messages"][0]["content"].endswith("\nYour answer: ")
+    heldout = read(tmp_path / "a/summarization/heldout.jsonl")
+    assert len(heldout) == 3 and {r["category"] for r in heldout} == {"xsum", "cnn_dm"}
+
+
+def test_bad_row_stops_with_file_and_line(tmp_path):
+    src = tmp_path / "src"
+    write_json_lines(src / "xsum" / "train.json", [{"document": "d", "summary": "s"}, {"document": "d2"}])
+    write_json_lines(src / "xsum" / "test.json", [{"document": "d", "summary": "s"}])
+    result = subprocess.run([sys.executable, str(ROOT / "data/prepare.py"), "summarization", "--source", str(src), "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"{src / 'xsum' / 'train.json'}:2: missing or empty `summary`" in result.stderr
+    (src / "redbook").mkdir()
+    (src / "redbook" / "train.json").write_text('{"conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]}\n{"broken": \n')
+    (src / "redbook" / "test.json").write_text('{"user": "q2", "assistant": "a2"}\n')
+    with pytest.raises(prepare.DataFileError, match=r"redbook/train.json:2: not valid JSON"):
+        prepare.prepare("blog", str(src), tmp_path / "o")
+
+
+# --- alignbench: the release file; training data supplied by the user -----------------------------------
+def test_alignbench_categories_reference_and_user_training_file(tmp_path):
+    release = tmp_path / "data_release.jsonl"
+    write_json_lines(release, [
+        {"question_id": 1, "category": "专业能力", "subcategory": "音乐", "question": "问题一", "reference": "参考一\n"},
+        {"question_id": 2, "category": "角色扮演", "subcategory": "x", "question": "问题二", "reference": "参考二"},
+    ])
+    mine = tmp_path / "mine.jsonl"
+    write_json_lines(mine, [{"messages": [{"role": "user", "content": "训练问题"}, {"role": "assistant", "content": "回答"}], "category": "文本写作"},
+                            {"conversations": [{"from": "human", "value": "问题一"}, {"from": "gpt", "value": "与评测题重复"}]}])
+    counts = prepare.prepare("alignbench", str(release), tmp_path / "out", train_file=str(mine))
+    heldout = read(tmp_path / "out/alignbench/heldout.jsonl")
+    assert [(r["id"], r["category"], r["reference"]) for r in heldout] == [("alignbench-1", "Professional", "参考一"), ("alignbench-2", "Roleplay", "参考二")]
+    assert heldout[0]["messages"][1]["content"] == heldout[0]["reference"]
+    assert counts["train"] == 1 and counts["train_in_heldout"] == 1
+    assert read(tmp_path / "out/alignbench/train.jsonl")[0]["category"] == "Writing"
+    # without a training file only the held-out set is written, and a stale train.jsonl is removed
+    prepare.prepare("alignbench", str(release), tmp_path / "out")
+    assert not (tmp_path / "out/alignbench/train.jsonl").exists()
+
+
+def test_unknown_alignbench_category(tmp_path):
+    release = tmp_path / "data_release.jsonl"
+    write_json_lines(release, [{"question_id": 1, "category": "其他", "question": "q", "reference": "r"}])
+    with pytest.raises(prepare.DataFileError, match=r"data_release.jsonl:1: unknown category '其他'"):
+        prepare.prepare("alignbench", str(release), tmp_path / "out")
+
+
+# --- the paper's own files, when this checkout sits beside them -------------------------------------------
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason="../shared/data/probdiff-reference is not present")
+def test_reference_files(tmp_path):
+    out = tmp_path / "out"
+    counts = prepare.prepare("blog", str(REFERENCE), out)
+    assert (counts["train"] + counts["train_in_heldout"] + counts["train_repeats"], counts["heldout"]) == (469, 100)
+    counts = prepare.prepare("alignbench", str(REFERENCE), out)
+    assert counts["heldout"] == 683
+    assert set(counts["heldout_by_category"]) == {"Professional", "Mathematics", "Fundamental", "Logical", "Writing", "Chinese", "Roleplay", "Open-ended"}
+    counts = prepare.prepare("translation", str(REFERENCE), out)
+    assert counts["heldout"] == 4000 and set(counts["heldout_by_category"].values()) == {500}
+    assert counts["train"] + counts["train_in_heldout"] + counts["train_repeats"] == 20000
+    rows = prepare.summarization_rows(((f"xsum:{line}", row) for line, row in prepare.read_rows(REFERENCE / "xsum" / "test.json")), "xsum")
+    assert len(rows) == 1000 and rows[0]["messages"][0]["content"].startswith(SUMMARY_PROMPT_START)
+
+
+# --- the hub path (datasets' streaming loader replaced by a stand-in: no network here) --------------------
+def test_hub_sources_ids_splits_and_fields(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_hub_rows(hub_id, config, split, n, seed):
+        calls.append((hub_id, config, split, n))
+        if hub_id == "wmt/wmt19":
+            other = config.split("-")[0]
+            return [{"translation": {other: f"{other} {split} {i}", "en": f"en {split} {i}"}} for i in range(4)]
+        if hub_id == "EdinburghNLP/xsum":
+            return [{"document": f"bbc {split} {i}", "summary": f"one line {i}", "id": str(i)} for i in range(3)]
+        return [{"article": f"cnn {split} {i}", "highlights": f"hl {i}", "id": str(i)} for i in range(3)]
+
+    monkeypatch.setattr(prepare, "hub_rows", fake_hub_rows)
+    counts = prepare.prepare("translation", None, tmp_path)
+    assert sorted(c for c in calls if c[0] == "wmt/wmt19") == sorted(
+        [("wmt/wmt19", pair, "train", 5000) for pair in prepare.WMT19_PAIRS] + [("wmt/wmt19", pair, "validation", 1000) for pair in prepare.WMT19_PAIRS])
+    assert counts["train_by_category"]["de-en"] == 2 and counts["train_by_category"]["en-de"] == 2
+    train = read(tmp_path / "translation" / "train.jsonl")
+    assert train[0]["messages"][0]["content"] == "Translate the sentence into English.\ncs train 0"  # the reference training prompt
+    assert train[2]["messages"][0]["content"] == "Translate the sentence into Czech.\nen train 2"
+    calls.clear()
+    counts = prepare.prepare("summarization", None, tmp_path)
+    assert sorted(calls) == [("EdinburghNLP/xsum", None, "test", 1000), ("EdinburghNLP/xsum", None, "train", 5000),
+                             ("abisee/cnn_dailymail", "3.0.0", "test", 1000), ("abisee/cnn_dailymail", "3.0.0", "train", 5000)]
+    assert counts["train_by_category"] == {"xsum": 3, "cnn_dm": 3}
+    heldout = read(tmp_path / "summarization" / "heldout.jsonl")
+    assert heldout[-1]["messages"][1]["content"] == "hl 2" and "cnn test 2" in heldout[-1]["messages"][0]["content"]
+
+
+def test_hub_unreachable_says_how_to_work_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match=r"could not load EdinburghNLP/xsum \[train\].*pass a local copy with --source"):
+        prepare.hub_rows("EdinburghNLP/xsum", None, "train", 2, 0)

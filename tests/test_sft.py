@@ -1,0 +1,158 @@
+"""train/sft.py end to end with model=tiny for every recipe (a few steps, offline, report_to=none, in a
+temporary directory), resume, truncation accounting, and the entry point's error messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from probdiff_callback.recipe import TASKS, count_without_assistant_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+# A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
+CHEAP = ["model=tiny", "report_to=none", "max_steps=2", "eval_steps=1", "save_steps=1", "logging_steps=1",
+         "callback.n_queries=3", "probdiff.max_new_tokens=8", "max_eval_samples=2", "per_device_train_batch_size=2",
+         "per_device_eval_batch_size=2"]
+
+
+def run_sft(args: list[str], cwd: Path, launcher: str = "python", timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("OMP_NUM_THREADS", None)
+    if launcher == "accelerate":
+        command = [shutil.which("accelerate") or "accelerate", "launch", "--num_processes", "1", str(ROOT / "train/sft.py")]
+    else:
+        command = [sys.executable, str(ROOT / "train/sft.py")]
+    return subprocess.run(command + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def history_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "probdiff" / "history.jsonl").read_text().splitlines()]
+
+
+def assert_self_contained(directory: Path) -> None:
+    assert (directory / "adapter_config.json").is_file() and (directory / "adapter_model.safetensors").is_file()
+    assert (directory / "tokenizer_config.json").is_file() and (directory / "tokenizer.json").is_file()
+    template = directory / "chat_template.jinja"
+    has_template = template.is_file() or "chat_template" in json.loads((directory / "tokenizer_config.json").read_text())
+    assert has_template
+    stops = json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
+    assert 151645 in (stops if isinstance(stops, list) else [stops])  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def blog_run(tmp_path_factory, tiny_model_path):
+    cwd = tmp_path_factory.mktemp("blog")
+    result = run_sft(["recipe=blog", *CHEAP, "output_dir=runs/blog/test"], cwd, launcher="accelerate")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return cwd / "runs/blog/test", result
+
+
+def test_blog_end_to_end_through_accelerate_launch(blog_run):
+    run_dir, result = blog_run
+    out = result.stdout
+    rows = history_rows(run_dir)
+    assert [(r["global_step"], r["kind"]) for r in rows] == [(0, "baseline"), (1, "evaluate"), (2, "evaluate")]
+    assert all(r["summary"] is not None and r["summary"]["n"] == 3 and r["error"] is None for r in rows)
+    for step in (1, 2):
+        assert_self_contained(run_dir / f"checkpoint-{step}")
+        assert rows[step]["checkpoint"] is not None
+    assert_self_contained(run_dir / "final")
+    assert (run_dir / "best").is_symlink() and (run_dir / "best").resolve().name in ("checkpoint-1", "checkpoint-2")
+    assert (run_dir / "probdiff" / "probdiff.png").is_file()
+    # the resolved config is saved and loads back
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(run_dir / "recipe.yaml")
+    assert saved.model == "tiny" and saved.max_steps == 2 and saved.lora.r == 64
+    # threads: accelerate's injected OMP_NUM_THREADS=1 is replaced by the machine's cores
+    cores = len(os.sched_getaffinity(0))
+    assert f"{cores} CPU threads per process ({cores} cores / 1 local process)" in out
+    # the summary table: step, loss, confidence with interval, mean d, and where everything is
+    assert "step" in out and "eval loss" in out and "95% CI" in out and "mean d" in out
+    table = out[out.index("ProbDiff over training"):]
+    assert len([line for line in table.splitlines() if line.strip().startswith(("0 ", "1 ", "2 "))]) >= 3
+    assert "offline samples" in out and "Best checkpoint: step" in out and f"{run_dir.name}/best" in out
+
+
+def test_checkpoint_loads_for_probdiff_eval(blog_run):
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    run_dir, _ = blog_run
+    model, tokenizer = load_model_and_tokenizer("tiny", adapter=str(run_dir / "checkpoint-2"), dtype="float32", device="cpu")
+    assert type(model).__name__ == "PeftModelForCausalLM" and tokenizer.chat_template
+
+
+def test_resume_latest_checkpoint(blog_run):
+    run_dir, _ = blog_run
+    cwd = run_dir.parents[2]
+    again = run_sft(["recipe=blog", *CHEAP, "output_dir=runs/blog/test"], cwd)
+    assert again.returncode == 2 and "already has checkpoints" in again.stderr and "resume=true" in again.stderr
+    resumed = run_sft(["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], "max_steps=3",
+                       "output_dir=runs/blog/test", "resume=true"], cwd)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = history_rows(run_dir)
+    assert [r["global_step"] for r in rows] == [0, 1, 2, 3]  # the earlier rows kept, step 3 added
+    state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert_self_contained(run_dir / "checkpoint-3")
+
+
+def summarization_prompts_reaching(qwen_tokenizer, length: int) -> tuple[int, int]:
+    """(conversations whose prompt alone fills `length` tokens, all conversations) of the summarization samples,
+    counted from prompt lengths, independently of sft.py's assistant-mask count."""
+    train = [json.loads(line) for line in (ROOT / "data/samples/summarization/train.jsonl").read_text().splitlines()]
+    reaching = sum(
+        len(qwen_tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) >= length
+        for r in train
+    )
+    return reaching, len(train)
+
+
+# summarization runs with max_seq_length=300: some sample articles fill it before the summary starts
+EXTRA = {"translation": [], "summarization": ["max_seq_length=300"], "alignbench": []}
+
+
+@pytest.mark.parametrize("task", [t for t in TASKS if t != "blog"])
+def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenizer):
+    result = run_sft([f"recipe={task}", *CHEAP, "max_steps=1", "output_dir=run", *EXTRA[task]], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = history_rows(tmp_path / "run")
+    assert [r["global_step"] for r in rows] == [0, 1] and all(r["summary"] is not None for r in rows)
+    assert_self_contained(tmp_path / "run" / "checkpoint-1")
+    if task == "alignbench":
+        assert "data/samples/alignbench/train.jsonl" in result.stdout  # the tiny fallback says so
+    if task == "summarization":
+        # conversations that truncation leaves with no assistant token are counted and named, not dropped silently
+        reaching, total = summarization_prompts_reaching(qwen_tokenizer, 300)
+        assert 0 < reaching < total
+        assert f"warning: {reaching} of {total} training conversations keep no assistant token" in result.stdout
+    else:
+        assert f"training conversations: all" in result.stdout
+
+
+def test_truncation_leaving_no_assistant_token_is_counted(qwen_tokenizer):
+    long_prompt = "word " * 200
+    rows = [
+        {"id": "long", "messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "answer"}]},
+        {"id": "short", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "answer"}]},
+    ]
+    assert count_without_assistant_tokens(qwen_tokenizer, rows, max_length=100) == ["long"]
+    assert count_without_assistant_tokens(qwen_tokenizer, rows, max_length=4096) == []
+
+
+def test_entry_point_errors(tmp_path):
+    result = run_sft(["recipe=blog", "lerning_rate=1e-4"], tmp_path)
+    assert result.returncode == 2 and "unknown key 'lerning_rate'" in result.stderr and "learning_rate" in result.stderr
+    result = run_sft(["recipe=blog", "max_steps=ten"], tmp_path)
+    assert result.returncode == 2 and "wrong type for 'max_steps'" in result.stderr
+    result = run_sft(["recipe=nope"], tmp_path)
+    assert result.returncode == 2 and all(name in result.stderr for name in TASKS)
+    result = run_sft(["recipe=alignbench", f"train_file={tmp_path}/missing.jsonl", "report_to=none"], tmp_path)
+    assert result.returncode == 2 and "AlignBench training data not found" in result.stderr and "--train FILE" in result.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("checkpoint-*"))
