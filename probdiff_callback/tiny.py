@@ -21,7 +21,7 @@ import torch
 from probdiff_callback.cache import cache_dir, file_lock
 from probdiff_callback.tokenizer import load_qwen_tokenizer
 
-TINY_VERSION = "tiny-2"
+TINY_VERSION = "tiny-3"
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data" / "samples"
 TINY_ARCHITECTURE = dict(
     vocab_size=152064,  # as Qwen-14B-Chat: 213 padded rows past the 151,851 ids with text
