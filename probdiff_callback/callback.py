@@ -456,7 +456,10 @@ class ProbDiffCallback(TrainerCallback):
         records = records[: len(self.queries)] if error is None else []
         summary = None
         if error is None:
-            summary = summarize(records, self.config.delta, self.config.sweep, self.config.bootstrap_samples, self.config.seed)
+            try:  # deterministic on the gathered records: every rank fails alike or not at all
+                summary = summarize(records, self.config.delta, self.config.sweep, self.config.bootstrap_samples, self.config.seed)
+            except Exception:
+                error, records = f"summary: {traceback.format_exc()}", []
         return EvaluationOutcome(
             records=records,
             summary=summary,
@@ -481,7 +484,10 @@ class ProbDiffCallback(TrainerCallback):
         # (W&B, TensorBoard and log_history then get them at this step).
         self.trainer.log(dict(outcome.metrics))
         if self._is_main() and "wandb" in (self.trainer.args.report_to or []):
-            self._log_wandb(state.global_step, outcome)
+            try:
+                self._log_wandb(state.global_step, outcome)
+            except Exception:  # the scalars went through trainer.log; the extras are not worth the run
+                logger.exception(f"ProbDiff: logging the histogram and table of step {state.global_step} to W&B failed")
 
     def _log_wandb(self, step: int, outcome: EvaluationOutcome) -> None:
         import wandb

@@ -286,14 +286,18 @@ def report_to_list(recipe: Recipe) -> list[str]:
 
 
 # --- environment ----------------------------------------------------------------------------------
+LAUNCHERS = ("accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
 def _launcher_environment() -> dict[str, str] | None:
-    """The environment `accelerate launch` itself was started with (the user's), read from /proc: the
-    value accelerate hands its workers cannot tell a user's OMP_NUM_THREADS=1 from its own default."""
+    """The environment the launcher (`accelerate launch`, `torchrun`) itself was started with (the user's),
+    read from /proc: the value a launcher hands its workers cannot tell a user's OMP_NUM_THREADS=1 from the
+    launcher's own default."""
     pid = os.getppid()
-    for _ in range(4):  # worker <- (torch elastic agent, same process as) accelerate launch
+    for _ in range(4):  # worker <- (torch elastic agent, same process as) accelerate launch / torchrun
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if "accelerate" in cmdline:
+            if any(name in cmdline for name in LAUNCHERS):
                 raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
             status = Path(f"/proc/{pid}/status").read_text()
@@ -308,9 +312,9 @@ def _launcher_environment() -> dict[str, str] | None:
 def configure_threads(threads: int | None = None, environ: dict[str, str] | None = None, launcher_environ: dict[str, str] | None = None) -> tuple[int, str]:
     """Set torch's CPU thread count; returns (threads, why).
 
-    `accelerate launch` sets OMP_NUM_THREADS=1 in its workers when the user did not set it, which halves
-    CPU training speed. Unless the recipe (`threads=N`) or the user's own OMP_NUM_THREADS says otherwise,
-    the process gets the cores it may run on divided among the local processes.
+    `accelerate launch` (and `torchrun`) set OMP_NUM_THREADS=1 in their workers when the user did not set
+    it, which halves CPU training speed. Unless the recipe (`threads=N`) or the user's own OMP_NUM_THREADS
+    says otherwise, the process gets the cores it may run on divided among the local processes.
     """
     import torch
 
@@ -318,10 +322,11 @@ def configure_threads(threads: int | None = None, environ: dict[str, str] | None
     if threads is not None:
         torch.set_num_threads(threads)
         return threads, "threads= in the recipe"
-    under_accelerate = "ACCELERATE_DYNAMO_BACKEND" in environ  # set by every `accelerate launch` launcher
+    # set by every `accelerate launch` launcher / by torchrun's elastic agent
+    under_launcher = "ACCELERATE_DYNAMO_BACKEND" in environ or "TORCHELASTIC_RUN_ID" in environ
     user_value = environ.get("OMP_NUM_THREADS")
     if user_value is not None:
-        if under_accelerate:
+        if under_launcher:
             launcher = _launcher_environment() if launcher_environ is None else launcher_environ
             # Unknown launcher environment: accelerate's own default is "1", anything else came from the user.
             injected = ("OMP_NUM_THREADS" not in launcher) if launcher is not None else user_value == "1"

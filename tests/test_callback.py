@@ -6,6 +6,7 @@ import json
 import math
 import random
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,42 @@ def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, ti
     assert [r["global_step"] for r in history_rows(tmp_path / "evaluated")] == [0, 2, 3]
 
 
+def test_every_second_evaluation_and_the_last_step_at_the_end(tmp_path, tiny_model_path):
+    run = tmp_path / "run"
+    trainer = build_trainer(tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="no")
+    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, every=2)
+    trainer.train()
+    # evaluations at steps 1, 2, 3: the 2nd is evaluated, the 3rd because it is the last step
+    assert [(r["global_step"], r["kind"]) for r in history_rows(run)] == [(0, "baseline"), (2, "evaluate"), (3, "evaluate")]
+    assert sorted(probdiff_logs(trainer)) == [0, 2, 3]
+
+
+def test_the_last_step_is_evaluated_once_at_the_end(tmp_path, tiny_model_path):
+    run = tmp_path / "run"
+    # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
+    trainer = build_trainer(
+        tiny_model_path, run, max_steps=2, eval_strategy="epoch", save_strategy="no", metric_for_best_model="probdiff_confidence",
+    )
+    callback = ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, baseline=False)
+    trainer.train()
+    rows = history_rows(run)
+    assert [(r["global_step"], r["kind"]) for r in rows] == [(2, "end")]
+    assert sorted(probdiff_logs(trainer)) == [2]  # evaluated and logged once
+    # the Trainer's own evaluation at step 2 received the end-of-training result
+    assert trainer.state.best_metric == rows[0]["summary"]["confidence"]
+    assert sorted(callback.evaluated) == [2]
+
+
+def test_selecting_by_probdiff_refuses_skipped_evaluations(tmp_path, tiny_model_path):
+    trainer = build_trainer(
+        tiny_model_path, tmp_path / "run", max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="no",
+        metric_for_best_model="probdiff_confidence",
+    )
+    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, every=2)
+    with pytest.raises(ValueError, match="every=2"):
+        trainer.train()
+
+
 def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_model_path, monkeypatch):
     trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=1)
     callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(), n_queries=2)
@@ -334,8 +371,8 @@ def read_wandb_records(path: Path) -> list:
         _crc, length, kind = struct.unpack("<IHB", data[position : position + LEVELDB_HEADER])
         payload = data[position + LEVELDB_HEADER : position + LEVELDB_HEADER + length]
         position += LEVELDB_HEADER + length
-        if kind == 0 and length == 0:
-            break  # zeroed tail of the last block: the writer stopped here
+        if (kind == 0 and length == 0) or len(payload) < length:
+            break  # zeroed tail of the last block, or a record still being written
         if kind in (FULL, FIRST):
             pending = payload
         else:
@@ -380,6 +417,11 @@ def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step
         wandb.finish()
     files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1
+    # wandb-core writes the file in its own process and may still be flushing after finish() returns
+    deadline = time.monotonic() + 60
+    while "exit" not in (types := [r.WhichOneof("record_type") for r in read_wandb_records(files[0])]):
+        assert time.monotonic() < deadline, f"the run file was not finished: {types[-10:]}"
+        time.sleep(0.5)
     logged = wandb_history_rows(files[0])
     expected = {r["global_step"]: r["summary"] for r in history_rows(run)}
     assert sorted(expected) == [0, 2, 4]
@@ -387,8 +429,8 @@ def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step
     scalars = {row["train/global_step"]: row for row in logged if "eval/probdiff_confidence" in row}
     histograms = {row["train/global_step"]: row["eval/probdiff_d"] for row in logged if "eval/probdiff_d" in row}
     tables = [(row["train/global_step"], row["eval/probdiff_records"]) for row in logged if "eval/probdiff_records" in row]
-    assert sorted(scalars) == [0, 2, 4]
-    assert sorted(histograms) == [0, 2, 4]
+    assert sorted(scalars) == [0, 2, 4], [sorted(row) for row in logged]
+    assert sorted(histograms) == [0, 2, 4], [sorted(row) for row in logged]
     # one table that grows by wandb_table_rows records per evaluated step
     assert [(step, table["_type"], table["log_mode"], table["nrows"]) for step, table in tables] == [
         (0, "incremental-table-file", "INCREMENTAL", 3), (2, "incremental-table-file", "INCREMENTAL", 6),

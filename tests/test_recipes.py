@@ -58,7 +58,7 @@ def test_recipe_opens_with_purpose_and_launch_commands(path: Path):
     head = path.read_text().split("\n\n")[0]
     assert head.startswith("# ")
     assert f"train/sft.py recipe={path.stem}" in head and "accelerate launch" in head
-    assert f"model=tiny" in head
+    assert "model=tiny" in head
 
 
 def test_alignbench_category_temperatures():
@@ -199,6 +199,12 @@ def test_threads_accelerate_default_is_replaced_user_value_kept():
         assert count == 1 and "set by the user" in why
         count, _ = configure_threads(environ={**launched, "LOCAL_WORLD_SIZE": "2"}, launcher_environ={})
         assert count == max(1, cores // 2)
+        torchrun = {"TORCHELASTIC_RUN_ID": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
+        count, why = configure_threads(environ=torchrun, launcher_environ={"PATH": "/bin"})  # torchrun's default
+        assert count == max(1, cores // 2) and "2 local processes" in why
+        torch.set_num_threads(1)
+        count, why = configure_threads(environ={"OMP_NUM_THREADS": "1"})  # no launcher: the value is the user's
+        assert count == 1 and "set by the user" in why
         count, why = configure_threads(threads=1, environ=launched)
         assert count == 1 and torch.get_num_threads() == 1 and "recipe" in why
     finally:

@@ -7,7 +7,6 @@ import math
 import os
 from pathlib import Path
 
-import pytest
 
 from probdiff_callback import history
 from probdiff_callback.cli import main

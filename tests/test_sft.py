@@ -133,7 +133,7 @@ def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenize
         assert 0 < reaching < total
         assert f"warning: {reaching} of {total} training conversations keep no assistant token" in result.stdout
     else:
-        assert f"training conversations: all" in result.stdout
+        assert "training conversations: all" in result.stdout
 
 
 def test_truncation_leaving_no_assistant_token_is_counted(qwen_tokenizer):

@@ -156,6 +156,7 @@ def training_arguments(recipe: Recipe, run_dir: Path):
         push_to_hub=recipe.push_to_hub,
         hub_model_id=recipe.hub_model_id,
         use_cpu=not torch.cuda.is_available(),
+        ddp_find_unused_parameters=False,  # every trainable weight (adapters or all) gets a gradient each step
     )
 
 
@@ -305,7 +306,8 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     from probdiff_callback.plotting import plot_run
     from probdiff_callback.selection import format_selection, point_best, select_checkpoints
 
-    rows = [r for r in history.read_history(history.history_path(run_dir)) if r.get("summary") is not None]
+    subdir = recipe.callback.output_subdir
+    rows = [r for r in history.read_history(history.history_path(run_dir, subdir)) if r.get("summary") is not None]
     logs = trainer.state.log_history
 
     def last(key: str, step: int) -> str:
@@ -326,7 +328,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n"], table))
     best_dir = None
     try:
-        selection = select_checkpoints(run_dir)
+        selection = select_checkpoints(run_dir, subdir)
         print("\n" + format_selection(selection))
         if selection.best_checkpoint is not None:
             best_dir = point_best(run_dir, selection.best_checkpoint.checkpoint)
@@ -334,12 +336,12 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         print(f"no checkpoint selection: {err}")
     plot = None
     try:
-        plot = plot_run(run_dir)
+        plot = plot_run(run_dir, subdir=subdir)
     except FileNotFoundError as err:
         print(f"no plot: {err}")
     print(f"\ndone in {seconds / 60:.1f} min. Run directory {run_dir}:")
     print(f"  recipe as run        {run_dir / 'recipe.yaml'}")
-    print(f"  ProbDiff history     {history.history_path(run_dir)}")
+    print(f"  ProbDiff history     {history.history_path(run_dir, subdir)}")
     if plot is not None:
         print(f"  plot                 {plot}")
     print(f"  final weights        {final_dir}")
