@@ -42,11 +42,14 @@ def read_rows(path: str | os.PathLike) -> list[tuple[int, dict]]:
         decoder = json.JSONDecoder()
         # Recover each item's line for error messages without a second parser.
         position = text.index("[") + 1
+        line, counted_to = 1, 0
         for item in items:
             while text[position] in " \t\r\n,":
                 position += 1
             _, end = decoder.raw_decode(text, position)
-            rows.append((text.count("\n", 0, position) + 1, item))
+            line += text.count("\n", counted_to, position)
+            counted_to = position
+            rows.append((line, item))
             position = end
         return _check_objects(path, rows)
     rows = []
