@@ -4,7 +4,7 @@
     python train/sft.py recipe=blog model=tiny
 
 `recipe=NAME` reads recipes/NAME.yaml; `key=value` overrides any of its keys (nested with dots:
-`lora.r=8`, `probdiff.delta=-0.02`, `callback.n_queries=50`). See docs/training.md.
+`lora.r=8`, `probdiff.delta=-0.02`, `callback.n_queries=50`). See the README.
 """
 
 from __future__ import annotations
