@@ -34,7 +34,7 @@ from probdiff_callback import history
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.evaluator import evaluate
 from probdiff_callback.io import Query
-from probdiff_callback.metric import summarize
+from probdiff_callback.metric import delta_key, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def metrics_from_summary(summary: dict | None, sweep: Sequence[float], categorie
     if summary is None:
         summary = {"confidence": nan, "confidence_ci": [nan, nan], "d_mean": nan, "d_median": nan, "n_invalid": nan,
                    "logp_response_mean": nan, "logp_revised_mean": nan, "by_category": {},
-                   "confidence_sweep": {f"{d:g}" if d != 0 else "0": nan for d in sweep}}
+                   "confidence_sweep": {delta_key(d): nan for d in sweep}}
 
     def number(value) -> float:
         return nan if value is None else float(value)
@@ -128,8 +128,8 @@ def metrics_from_summary(summary: dict | None, sweep: Sequence[float], categorie
         metric_name("logp_revised"): number(summary["logp_revised_mean"]),
         metric_name("n_invalid"): number(summary["n_invalid"]),
     }
-    for delta_key, value in summary["confidence_sweep"].items():
-        metrics[metric_name(f"confidence_at_{delta_key}")] = number(value)
+    for key, value in summary["confidence_sweep"].items():
+        metrics[metric_name(f"confidence_at_{key}")] = number(value)
     for category in categories:
         metrics[metric_name(f"confidence_{category}")] = number(summary["by_category"].get(category, {}).get("confidence"))
     return metrics

@@ -32,10 +32,10 @@ def confidence(ds: Sequence[float], delta: float) -> float:
 
 
 def confidence_sweep(ds: Sequence[float], deltas: Iterable[float]) -> dict[str, float]:
-    return {_delta_key(delta): confidence(ds, delta) for delta in deltas}
+    return {delta_key(delta): confidence(ds, delta) for delta in deltas}
 
 
-def _delta_key(delta: float) -> str:
+def delta_key(delta: float) -> str:
     return f"{delta:g}" if delta != 0 else "0"
 
 
