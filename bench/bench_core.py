@@ -7,10 +7,16 @@
 2. Peak memory of scoring 8 sequences x 1,024 tokens with the 152k vocabulary: chunked
    LM head (ours) against a plain batched forward + fp32 log-softmax.
 
-Run: python bench/bench_core.py
+The machine this was written on shares its cores (timings of one command vary by
+10-30% between runs), so the two processes run alternately `--pairs` times and the
+ratio is taken of the medians.
+
+Run: python bench/bench_core.py [--pairs 3]
 """
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,18 +49,25 @@ def timed(command: list[str]) -> tuple[float, str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=3, help="alternating runs of each process [3]")
+    args = parser.parse_args()
     # build (or find) the tiny model first, outside the timings
     subprocess.run([sys.executable, "-c", "from probdiff_callback.tiny import tiny_model_dir; tiny_model_dir()"], cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         queries, source = queries_file(tmp)
         print(f"queries: {source}; max_new_tokens {MAX_NEW_TOKENS}, K = 1, model tiny (fp32, CPU)")
-        ours_s, _ = timed(["probdiff", "eval", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--queries", str(queries),
-                           "--limit", str(N_QUERIES), "--out", str(tmp / "ours"), f"max_new_tokens={MAX_NEW_TOKENS}", "batch_size=32"])
-        plain_s, _ = timed([sys.executable, "bench/_plain_loop.py", str(queries), str(MAX_NEW_TOKENS), str(tmp / "plain.json"), str(N_QUERIES)])
+        ours_runs, plain_runs = [], []
+        for _ in range(args.pairs):
+            ours_runs.append(timed(["probdiff", "eval", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--queries", str(queries),
+                                    "--limit", str(N_QUERIES), "--out", str(tmp / "ours"), f"max_new_tokens={MAX_NEW_TOKENS}", "batch_size=32"])[0])
+            plain_runs.append(timed([sys.executable, "bench/_plain_loop.py", str(queries), str(MAX_NEW_TOKENS), str(tmp / "plain.json"), str(N_QUERIES)])[0])
+        ours_s, plain_s = statistics.median(ours_runs), statistics.median(plain_runs)
         summary = json.loads((tmp / "ours" / "summary.json").read_text())
         plain = json.loads((tmp / "plain.json").read_text())
-        print(f"end to end   probdiff eval {ours_s:7.1f} s   plain per-query loop {plain_s:7.1f} s   speed-up {plain_s / ours_s:5.1f}x")
+        print(f"end to end   probdiff eval {ours_s:7.1f} s   plain per-query loop {plain_s:7.1f} s   speed-up {plain_s / ours_s:5.1f}x"
+              f"   (medians of {args.pairs}; ours {', '.join(f'{t:.1f}' for t in ours_runs)} s, plain {', '.join(f'{t:.1f}' for t in plain_runs)} s)")
         print(f"             (ours: n={summary['n']}, mean answer length {summary['len_response_mean']:.1f} tokens, "
               f"revision {summary['len_revised_mean']:.1f}; plain loop: n={plain['n']})")
 

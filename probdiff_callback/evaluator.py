@@ -16,10 +16,11 @@ import torch
 from tqdm.auto import tqdm
 
 from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.decoding import sample_continuations
 from probdiff_callback.io import Query
 from probdiff_callback.metric import discrepancy, is_confident
 from probdiff_callback.prompts import refinement_request, refinement_template
-from probdiff_callback.sampling import ReproducibleSampler, row_seed
+from probdiff_callback.sampling import row_seed
 from probdiff_callback.scoring import score_batch
 from probdiff_callback.tokenizer import stop_token_ids
 
@@ -67,27 +68,6 @@ def prepare_queries(tokenizer, queries: Sequence[Query], config: ProbDiffConfig)
     return prepared
 
 
-def neutral_generation_config(tokenizer, max_new_tokens: int):
-    """Greedy decoding with every other logits transform switched off: generate fills unset
-    fields from the model's own generation_config (Qwen's sets repetition_penalty 1.1)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(**GenerationConfig._get_default_generation_params())
-    config.update(
-        do_sample=False,
-        num_beams=1,
-        max_new_tokens=max_new_tokens,
-        max_length=None,
-        min_new_tokens=None,
-        eos_token_id=stop_token_ids(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bad_words_ids=None,
-        sequence_bias=None,
-    )
-    return config
-
-
-@torch.no_grad()
 def generate_texts(
     model,
     tokenizer,
@@ -98,30 +78,20 @@ def generate_texts(
     max_new_tokens: int,
     synced_gpus: bool = False,
 ) -> list[str]:
-    """One batched, left-padded `generate` call with the reproducible sampler."""
-    from transformers import LogitsProcessorList
-
-    device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[i, width - len(prompt) :] = 1
-    sampler = ReproducibleSampler(seeds, temperatures, top_ps, prompt_length=width, n_valid_ids=len(tokenizer))
-    output = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        generation_config=neutral_generation_config(tokenizer, max_new_tokens),
-        logits_processor=LogitsProcessorList([sampler]),
+    """One batch of sampled texts, special tokens stripped."""
+    generated = sample_continuations(
+        model,
+        prompts,
+        seeds,
+        temperatures,
+        top_ps,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_token_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        n_valid_ids=len(tokenizer),
         synced_gpus=synced_gpus,
     )
-    stops = set(stop_token_ids(tokenizer))
-    texts = []
-    for row in output[:, width:].tolist():
-        cut = next((i for i, token in enumerate(row) if token in stops), len(row))
-        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True).strip())
-    return texts
+    return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
 
 
 @contextlib.contextmanager

