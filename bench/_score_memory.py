@@ -1,7 +1,8 @@
 """Peak memory of scoring 8 sequences x 1,024 tokens with the 152k vocabulary, in this process.
 
-Usage: python bench/_score_memory.py {chunked|plain}
+Usage: python bench/_score_memory.py {chunked|plain|fp64}
 Prints one JSON line: the rise of peak RSS (VmHWM, reset after loading) during scoring.
+`fp64` is the accuracy reference (one sequence at a time, log-softmax in float64).
 """
 
 import json
@@ -31,8 +32,13 @@ before = status_kib("VmHWM")
 with torch.no_grad():
     if mode == "chunked":
         scores = [s for s, _ in score_batch(model, prompts, responses, tokenizer.pad_token_id, chunk_size=512)]
-    else:
+    elif mode == "plain":
         logp = torch.log_softmax(model(ids).logits.float(), dim=-1)
         scores = logp[:, 511:-1].gather(2, ids[:, 512:, None]).squeeze(-1).mean(-1).tolist()
+    else:
+        scores = []
+        for row in ids:
+            logp = torch.log_softmax(model(row[None]).logits[0].double(), dim=-1)
+            scores.append(logp[511:-1].gather(1, row[512:, None]).mean().item())
 peak = (status_kib("VmHWM") - before) * 1024
 print(json.dumps({"mode": mode, "peak_bytes": peak, "scores": scores}))

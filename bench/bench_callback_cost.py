@@ -10,7 +10,7 @@ no callback), then evaluates the trained weights as the callback does (its
     evaluating every N steps (plus the baseline) adds.
 
 An evaluation makes n_queries x n_samples x (1 + K) generations of at most
-max_new_tokens tokens (batched by batch_size) and 2 scoring forwards per batch.
+max_new_tokens tokens (batched by batch_size) and scores 2 texts per query, 16 per forward.
 
     python bench/bench_callback_cost.py [--steps 24] [--n-queries 12] [--max-new-tokens 64] [--every 8]
 """
@@ -54,6 +54,7 @@ def main() -> int:
     from probdiff_callback.config import ProbDiffConfig
     from probdiff_callback.io import load_queries, read_jsonl
     from probdiff_callback.models import load_model_and_tokenizer
+    from probdiff_callback.scoring import SCORE_ROWS_PER_FORWARD
 
     model, tokenizer = load_model_and_tokenizer("tiny", dtype="float32")
     model.train()
@@ -84,7 +85,9 @@ def main() -> int:
 
     n_queries = len(callback.queries)
     generations = n_queries * config.n_samples * (1 + config.n_revisions)
-    batches = math.ceil(n_queries * config.n_samples / config.batch_size)
+    chains = n_queries * config.n_samples
+    batches = math.ceil(chains / config.batch_size)
+    batch_sizes = [min(config.batch_size, chains - i * config.batch_size) for i in range(batches)]
     tokens = sum(r["n_tokens_response"] + r["n_tokens_revised"] for r in warm.records)
     per_step = train_seconds / args.steps
     evaluations = args.steps // args.every + 1  # every N steps, plus the baseline
@@ -99,8 +102,8 @@ def main() -> int:
         "n_queries": n_queries,
         "max_new_tokens": config.max_new_tokens,
         "generations_per_evaluation": generations,
-        "generate_calls": batches * (1 + config.n_revisions),
-        "scoring_forwards": 2 * batches,
+        "decoding_loops": batches * (1 + config.n_revisions),
+        "scoring_forwards": sum(math.ceil(2 * size / SCORE_ROWS_PER_FORWARD) for size in batch_sizes),
         "generated_tokens": tokens,
         "evaluation_seconds_first": round(first.seconds, 2),
         "evaluation_seconds": round(warm.seconds, 2),
@@ -112,7 +115,7 @@ def main() -> int:
     print(
         f"demo run: {args.steps} LoRA steps (batch {args.batch_size} x {args.max_length} tokens) in {train_seconds:.1f}s, {per_step:.2f}s/step\n"
         f"one evaluation: {n_queries} queries -> {generations} generations of <= {config.max_new_tokens} tokens "
-        f"({tokens} generated) in {figures['generate_calls']} generate calls + {figures['scoring_forwards']} scoring forwards: "
+        f"({tokens} generated) in {figures['decoding_loops']} decoding loops + {figures['scoring_forwards']} scoring forwards: "
         f"{warm.seconds:.1f}s warm ({first.seconds:.1f}s the first time) = {figures['evaluation_in_training_steps']} training steps\n"
         f"evaluating every {args.every} steps plus the baseline ({evaluations} evaluations): {evaluations * warm.seconds:.0f}s, "
         f"{100 * share:.1f}% of the run's time"

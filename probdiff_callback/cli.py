@@ -69,9 +69,9 @@ def _reuse_freed_memory() -> None:
     """Let glibc keep freed memory for reuse instead of returning it to the OS.
 
     By default large blocks (every [batch, 152k] logits tensor on CPU) are fresh mmap
-    pages that fault in on first touch, each decoding step again: measured, `probdiff
-    eval` on the tiny model spends 6.5-7.7 s evaluating by default and 4.9-5.7 s with
-    this (jemalloc/tcmalloc do the same; PyTorch's CPU tuning guide recommends them).
+    pages that fault in on first touch, each decoding step again: measured, evaluating 32
+    blog queries on the tiny model took 4.2-4.9 s by default and 3.4-3.9 s with this
+    (jemalloc/tcmalloc do the same; PyTorch's CPU tuning guide recommends them).
     The process keeps its peak memory until it exits.
     """
     if not sys.platform.startswith("linux"):
@@ -88,20 +88,25 @@ def _reuse_freed_memory() -> None:
         pass
 
 
+# Set by the console script: this process is ours, so process-wide settings may change.
+_own_process = False
+
+
 def _load(args):
-    """Model and tokenizer; the garbage collector, paused by `main` for the imports, is
-    re-enabled with everything loaded so far frozen out of its passes."""
+    """Model and tokenizer. In the console script the garbage collector, paused for the
+    imports, comes back on with everything loaded so far frozen out of its passes."""
     started = time.time()
     try:
         from probdiff_callback.models import default_device, load_model_and_tokenizer
 
         device = args.device or default_device()
-        if device == "cpu":  # on GPU runs the host memory of loading would stay with the process
+        if _own_process and device == "cpu":  # on GPU runs the host memory of loading would stay
             _reuse_freed_memory()
         model, tokenizer = load_model_and_tokenizer(args.model, adapter=args.adapter, dtype=args.dtype, device=device)
     finally:
-        gc.freeze()
-        gc.enable()
+        if _own_process:
+            gc.freeze()
+            gc.enable()
     print(f"Loaded {args.model}{' + ' + args.adapter if args.adapter else ''} in {time.time() - started:.1f}s", file=sys.stderr)
     return model, tokenizer
 
@@ -225,24 +230,40 @@ def cmd_plot(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; for programmatic use and tests (no process-wide settings change)."""
+    return _dispatch(build_parser().parse_args(argv))
+
+
+def entry_point() -> None:
+    """The `probdiff` console script: `main`, plus settings only a process of its own may change.
+
+    Importing torch + transformers and loading a model leaves ~400k tracked objects and no
+    garbage: the collector's full passes over them cost ~0.8 s while loading and ~1 s at
+    interpreter exit (measured), so it is paused while loading and everything is frozen
+    out of its passes at the end. On CPU, freed memory is kept for reuse (see
+    `_reuse_freed_memory`).
+    """
+    global _own_process
+    args = build_parser().parse_args()
+    _own_process = True
+    if args.command in ("eval", "score"):
+        gc.disable()  # `_load` turns it back on
+    try:
+        code = _dispatch(args)
+    finally:
+        gc.freeze()
+    sys.exit(code)
+
+
+def _dispatch(args) -> int:
     handler = {"eval": cmd_eval, "score": cmd_score, "compare": cmd_compare, "convert-qwen": cmd_convert,
                "select": cmd_select, "plot": cmd_plot}[args.command]
-    if args.command in ("eval", "score"):
-        # Importing torch + transformers and loading a model leaves ~400k tracked objects
-        # and no garbage; the collector's full passes over them cost ~0.8 s (measured).
-        # `_load` turns it back on.
-        gc.disable()
     try:
         return handler(args)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"probdiff {args.command}: error: {err}", file=sys.stderr)
         return 2
-    finally:
-        # The interpreter's last collections at exit walk every object left (~1 s after
-        # loading a model, measured); frozen objects are skipped. Memory goes back to the OS anyway.
-        gc.freeze()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry_point()

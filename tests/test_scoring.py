@@ -30,8 +30,8 @@ def test_chunked_batched_scores_equal_direct_computation(small_model):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (12, 3, 25, 1)]
-    for chunk in (4, 7, 512):
-        scores = score_batch(small_model, prompts, responses, pad_token_id=0, chunk_size=chunk)
+    for chunk, rows_per_forward in ((4, 16), (7, 2), (512, 1)):  # several forwards reorder the sequences by length
+        scores = score_batch(small_model, prompts, responses, pad_token_id=0, chunk_size=chunk, rows_per_forward=rows_per_forward)
         for (mean, n), p, r in zip(scores, prompts, responses):
             assert n == len(r)
             assert abs(mean - direct_mean_logprob(small_model, p, r)) < 1e-5
@@ -72,3 +72,22 @@ def test_response_is_tokenized_apart_from_the_prompt(tiny_model):
     [(mean, n)] = score_texts(model, tokenizer, [prompt], [response], config)
     assert n == len(apart)
     assert abs(mean - direct_mean_logprob(model, prompt, apart)) < 1e-5
+
+
+def test_log_probs_over_a_152k_vocabulary_match_fp64():
+    """fp32 log-sum-exp over 152,064 logits stays within 1e-5 of fp64."""
+    torch.manual_seed(3)
+    head = torch.nn.Linear(64, 152_064, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.6)
+    hidden = torch.randn(7, 64) * 0.6
+    targets = torch.tensor([0, 8191, 8192, 77_777, 152_063, 5, 16_384])  # tile edges, first and last id
+    with torch.no_grad():
+        exact = torch.log_softmax(head(hidden).double(), -1).gather(1, targets[:, None]).squeeze(1)
+        tiled = token_logprobs_chunked(hidden, targets, head, chunk_size=4)  # a plain Linear: by vocabulary tiles
+        handle = head.register_forward_hook(lambda *args: None)  # hooks (LoRA, ZeRO-3): the module's whole logits
+        try:
+            whole = token_logprobs_chunked(hidden, targets, head, chunk_size=4)
+        finally:
+            handle.remove()
+    assert (tiled.double() - exact).abs().max() < 1e-5
+    assert (whole.double() - exact).abs().max() < 1e-5
