@@ -7,7 +7,7 @@ callbacks do, the callback is built with the trainer:
     ProbDiffCallback.attach(trainer, queries, config)
 
 Distributed runs: every rank evaluates an equal share of the queries (padded so every
-rank makes the same number of `generate` and forward calls, which ZeRO-3 needs), the
+rank makes the same number of decoding and forward calls, which ZeRO-3 needs), the
 records are gathered in query order and every rank summarises the same records, so
 the metric handed to the Trainer is identical on all ranks.
 """
@@ -93,7 +93,7 @@ def select_queries(queries: Sequence[Query], n_queries: int | None, seed: int) -
 
 def pad_to_equal_shards(items: Sequence[Any], n_shards: int) -> list[list[Any]]:
     """Contiguous shards of equal length: the last item repeats as padding, so every rank
-    makes the same number of generate/forward calls. Concatenated shards start with `items`."""
+    makes the same number of decoding and forward calls. Concatenated shards start with `items`."""
     if not items:
         raise ValueError("nothing to shard")
     per_shard = math.ceil(len(items) / n_shards)

@@ -2,7 +2,7 @@
 
 `evaluate` works on whatever queries it is given, in batches; distributed callers give
 every rank the same number of queries so every rank makes the same number of
-`generate` and forward calls (ZeRO-3 with sharded parameters needs that).
+decoding and forward calls (ZeRO-3 with sharded parameters needs that).
 """
 
 from __future__ import annotations
