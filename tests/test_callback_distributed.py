@@ -56,7 +56,7 @@ def ddp_run(tiny_model_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero3_run(tiny_model_path, tmp_path_factory):
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     out = tmp_path_factory.mktemp("zero3")
     return out, launch("zero3", tiny_model_path, out)
 
