@@ -17,6 +17,7 @@ class Query:
     id: str
     text: str
     category: str | None = None
+    reference: str | None = None  # a reference answer, for reference metrics (BLEU, chrF, ROUGE)
 
 
 class DataFileError(ValueError):
@@ -86,6 +87,36 @@ def _first_user_turn(turns: object) -> str | None:
     return None
 
 
+def _first_assistant_reply(turns: object) -> str | None:
+    """The assistant turn answering the first user turn of a conversation, if any."""
+    if not isinstance(turns, list):
+        return None
+    seen_user = False
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None
+        role = turn.get("role", turn.get("from"))
+        if role in ("user", "human"):
+            if seen_user:
+                return None
+            seen_user = True
+        elif role in ("assistant", "gpt") and seen_user:
+            content = turn.get("content", turn.get("value"))
+            return content if isinstance(content, str) and content.strip() else None
+    return None
+
+
+def reference_text(row: dict) -> str | None:
+    """A row's reference answer: a string `reference`, else the assistant reply to the first user
+    turn of `conversations`/`messages` (the prepared held-out rows keep it there)."""
+    if isinstance(row.get("reference"), str) and row["reference"].strip():
+        return row["reference"]
+    for key in ("conversations", "messages"):
+        if key in row:
+            return _first_assistant_reply(row[key])
+    return None
+
+
 def query_text(row: dict) -> str | None:
     for key in QUERY_FIELDS:
         if isinstance(row.get(key), str):
@@ -105,7 +136,8 @@ def row_id(row: dict, index: int) -> str:
 
 def load_queries(path: str | os.PathLike) -> list[Query]:
     """Queries from `query`, `instruction`, `question`, `user`, or the first user turn of
-    `conversations`/`messages`/`turns`; `id`/`question_id` and `category` are optional."""
+    `conversations`/`messages`/`turns`; `id`/`question_id` and `category` are optional; a reference
+    answer from `reference` or the assistant's reply in `conversations`/`messages` (see `reference_text`)."""
     queries, seen = [], {}
     for index, (line, row) in enumerate(read_rows(path)):
         text = query_text(row)
@@ -119,7 +151,7 @@ def load_queries(path: str | os.PathLike) -> list[Query]:
             raise DataFileError(f"{path}:{line}: id {query_id!r} repeats line {seen[query_id]}; ids must be unique")
         seen[query_id] = line
         category = row.get("category")
-        queries.append(Query(query_id, text, None if category is None else str(category)))
+        queries.append(Query(query_id, text, None if category is None else str(category), reference_text(row)))
     return queries
 
 
