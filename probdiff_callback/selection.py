@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from probdiff_callback import history
+from probdiff_callback import history, versus_base
 from probdiff_callback.io import read_jsonl
 from probdiff_callback.metric import compare
 
@@ -31,6 +31,7 @@ class RankedStep:
     p_vs_best: float = math.nan  # Wilcoxon signed-rank on d against the best step, same query ids
     win: int = 0  # queries confident here and not at the best step
     lose: int = 0
+    vs_base: dict | None = None  # metric.compare against the baseline (win/tie/lose, Wilcoxon p); None for the baseline
 
 
 @dataclass
@@ -117,6 +118,10 @@ def select_checkpoints(run_dir: str | os.PathLike, subdir: str = history.DEFAULT
                 continue
             result = compare(mine, best_records, delta)
             step.p_vs_best, step.win, step.lose = result["wilcoxon_p"], result["win"], result["lose"]
+    if baseline is not None and records[baseline.global_step] is not None:
+        for step in steps:
+            if records[step.global_step] is not None:
+                step.vs_base = versus_base.compare_to_base(records[step.global_step], records[baseline.global_step], delta)
     best_checkpoint = next((s for s in steps if s.checkpoint is not None), None)
     return Selection(ranked=steps, baseline=baseline, best_checkpoint=best_checkpoint, failed_steps=failed, delta=delta)
 
@@ -126,8 +131,15 @@ def _pct(value: float) -> str:
 
 
 def format_selection(selection: Selection) -> str:
-    header = f"{'rank':>4}  {'step':>6}  {'confidence':>10}  {'95% CI':>15}  {'d mean':>8}  {'n':>4}  {'p vs best':>9}  {'win/lose':>8}  checkpoint"
-    lines = [f"ProbDiff confidence at delta {selection.delta:g} (ties by mean d); p: Wilcoxon signed-rank on d vs the best step, same queries", header]
+    header = (
+        f"{'rank':>4}  {'step':>6}  {'confidence':>10}  {'95% CI':>15}  {'d mean':>8}  {'n':>4}  {'p vs best':>9}  {'win/lose':>8}  "
+        f"{'vs base w/t/l':>13}  {'p vs base':>9}  checkpoint"
+    )
+    lines = [
+        f"ProbDiff confidence at delta {selection.delta:g} (ties by mean d); p: Wilcoxon signed-rank on d, same queries; "
+        "win/tie/lose: queries confident here and not there / both or neither / there and not here",
+        header,
+    ]
 
     def line(step: RankedStep, rank: str) -> str:
         low, high = step.confidence_ci
@@ -135,7 +147,8 @@ def format_selection(selection: Selection) -> str:
         win_lose = "-" if step.rank == 1 else f"{step.win}/{step.lose}"
         return (
             f"{rank:>4}  {step.global_step:>6}  {_pct(step.confidence):>10}  {'[' + _pct(low) + ', ' + _pct(high) + ']':>15}  "
-            f"{step.d_mean:>8.4f}  {step.n:>4}  {p:>9}  {win_lose:>8}  {step.checkpoint or '-'}"
+            f"{step.d_mean:>8.4f}  {step.n:>4}  {p:>9}  {win_lose:>8}  {versus_base.format_win_tie_lose(step.vs_base):>13}  "
+            f"{versus_base.format_p(step.vs_base):>9}  {step.checkpoint or '-'}"
         )
 
     for step in selection.ranked:
