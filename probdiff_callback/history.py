@@ -3,7 +3,9 @@
 A row: `global_step`, `epoch`, `kind` (baseline | evaluate | save | end), `base_model`
 (whether the adapters were disabled), `checkpoint` (path or null), `records` (path of the
 step's records, relative to the probdiff directory), `summary` (the core's summary, null on
-failure), `error` (null or the message), `seconds`.
+failure; with `reference` where the queries have reference metrics), `error` (null or the
+message), `seconds`, `vs_base` (`metric.compare` against the baseline row, null for the
+baseline itself) and, once the Trainer has computed it at that step, `eval_loss`.
 
 The file is small (one row per evaluation), so every change rewrites it whole through
 `write_atomic`: a reader (`probdiff select` on a run still training) never sees half a row.
@@ -59,6 +61,17 @@ def set_checkpoint(path: str | os.PathLike, step: int, checkpoint: str) -> dict 
     for row in rows:
         if row["global_step"] == step:
             row["checkpoint"] = checkpoint
+            write_history(path, rows)
+            return row
+    return None
+
+
+def update_row(path: str | os.PathLike, step: int, **fields) -> dict | None:
+    """Set `fields` on the row of `step`; the updated row, or None if the step was not evaluated."""
+    rows = read_history(path)
+    for row in rows:
+        if row["global_step"] == step:
+            row.update(fields)
             write_history(path, rows)
             return row
     return None

@@ -1,8 +1,10 @@
 """`probdiff plot RUN_DIR`: ProbDiff over training in one PNG, for runs without W&B.
 
-Top: confidence per evaluated step with its bootstrap interval (and one line per category
-when there are several). Bottom: the distribution of d at each evaluated step as violins,
-with the threshold delta.
+Top left: confidence per evaluated step with its bootstrap interval (and one line per category
+when there are several). Top right: the independent measures at the same steps: the reference
+metrics of the answers (BLEU/chrF, ROUGE) where the queries have them, and the eval loss on its own
+axis. Bottom: the distribution of d at each evaluated step as violins (the bar inside each is the
+median), with the threshold delta. A vertical line marks the best checkpoint on every panel.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from probdiff_callback import history
 from probdiff_callback.io import read_jsonl
+from probdiff_callback.reference_metrics import METRIC_LABELS
 
 
 def _finite(values) -> list[float]:
@@ -36,7 +39,11 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     steps = [r["global_step"] for r in rows]
     delta = rows[-1]["summary"]["delta"]
 
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), sharex=True, constrained_layout=True)
+    figure = plt.figure(figsize=(14, 8), constrained_layout=True)
+    grid = figure.add_gridspec(2, 2)
+    top = figure.add_subplot(grid[0, 0])
+    side = figure.add_subplot(grid[0, 1], sharex=top)
+    bottom = figure.add_subplot(grid[1, :], sharex=top)
     confidence = [100 * (r["summary"]["confidence"] if r["summary"]["confidence"] is not None else math.nan) for r in rows]
     low = [100 * (r["summary"]["confidence_ci"][0] if r["summary"]["confidence_ci"][0] is not None else math.nan) for r in rows]
     high = [100 * (r["summary"]["confidence_ci"][1] if r["summary"]["confidence_ci"][1] is not None else math.nan) for r in rows]
@@ -55,8 +62,12 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     top.set_ylabel("ProbDiff confidence (%)")
     top.set_ylim(-2, 102)
     top.grid(alpha=0.3)
+    best = _best_step(run_dir, subdir)
+    _mark_best(top, best, label=True)
     top.legend(fontsize=8, loc="best")
     top.set_title(f"ProbDiff over training: {run_dir.name}")
+    _plot_independent_measures(side, rows)
+    _mark_best(side, best, label=False)
 
     distributions, positions, invalid = [], [], []
     for row in rows:
@@ -71,9 +82,12 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
         violins = bottom.violinplot(distributions, positions=positions, widths=0.8 * spacing, showmedians=True, showextrema=False)
         for body in violins["bodies"]:
             body.set_alpha(0.5)
-        for position, ds in zip(positions, distributions):
-            bottom.scatter([position] * len(ds), ds, s=6, color="black", alpha=0.4, zorder=3)
+        violins["cmedians"].set_label("bar: median d of the step")
+        violins["bodies"][0].set_label("violin: distribution of d over the queries")
+        for index, (position, ds) in enumerate(zip(positions, distributions)):
+            bottom.scatter([position] * len(ds), ds, s=6, color="black", alpha=0.4, zorder=3, label="dot: one query" if index == 0 else None)
     bottom.axhline(delta, color="tab:red", linestyle="--", linewidth=1, label=f"delta = {delta:g}")
+    _mark_best(bottom, best, label=False)
     bottom.set_xlabel("global step")
     bottom.set_ylabel("d = log p(revision) − log p(answer)")
     if any(invalid):
@@ -84,6 +98,57 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     figure.savefig(out, dpi=110)
     plt.close(figure)
     return out
+
+
+def _best_step(run_dir: Path, subdir: str) -> tuple[int, str] | None:
+    """(step, label) of the best checkpoint as `probdiff select` ranks them, or of the best-ranked step
+    when none of the ranked steps has a checkpoint on disk."""
+    from probdiff_callback.selection import select_checkpoints
+
+    selection = select_checkpoints(run_dir, subdir)
+    if selection.best_checkpoint is not None:
+        return selection.best_checkpoint.global_step, f"best checkpoint (step {selection.best_checkpoint.global_step})"
+    if selection.ranked:
+        return selection.ranked[0].global_step, f"best step {selection.ranked[0].global_step} (no checkpoint on disk)"
+    return None
+
+
+def _mark_best(axis, best: tuple[int, str] | None, label: bool) -> None:
+    if best is not None:
+        axis.axvline(best[0], color="tab:green", linewidth=2, alpha=0.6, label=best[1] if label else None)
+
+
+def reference_series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """Overall reference metrics per step: {metric: (steps, values)}, in display order."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for name in METRIC_LABELS:
+        points = [(r["global_step"], (r["summary"].get("reference") or {}).get("overall", {}).get(name)) for r in rows]
+        points = [(step, value) for step, value in points if value is not None]
+        if points:
+            series[name] = ([step for step, _ in points], [value for _, value in points])
+    return series
+
+
+def _plot_independent_measures(axis, rows: list[dict]) -> None:
+    """Reference metrics (left axis) and the eval loss (right axis) at the evaluated steps."""
+    series = reference_series(rows)
+    for name, (steps, values) in series.items():
+        axis.plot(steps, values, "o-", linewidth=1.5, label=METRIC_LABELS[name])
+    axis.set_ylabel("reference metric of the answers (0-100)" if series else "")
+    losses = [(r["global_step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    handles, labels = axis.get_legend_handles_labels()
+    if losses:
+        loss_axis = axis.twinx()
+        loss_axis.plot([s for s, _ in losses], [v for _, v in losses], "s--", color="tab:gray", linewidth=1.5, label="eval loss")
+        loss_axis.set_ylabel("eval loss (held-out references)")
+        more_handles, more_labels = loss_axis.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    if not series and not losses:
+        axis.text(0.5, 0.5, "no reference metric or eval loss in the history", ha="center", va="center", transform=axis.transAxes)
+    axis.set_title("independent measures: reference metrics and eval loss", fontsize=10)
+    axis.grid(alpha=0.3)
+    if handles:
+        axis.legend(handles, labels, fontsize=8, loc="best")
 
 
 def _category_confidence(row: dict, category: str) -> float:

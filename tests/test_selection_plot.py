@@ -123,3 +123,53 @@ def test_plot_writes_one_png_with_confidence_and_distributions(tmp_path, capsys)
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     out = tmp_path / "elsewhere.png"
     assert main(["plot", str(run), "--out", str(out)]) == 0 and out.is_file()
+
+
+def test_select_shows_win_tie_lose_against_the_base_model(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_run(run, {0: POOR, 10: MIXED, 20: GOOD}, checkpoints=(10, 20))
+    selection = select_checkpoints(run)
+    by_step = {s.global_step: s for s in selection.ranked}
+    # POOR is confident on query 4 only; GOOD on all 8: 7 won, 1 tied. MIXED on 0, 2, 4, 5, 7: 4 won, 4 tied.
+    assert (by_step[20].vs_base["win"], by_step[20].vs_base["tie"], by_step[20].vs_base["lose"]) == (7, 1, 0)
+    assert (by_step[10].vs_base["win"], by_step[10].vs_base["tie"], by_step[10].vs_base["lose"]) == (4, 4, 0)
+    assert 0 < by_step[20].vs_base["wilcoxon_p"] < 1 and selection.baseline.vs_base is None
+    assert main(["select", str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert "vs base w/t/l" in printed and "p vs base" in printed
+    line_20 = next(line for line in printed.splitlines() if line.split()[:2] == ["1", "20"])
+    assert "7/1/0" in line_20
+
+
+def test_plot_marks_the_best_checkpoint_shows_the_eval_loss_and_reference_metrics_and_labels_the_violin_bar(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from probdiff_callback.plotting import plot_run
+
+    run = tmp_path / "run"
+    write_run(run, {0: POOR, 10: MIXED, 20: GOOD, 30: MIXED_HIGHER_D}, checkpoints=(10, 20, 30))
+    path = history.history_path(run)
+    for step, loss, bleu in ((0, 4.0, 1.0), (10, 3.5, 2.0), (20, 3.0, 4.0), (30, 3.2, 3.0)):
+        row = next(r for r in history.read_history(path) if r["global_step"] == step)
+        summary = dict(row["summary"], reference={"overall": {"bleu": bleu, "chrf": 10 * bleu}, "n_scored": {"bleu": 8, "chrf": 8},
+                                                  "by_category": {}})
+        history.update_row(path, step, eval_loss=loss, summary=summary)
+    captured = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def capture(self, *args, **kwargs):
+        captured["figure"] = self
+        return real_savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
+    plot_run(run)
+    figure = captured["figure"]
+    legends = [text.get_text() for axis in figure.axes if axis.get_legend() for text in axis.get_legend().get_texts()]
+    for label in ("best checkpoint (step 20)", "bar: median d of the step", "violin: distribution of d over the queries",
+                  "eval loss", "BLEU", "chrF"):
+        assert label in legends, legends
+    lines = {line.get_label(): line for axis in figure.axes for line in axis.get_lines()}
+    assert list(lines["eval loss"].get_ydata()) == [4.0, 3.5, 3.0, 3.2]
+    assert list(lines["BLEU"].get_xdata()) == [0, 10, 20, 30] and list(lines["chrF"].get_ydata()) == [10.0, 20.0, 40.0, 30.0]
+    best_lines = [line for axis in figure.axes for line in axis.get_lines() if list(line.get_xdata()) == [20, 20]]
+    assert len(best_lines) == 3  # confidence, the independent measures and the violins
