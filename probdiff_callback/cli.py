@@ -56,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
     plot.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
     plot.add_argument("--out", default=None, help="PNG path [RUN_DIR/probdiff/probdiff.png]")
+
+    check = commands.add_parser(
+        "crosscheck",
+        help="how far ProbDiff followed independent measures over a training run: reference metrics, eval loss, your judges' verdicts",
+    )
+    check.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
+    check.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
+    check.add_argument("--json", default=None, help="report path [RUN_DIR/probdiff/crosscheck.json]")
+    check.add_argument("--plot", default=None, help="scatter plot path [RUN_DIR/probdiff/crosscheck.png]")
+    check.add_argument("--verdicts", default=None,
+                       help='JSON lines of outside verdicts by query id: {"id", "winner": "A"|"B"|"tie"} (pairwise) or '
+                            '{"id", "revision": "better"|"worse"|"same"} (revision vs answer); see docs/agreement.md')
+    check.add_argument("--step", type=int, default=None, help="the step the verdicts judge (pairwise: A) [the last evaluated step]")
+    check.add_argument("--against", type=int, default=None, help="pairwise verdicts: step B [the baseline]")
     return parser
 
 
@@ -114,8 +128,12 @@ def _load(args):
 def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra: dict) -> dict:
     from probdiff_callback.io import write_json, write_jsonl
     from probdiff_callback.metric import summarize
+    from probdiff_callback.reference_metrics import summarize_references
 
     summary = summarize(records, config.delta, config.sweep, config.bootstrap_samples, config.seed)
+    reference = summarize_references(records)
+    if reference is not None:
+        summary["reference"] = reference
     summary["config"] = config.to_dict()
     summary.update(extra)
     write_jsonl(Path(out) / "records.jsonl", records)
@@ -140,20 +158,30 @@ def format_summary(summary: dict) -> str:
         lines.append("by category:")
         for name, cat in summary["by_category"].items():
             lines.append(f"  {name:<20} n={cat['n']:<4} confidence {pct(cat['confidence']):>6}  d_mean {cat['d_mean']:.4f}")
+    if summary.get("reference"):
+        from probdiff_callback.reference_metrics import format_reference
+
+        lines.append(format_reference(summary["reference"]))
     return "\n".join(lines)
 
 
 def cmd_eval(args) -> int:
     from probdiff_callback.evaluator import evaluate
     from probdiff_callback.io import load_queries
+    from probdiff_callback.reference_metrics import plan_references, score_records
 
     config = _config(args.overrides)
     queries = load_queries(args.queries)
     if args.limit is not None:
         queries = queries[: args.limit]
+    plan = plan_references(queries)
+    if plan.notice():
+        print(f"note: {plan.notice()}", file=sys.stderr)
     model, tokenizer = _load(args)
     started = time.time()
     records = evaluate(model, tokenizer, queries, config)
+    if plan.active:
+        records = score_records(records, queries)
     summary = _write_results(args.out, records, config, {"model": args.model, "adapter": args.adapter, "queries": args.queries, "seconds": round(time.time() - started, 2)})
     print(format_summary(summary))
     if summary["n_truncated"]:
@@ -229,6 +257,27 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_crosscheck(args) -> int:
+    from probdiff_callback.agreement import check_verdicts, crosscheck, format_crosscheck, load_run, plot_crosscheck
+    from probdiff_callback.history import probdiff_dir
+    from probdiff_callback.io import write_json
+
+    rows, records = load_run(args.run_dir, args.subdir)
+    report = crosscheck(rows, records)
+    verdict_text = None
+    if args.verdicts is not None:
+        report["verdicts"], verdict_text = check_verdicts(args.verdicts, rows, records, args.step, args.against)
+    print(format_crosscheck(report))
+    if verdict_text is not None:
+        print(verdict_text)
+    directory = probdiff_dir(args.run_dir, args.subdir)
+    json_path = Path(args.json) if args.json else directory / "crosscheck.json"
+    write_json(json_path, report)
+    plot_path = plot_crosscheck(report, args.plot or directory / "crosscheck.png")
+    print(f"wrote {json_path} and {plot_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; for programmatic use and tests (no process-wide settings change)."""
     return _dispatch(build_parser().parse_args(argv))
@@ -257,7 +306,7 @@ def entry_point() -> None:
 
 def _dispatch(args) -> int:
     handler = {"eval": cmd_eval, "score": cmd_score, "compare": cmd_compare, "convert-qwen": cmd_convert,
-               "select": cmd_select, "plot": cmd_plot}[args.command]
+               "select": cmd_select, "plot": cmd_plot, "crosscheck": cmd_crosscheck}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
