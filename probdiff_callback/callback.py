@@ -30,10 +30,10 @@ import torch
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback import history
+from probdiff_callback import history, reference_metrics, versus_base
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.io import Query
+from probdiff_callback.io import Query, read_jsonl
 from probdiff_callback.metric import delta_key, summarize
 
 logger = logging.getLogger(__name__)
@@ -276,7 +276,10 @@ class ProbDiffCallback(TrainerCallback):
             raise ValueError("ProbDiffCallback needs the chat tokenizer: give `tokenizer=` or build the trainer with processing_class")
         self.queries = select_queries(queries, self.options.n_queries, self.config.seed)
         self.categories = sorted({q.category for q in self.queries if q.category is not None})
+        self.reference_plan = reference_metrics.plan_references(self.queries)
         self.evaluated: dict[int, dict[str, float]] = {}  # global step -> its metrics
+        self._baseline_records: list[dict] | None = None
+        self._reference_notice_shown = False
         self.last_outcome: EvaluationOutcome | None = None
         self._triggers = 0
         self._wandb_table = None
@@ -312,9 +315,12 @@ class ProbDiffCallback(TrainerCallback):
         self._check_selection_setup(args)
         self._train_start_step = state.global_step
         self._triggers = 0
+        self._show_reference_notice()
         kept: list[dict] = []
+        baseline_records = None
         if self._is_main():
             kept, dropped = history.continue_history(self._history_path, state.global_step)
+            baseline_records = self._read_baseline_records(kept)
             if dropped and state.global_step == 0:
                 logger.warning(f"ProbDiff: a new run in {self._output_dir}: replacing the {dropped} rows of an earlier history")
             elif dropped:
@@ -322,8 +328,8 @@ class ProbDiffCallback(TrainerCallback):
                     f"ProbDiff: resumed at step {state.global_step}; dropped {dropped} history rows of later steps "
                     "(they are trained and evaluated again)"
                 )
-        kept = self._broadcast(kept)
-        self.evaluated = {row["global_step"]: metrics_from_summary(row["summary"], self.config.sweep, self.categories) for row in kept}
+        kept, self._baseline_records = self._broadcast((kept, baseline_records))
+        self.evaluated = {row["global_step"]: self._metrics(row["summary"], row.get("vs_base")) for row in kept}
         if self.options.baseline and state.global_step == 0 and 0 not in self.evaluated:
             self._run(state, kind="baseline", base_model=True)
             self._report_planned_cost(args, state)
@@ -356,6 +362,8 @@ class ProbDiffCallback(TrainerCallback):
                 return
             self._run(state, kind="evaluate")
         metrics.update(self.evaluated[step])
+        if self._is_main() and metrics.get("eval_loss") is not None:
+            history.update_row(self._history_path, step, eval_loss=float(metrics["eval_loss"]))
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
@@ -393,7 +401,7 @@ class ProbDiffCallback(TrainerCallback):
 
     def _check_selection_setup(self, args: TrainingArguments) -> None:
         metric = args.metric_for_best_model or ""
-        if metric.removeprefix("eval_").startswith("probdiff_") and args.eval_strategy != "no":
+        if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and args.eval_strategy != "no":
             if self.options.every != 1:
                 raise ValueError(
                     f"metric_for_best_model={metric!r} needs ProbDiff at every evaluation, but every={self.options.every}: "
@@ -404,6 +412,10 @@ class ProbDiffCallback(TrainerCallback):
     def _run(self, state: TrainerState, *, kind: str, base_model: bool = False, checkpoint: str | None = None) -> EvaluationOutcome:
         outcome = self.evaluate_model(base_model=base_model)
         step = state.global_step
+        if kind == "baseline" and outcome.error is None:
+            self._baseline_records = outcome.records
+        vs_base = None if kind == "baseline" else versus_base.compare_to_base(outcome.records, self._baseline_records, self.config.delta)
+        outcome.metrics = self._metrics(outcome.summary, vs_base)
         self.evaluated[step] = outcome.metrics
         self.last_outcome = outcome
         if kind == "baseline" or self._evaluation_seconds is None:
@@ -414,7 +426,7 @@ class ProbDiffCallback(TrainerCallback):
             logger.error(f"ProbDiff evaluation at step {step} failed; training goes on:\n{outcome.error}")
         self._log(state, outcome)
         if self._is_main():
-            self._persist(state, kind, base_model, checkpoint, outcome)
+            self._persist(state, kind, base_model, checkpoint, outcome, vs_base)
         if outcome.error is not None and self.options.fail_on_error:
             raise RuntimeError(f"ProbDiff evaluation at step {step} failed (fail_on_error=True):\n{outcome.error}")
         return outcome
@@ -457,7 +469,12 @@ class ProbDiffCallback(TrainerCallback):
         summary = None
         if error is None:
             try:  # deterministic on the gathered records: every rank fails alike or not at all
+                if self.reference_plan.active:
+                    records = reference_metrics.score_records(records, self.queries)
                 summary = summarize(records, self.config.delta, self.config.sweep, self.config.bootstrap_samples, self.config.seed)
+                reference = reference_metrics.summarize_references(records)
+                if reference is not None:
+                    summary["reference"] = reference
             except Exception:
                 error, records = f"summary: {traceback.format_exc()}", []
         return EvaluationOutcome(
@@ -465,8 +482,30 @@ class ProbDiffCallback(TrainerCallback):
             summary=summary,
             error=error,
             seconds=time.perf_counter() - started,
-            metrics=metrics_from_summary(summary, self.config.sweep, self.categories),
+            metrics=self._metrics(summary, None),
         )
+
+    def _metrics(self, summary: dict | None, vs_base: dict | None) -> dict[str, float]:
+        """Every metric of one evaluation for the Trainer: eval_probdiff_*, eval_ref_* (where the queries
+        have reference metrics) and eval_probdiff_vs_base_* (when the baseline is evaluated)."""
+        metrics = metrics_from_summary(summary, self.config.sweep, self.categories)
+        metrics.update(reference_metrics.trainer_metrics(None if summary is None else summary.get("reference"), self.reference_plan))
+        if self.options.baseline:
+            metrics.update(versus_base.trainer_metrics(vs_base))
+        return metrics
+
+    def _read_baseline_records(self, rows: Sequence[dict]) -> list[dict] | None:
+        row = next((r for r in rows if r.get("kind") == "baseline" and r.get("records")), None)
+        if row is None:
+            return None
+        path = history.probdiff_dir(self._output_dir, self.options.output_subdir) / row["records"]
+        return read_jsonl(path) if path.is_file() else None
+
+    def _show_reference_notice(self) -> None:
+        notice = self.reference_plan.notice()
+        if notice and not self._reference_notice_shown and self._is_main():
+            print(f"ProbDiff: {notice}", flush=True)
+        self._reference_notice_shown = True
 
     def _broadcast(self, value: Any) -> Any:
         accelerator = self.trainer.accelerator
@@ -510,7 +549,9 @@ class ProbDiffCallback(TrainerCallback):
         if len(payload) > 1:
             wandb.log(payload)
 
-    def _persist(self, state: TrainerState, kind: str, base_model: bool, checkpoint: str | None, outcome: EvaluationOutcome) -> None:
+    def _persist(
+        self, state: TrainerState, kind: str, base_model: bool, checkpoint: str | None, outcome: EvaluationOutcome, vs_base: dict | None
+    ) -> None:
         step = state.global_step
         records_path = history.step_records_path(self._output_dir, step, self.options.output_subdir)
         if outcome.error is None:
@@ -529,6 +570,7 @@ class ProbDiffCallback(TrainerCallback):
             "summary": outcome.summary,
             "error": outcome.error,
             "seconds": round(outcome.seconds, 3),
+            "vs_base": vs_base,
         }
         history.upsert_history_row(self._history_path, row)
         if checkpoint is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import struct
 import time
 from pathlib import Path
 
@@ -27,8 +26,10 @@ from probdiff_callback.callback import (
 )
 from probdiff_callback.evaluator import evaluate
 from probdiff_callback.io import Query, read_jsonl
-from probdiff_callback.metric import summarize
+from probdiff_callback.metric import compare, summarize
 from probdiff_callback.selection import select_checkpoints
+from probdiff_callback.wandb_files import history_row
+from probdiff_callback.wandb_files import read_records as read_wandb_records
 
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
 
@@ -144,6 +145,9 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     assert trainer.state.global_step == 4, "early stopping did not act on eval_probdiff_confidence"
     printed = capsys.readouterr().out
     assert "ProbDiff: one evaluation (5 queries" in printed and "of the training time" in printed
+    # AlignBench categories have no reference metric: said once, nothing logged for it
+    assert printed.count("ProbDiff: no reference metric for") == 1 and "Writing" in printed
+    assert not any(key.startswith("eval_ref_") for entry in trainer.state.log_history for key in entry)
 
     rows = history_rows(run)
     assert [r["global_step"] for r in rows] == [0, 2, 4]
@@ -160,6 +164,12 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
         assert row["checkpoint"] == str(run / f"checkpoint-{row['global_step']}")
         assert json.loads((run / f"checkpoint-{row['global_step']}" / "probdiff.json").read_text()) == row
     assert rows[0]["checkpoint"] is None
+    assert [r["vs_base"] is None for r in rows] == [True, False, False]
+    base_records = read_jsonl(run / "probdiff" / rows[0]["records"])
+    for row in rows[1:]:
+        expected = compare(read_jsonl(run / "probdiff" / row["records"]), base_records, config.delta)
+        assert row["vs_base"] == json.loads(json.dumps(expected))
+        assert row["eval_loss"] == next(e["eval_loss"] for e in trainer.state.log_history if e.get("step") == row["global_step"] and "eval_loss" in e)
 
     # The baseline is the base model: the adapters were disabled.
     model, tokenizer = tiny_model
@@ -182,6 +192,10 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
             assert entry[f"eval_probdiff_confidence_at_{key}"] == summary["confidence_sweep"][key]
         for category in categories:
             assert entry[f"eval_probdiff_confidence_{category}"] == summary["by_category"][category]["confidence"]
+        if row["vs_base"] is not None:
+            assert [entry[f"eval_probdiff_vs_base_{k}"] for k in ("win", "tie", "lose")] == [row["vs_base"][k] for k in ("win", "tie", "lose")]
+        else:
+            assert math.isnan(entry["eval_probdiff_vs_base_win"])
 
     # metric_for_best_model: the Trainer kept the first step with the highest confidence.
     trained = rows[1:]
@@ -349,56 +363,8 @@ def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_mod
 
 # ---- W&B ----
 
-LEVELDB_BLOCK = 32768
-LEVELDB_HEADER = 7
-WANDB_FILE_HEADER = 7
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
-
-
-def read_wandb_records(path: Path) -> list:
-    """The protobuf records of an offline `run-*.wandb` file: a 7-byte header, then a LevelDB
-    log (32 KiB blocks counted from the start of the file; records split across blocks)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
-    position, pending, records = WANDB_FILE_HEADER, b"", []
-    while position + LEVELDB_HEADER <= len(data):
-        left_in_block = LEVELDB_BLOCK - position % LEVELDB_BLOCK
-        if left_in_block < LEVELDB_HEADER:  # the block's tail is zero padding
-            position += left_in_block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[position : position + LEVELDB_HEADER])
-        payload = data[position + LEVELDB_HEADER : position + LEVELDB_HEADER + length]
-        position += LEVELDB_HEADER + length
-        if (kind == 0 and length == 0) or len(payload) < length:
-            break  # zeroed tail of the last block, or a record still being written
-        if kind in (FULL, FIRST):
-            pending = payload
-        else:
-            pending += payload
-        if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
-
-
 def wandb_history_rows(path: Path) -> list[dict]:
-    rows = []
-    for record in read_wandb_records(path):
-        if record.WhichOneof("record_type") != "history":
-            continue
-        row: dict = {}
-        for item in record.history.item:
-            # media (histograms, tables) arrive as one item per field under a nested key
-            path = [item.key] if item.key else list(item.nested_key)
-            node = row
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            node[path[-1]] = json.loads(item.value_json)
-        rows.append(row)
-    return rows
+    return [history_row(r) for r in read_wandb_records(path) if r.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step(tmp_path, tiny_model_path, monkeypatch):
