@@ -268,7 +268,7 @@ def validate(recipe: Recipe) -> None:
     if not 0.0 <= recipe.warmup_ratio < 1.0:
         problems.append(f"warmup_ratio={recipe.warmup_ratio}: a share of the steps, in [0, 1)")
     metric = recipe.metric_for_best_model.removeprefix("eval_")
-    if metric.startswith("probdiff_") and recipe.callback.every != 1:
+    if metric.startswith(("probdiff_", "ref_")) and recipe.callback.every != 1:
         problems.append(f"metric_for_best_model={recipe.metric_for_best_model} needs callback.every=1 (space evaluations with eval_steps)")
     reports = [r.strip() for r in recipe.report_to.split(",") if r.strip()]
     if not reports or ("none" in reports and len(reports) > 1):

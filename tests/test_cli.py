@@ -38,6 +38,27 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     for key in ("n_invalid", "n_truncated", "confidence_ci", "d_mean", "d_median", "d_std", "d_quantiles", "logp_response_mean",
                 "logp_revised_mean", "len_response_mean", "len_revised_mean", "length_changed_share"):
         assert key in summary
+    assert "reference" not in summary and all("ref" not in r for r in records)  # AlignBench has no reference metric
+
+
+def test_eval_scores_the_answers_against_the_references_when_the_queries_have_them(tiny_model_path, tmp_path, capsys):
+    import sacrebleu
+
+    out = tmp_path / "translation"
+    assert main(["eval", "--model", "tiny", "--device", "cpu", "--queries", "data/samples/translation/heldout.jsonl", "--out", str(out),
+                 "--limit", "6", "max_new_tokens=8"]) == 0
+    printed = capsys.readouterr().out
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(set(r["ref"]) == {"bleu", "chrf"} and r["reference"] for r in records)
+    first = records[0]
+    assert first["ref"]["chrf"] == pytest.approx(sacrebleu.sentence_chrf(first["response"], [first["reference"]]).score)
+    by_category = summary["reference"]["by_category"]
+    assert set(by_category) == {r["category"] for r in records}
+    cs_en = [r for r in records if r["category"] == "cs-en"]
+    expected = sacrebleu.corpus_bleu([r["response"] for r in cs_en], [[r["reference"] for r in cs_en]]).score
+    assert by_category["cs-en"]["bleu"] == pytest.approx(expected)
+    assert "reference metrics  BLEU" in printed and "chrF" in printed
 
 
 def test_score_reproduces_eval_scores(eval_dirs, tmp_path):

@@ -255,3 +255,10 @@ def test_resolve_run_resume_and_existing_checkpoints(tmp_path):
 
 def test_schema_defaults_validate():
     assert Recipe().model == "qwen-14b-chat" and Recipe().probdiff.delta == -0.05
+
+
+def test_selecting_by_a_reference_metric_needs_every_evaluation():
+    recipe = load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_chrf"])
+    assert recipe.metric_for_best_model == "ref_chrf"
+    with pytest.raises(RecipeError, match="metric_for_best_model=ref_bleu needs callback.every=1"):
+        load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_bleu", "callback.every=2"])

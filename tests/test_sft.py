@@ -127,6 +127,14 @@ def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenize
     assert_self_contained(tmp_path / "run" / "checkpoint-1")
     if task == "alignbench":
         assert "data/samples/alignbench/train.jsonl" in result.stdout  # the tiny fallback says so
+        assert "ProbDiff: no reference metric for" in result.stdout and all("reference" not in r["summary"] for r in rows)
+    else:  # reference metrics in the history and the summary table, and the cross-check line
+        names = {"translation": ["BLEU", "chrF"], "summarization": ["ROUGE-1", "ROUGE-2", "ROUGE-L"]}[task]
+        table = result.stdout[result.stdout.index("ProbDiff over training"):]
+        assert all(name in table.splitlines()[1] for name in names) and "vs base" in table
+        assert all(r["summary"]["reference"]["overall"] for r in rows)
+        assert rows[1]["vs_base"] is not None and rows[1]["eval_loss"] is not None
+    assert "Cross-check over 2 steps" in result.stdout
     if task == "summarization":
         # conversations that truncation leaves with no assistant token are counted and named, not dropped silently
         reaching, total = summarization_prompts_reaching(qwen_tokenizer, 300)

@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     # 5. Trainer with the ProbDiff callback
     trainer = build_trainer(recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries)
 
-    # 6. Train
+    # 6. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start)
+    if "wandb" in report_to_list(recipe) and is_main_process():
+        wandb_sync = start_wandb(recipe, run_dir, resume_from, args.run_name) or wandb_sync
     trainer.train(resume_from_checkpoint=resume_from)
 
     # 7. Save the final weights, select and name the best checkpoint, say where everything is
@@ -252,6 +254,21 @@ def build_trainer(recipe, args, model, tokenizer, train_rows, eval_rows, peft_co
     return trainer
 
 
+def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, run_name: str) -> str | None:
+    """Start (or continue) the training run's W&B run; the `wandb sync` command when offline, else None."""
+    import os
+
+    from probdiff_callback.wandb_run import start_run, sync_command
+
+    wandb_dir = Path(os.environ.get("WANDB_DIR") or run_dir) / "wandb"
+    started = start_run(run_dir, resume_from, project=os.environ.get("WANDB_PROJECT") or f"probdiff-{recipe.recipe}",
+                        name=run_name, wandb_dir=wandb_dir)
+    say(started.message)
+    if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+        return sync_command(wandb_dir, started.run_id)
+    return None
+
+
 def plain_loss_trainer_class():
     """SFTTrainer with the model's own cross-entropy instead of trl's fused, tiled LM head. Without Triton
     (on the CPU) trl runs that head as many small torch ops over every position (with entropy and top-1
@@ -301,14 +318,21 @@ class RecipeToWandb(TrainerCallback):
                 wandb.run.config.update({"recipe": self.recipe.to_dict()}, allow_val_change=True)
 
 
+def reference_cell(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.2f}"
+
+
 def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb_sync: str | None, seconds: float) -> None:
-    from probdiff_callback import history
+    from probdiff_callback import history, versus_base
+    from probdiff_callback.agreement import crosscheck, load_run, one_line
     from probdiff_callback.plotting import plot_run
+    from probdiff_callback.reference_metrics import METRIC_LABELS
     from probdiff_callback.selection import format_selection, point_best, select_checkpoints
 
     subdir = recipe.callback.output_subdir
     rows = [r for r in history.read_history(history.history_path(run_dir, subdir)) if r.get("summary") is not None]
     logs = trainer.state.log_history
+    references = [name for name in METRIC_LABELS if any(name in ((r["summary"].get("reference") or {}).get("overall", {})) for r in rows)]
 
     def last(key: str, step: int) -> str:
         values = [e[key] for e in logs if key in e and e.get("step", 0) <= step]
@@ -323,9 +347,19 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
             str(row["global_step"]), row["kind"], last("loss", row["global_step"]) if row["global_step"] else "-",
             last("eval_loss", row["global_step"]), pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]",
             "n/a" if d_mean is None or not math.isfinite(d_mean) else f"{d_mean:+.4f}", str(s["n"]),
+            versus_base.format_win_tie_lose(row.get("vs_base")), versus_base.format_p(row.get("vs_base")),
+            *[reference_cell((s.get("reference") or {}).get("overall", {}).get(name)) for name in references],
         ])
-    print(f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step)")
-    print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n"], table))
+    print(f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "
+          "vs base: win/tie/lose against the base model on the same queries, with the Wilcoxon p)")
+    print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "vs base", "p",
+                        *[METRIC_LABELS[name] for name in references]], table))
+    if rows and not references:
+        print("(no reference metric for these queries: blog and AlignBench answers have none)")
+    try:
+        print(one_line(crosscheck(*load_run(run_dir, subdir))) + f"; details: probdiff crosscheck {run_dir}")
+    except FileNotFoundError as err:
+        print(f"no cross-check: {err}")
     best_dir = None
     try:
         selection = select_checkpoints(run_dir, subdir)
@@ -350,6 +384,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         print(f"  evaluate it          probdiff eval --model {recipe.model} --adapter {best_dir} --queries <held-out file> --out <dir>"
               if recipe.lora.enabled else f"  evaluate it          probdiff eval --model {best_dir} --queries <held-out file> --out <dir>")
     print(f"  rank again           probdiff select {run_dir}")
+    print(f"  cross-check          probdiff crosscheck {run_dir}")
     if wandb_sync:
         print(f"  W&B (offline: not logged in); upload with: {wandb_sync}")
 
