@@ -8,10 +8,10 @@ conversation, or a `reference` field), the model's answer is scored against it:
   `13a` tokenizer for every other target; chrF works on characters and needs none. Corpus scores
   per language pair and direction, and overall (BLEU pooled from each direction's n-gram counts,
   so each segment keeps its own target's tokenizer).
-- summarization (categories `xsum`, `cnn_dm`): ROUGE-1, ROUGE-2 and ROUGE-L F1 with Google's
-  `rouge-score` package, the reference implementation of the ROUGE that summarization papers
-  report (a pure-Python port of the original Perl script, maintained by Google Research), with
-  the Porter stemmer as those papers use it. Its tokenizer keeps only ASCII letters and digits,
+- summarization (categories `xsum`, `cnn_dm`): ROUGE-1, ROUGE-2 and ROUGE-L F1 with Google
+  Research's `rouge-score` package, the pure-Python implementation written to replicate the
+  original ROUGE-1.5.5 Perl script (the ROUGE summarization papers report; Hugging Face
+  `evaluate` wraps it), with the Porter stemmer as those papers use it. Its tokenizer keeps only ASCII letters and digits,
   so Chinese text needs a tokenizer of its own; English news (XSum, CNN/DM) does not. A reference
   with no token under that tokenizer is left unscored and counted.
 
