@@ -69,7 +69,9 @@ def rank_correlation(xs: Sequence[float | None], ys: Sequence[float | None]) -> 
         rho = spearmanr(x, y)
         tau = kendalltau(x, y)
     spearman_p = exact_spearman_p(x, y) if len(pairs) <= EXACT_SPEARMAN_MAX_N else float(rho.pvalue)
-    result.update(spearman=float(rho.statistic), spearman_p=spearman_p, kendall=float(tau.statistic), kendall_p=float(tau.pvalue))
+    result.update(
+        spearman=float(rho.statistic), spearman_p=spearman_p, kendall=float(tau.statistic), kendall_p=float(tau.pvalue)
+    )
     return result
 
 
@@ -87,19 +89,23 @@ def step_measures(rows: Sequence[dict]) -> list[dict]:
         if summary is None:
             continue
         reference = summary.get("reference") or {}
-        steps.append({
-            "step": row["global_step"],
-            "kind": row.get("kind"),
-            "confidence": summary["confidence"],
-            "d_mean": summary["d_mean"],
-            LOSS: row.get(LOSS),
-            "metrics": dict(reference.get("overall", {})),
-            "by_category": {
-                category: {"confidence": summary["by_category"].get(category, {}).get("confidence"),
-                           **{k: v for k, v in entry.items() if k in METRIC_LABELS}}
-                for category, entry in reference.get("by_category", {}).items()
-            },
-        })
+        steps.append(
+            {
+                "step": row["global_step"],
+                "kind": row.get("kind"),
+                "confidence": summary["confidence"],
+                "d_mean": summary["d_mean"],
+                LOSS: row.get(LOSS),
+                "metrics": dict(reference.get("overall", {})),
+                "by_category": {
+                    category: {
+                        "confidence": summary["by_category"].get(category, {}).get("confidence"),
+                        **{k: v for k, v in entry.items() if k in METRIC_LABELS},
+                    }
+                    for category, entry in reference.get("by_category", {}).items()
+                },
+            }
+        )
     return steps
 
 
@@ -112,8 +118,14 @@ def across_steps(steps: Sequence[Mapping]) -> list[dict]:
             values = [s["metrics"].get(measure) if measure != LOSS else s[LOSS] for s in steps]
             if not any(_finite(v) for v in values):
                 continue
-            rows.append({"probdiff": ours, "measure": measure, "agrees_if": "negative" if measure == LOSS else "positive",
-                         **rank_correlation([s[ours] for s in steps], values)})
+            rows.append(
+                {
+                    "probdiff": ours,
+                    "measure": measure,
+                    "agrees_if": "negative" if measure == LOSS else "positive",
+                    **rank_correlation([s[ours] for s in steps], values),
+                }
+            )
     return rows
 
 
@@ -124,15 +136,24 @@ def across_steps_by_category(steps: Sequence[Mapping]) -> list[dict]:
     for category in categories:
         entries = [s["by_category"].get(category, {}) for s in steps]
         for measure in [m for m in METRIC_LABELS if any(m in e for e in entries)]:
-            rows.append({"category": category, "probdiff": "confidence", "measure": measure, "agrees_if": "positive",
-                         **rank_correlation([e.get("confidence") for e in entries], [e.get(measure) for e in entries])})
+            rows.append(
+                {
+                    "category": category,
+                    "probdiff": "confidence",
+                    "measure": measure,
+                    "agrees_if": "positive",
+                    **rank_correlation([e.get("confidence") for e in entries], [e.get(measure) for e in entries]),
+                }
+            )
     return rows
 
 
 # --- the queries -------------------------------------------------------------------------------
 def per_query(records_by_step: Mapping[int, Sequence[dict]]) -> list[dict]:
     """For each sentence-level metric in the records: Spearman of d with it within each step, and a summary."""
-    metrics = [m for m in METRIC_LABELS if any(m in (r.get("ref") or {}) for rs in records_by_step.values() for r in rs)]
+    metrics = [
+        m for m in METRIC_LABELS if any(m in (r.get("ref") or {}) for rs in records_by_step.values() for r in rs)
+    ]
     out = []
     for metric in metrics:
         by_step = []
@@ -141,28 +162,45 @@ def per_query(records_by_step: Mapping[int, Sequence[dict]]) -> list[dict]:
             if not scored:
                 continue
             correlation = rank_correlation([r.get("d") for r in scored], [r["ref"][metric] for r in scored])
-            by_step.append({"step": step, "n": correlation["n"], "spearman": correlation["spearman"], "p": correlation["spearman_p"]})
+            by_step.append(
+                {
+                    "step": step,
+                    "n": correlation["n"],
+                    "spearman": correlation["spearman"],
+                    "p": correlation["spearman_p"],
+                }
+            )
         rhos = [s["spearman"] for s in by_step if math.isfinite(s["spearman"])]
-        out.append({
-            "metric": metric,
-            "n_steps": len(by_step),
-            "n_steps_with_rho": len(rhos),
-            "median_spearman": statistics.median(rhos) if rhos else math.nan,
-            "n_positive": sum(r > 0 for r in rhos),
-            "n_significant_positive": sum(s["spearman"] > 0 and s["p"] < SIGNIFICANCE for s in by_step if math.isfinite(s["spearman"])),
-            "n_significant_negative": sum(s["spearman"] < 0 and s["p"] < SIGNIFICANCE for s in by_step if math.isfinite(s["spearman"])),
-            "by_step": by_step,
-        })
+        out.append(
+            {
+                "metric": metric,
+                "n_steps": len(by_step),
+                "n_steps_with_rho": len(rhos),
+                "median_spearman": statistics.median(rhos) if rhos else math.nan,
+                "n_positive": sum(r > 0 for r in rhos),
+                "n_significant_positive": sum(
+                    s["spearman"] > 0 and s["p"] < SIGNIFICANCE for s in by_step if math.isfinite(s["spearman"])
+                ),
+                "n_significant_negative": sum(
+                    s["spearman"] < 0 and s["p"] < SIGNIFICANCE for s in by_step if math.isfinite(s["spearman"])
+                ),
+                "by_step": by_step,
+            }
+        )
     return out
 
 
 # --- the run -----------------------------------------------------------------------------------
-def load_run(run_dir: str | os.PathLike, subdir: str = history.DEFAULT_SUBDIR) -> tuple[list[dict], dict[int, list[dict]]]:
+def load_run(
+    run_dir: str | os.PathLike, subdir: str = history.DEFAULT_SUBDIR
+) -> tuple[list[dict], dict[int, list[dict]]]:
     """(successful history rows, records per step) of a run directory."""
     directory = history.probdiff_dir(run_dir, subdir)
     rows = [r for r in history.read_history(directory / history.HISTORY_FILE) if r.get("summary") is not None]
     if not rows:
-        raise FileNotFoundError(f"{directory / history.HISTORY_FILE}: no successful evaluations; was the run trained with ProbDiffCallback?")
+        raise FileNotFoundError(
+            f"{directory / history.HISTORY_FILE}: no successful evaluations; was the run trained with ProbDiffCallback?"
+        )
     records = {}
     for row in rows:
         path = directory / row["records"] if row.get("records") else None
@@ -199,23 +237,30 @@ def format_crosscheck(report: Mapping) -> str:
     lines = [f"ProbDiff against independent measures over {report['n_steps']} evaluated steps ({span})"]
     if not report["has_reference_metrics"]:
         lines.append("(these queries have no reference metric: only the eval loss is compared)")
-    header = f"  {'ProbDiff':<11} {'measure':<9} {'agrees if':<9} {'n':>3}  {'Spearman ρ':>10} {'p':>7}  {'Kendall τ':>9} {'p':>7}"
-    lines.append(header)
+    lines.append(
+        f"  {'ProbDiff':<11} {'measure':<9} {'agrees if':<9} {'n':>3}  "
+        f"{'Spearman ρ':>10} {'p':>7}  {'Kendall τ':>9} {'p':>7}"
+    )
     for row in report["across_steps"]:
+        agrees_if = "ρ > 0" if row["agrees_if"] == "positive" else "ρ < 0"
         lines.append(
-            f"  {LABELS[row['probdiff']]:<11} {LABELS[row['measure']]:<9} {'ρ > 0' if row['agrees_if'] == 'positive' else 'ρ < 0':<9} "
-            f"{row['n']:>3}  {_num(row['spearman']):>10} {_p(row['spearman_p']):>7}  {_num(row['kendall']):>9} {_p(row['kendall_p']):>7}"
+            f"  {LABELS[row['probdiff']]:<11} {LABELS[row['measure']]:<9} {agrees_if:<9} {row['n']:>3}  "
+            f"{_num(row['spearman']):>10} {_p(row['spearman_p']):>7}  "
+            f"{_num(row['kendall']):>9} {_p(row['kendall_p']):>7}"
         )
     if not report["across_steps"]:
         lines.append("  (no reference metric or eval loss in the history)")
     if report["per_query"]:
         lines.append("Per query: Spearman ρ of d with the answer's sentence score, within each step")
-        lines.append(f"  {'metric':<9} {'steps':>5}  {'median ρ':>8}  {'ρ > 0':>6}  {'p<0.05, ρ>0':>11}  {'p<0.05, ρ<0':>11}")
+        lines.append(
+            f"  {'metric':<9} {'steps':>5}  {'median ρ':>8}  {'ρ > 0':>6}  {'p<0.05, ρ>0':>11}  {'p<0.05, ρ<0':>11}"
+        )
         for row in report["per_query"]:
             k = row["n_steps_with_rho"]
             lines.append(
-                f"  {LABELS[row['metric']]:<9} {row['n_steps']:>5}  {_num(row['median_spearman']):>8}  {row['n_positive']:>2}/{k:<3}  "
-                f"{row['n_significant_positive']:>7}/{k:<3}  {row['n_significant_negative']:>7}/{k:<3}"
+                f"  {LABELS[row['metric']]:<9} {row['n_steps']:>5}  {_num(row['median_spearman']):>8}  "
+                f"{row['n_positive']:>2}/{k:<3}  {row['n_significant_positive']:>7}/{k:<3}  "
+                f"{row['n_significant_negative']:>7}/{k:<3}"
             )
     return "\n".join(lines)
 
@@ -226,7 +271,9 @@ def one_line(report: Mapping) -> str:
     for row in report["across_steps"]:
         if row["probdiff"] == "confidence":
             parts.append(f"{LABELS[row['measure']]} ρ {_num(row['spearman'])} (p {_p(row['spearman_p'])})")
-    text = f"Cross-check over {report['n_steps']} steps, confidence vs " + (", ".join(parts) if parts else "nothing (no reference metric or eval loss)")
+    text = f"Cross-check over {report['n_steps']} steps, confidence vs " + (
+        ", ".join(parts) if parts else "nothing (no reference metric or eval loss)"
+    )
     for row in report["per_query"][:1]:
         text += f"; per query d vs {LABELS[row['metric']]}: median ρ {_num(row['median_spearman'])}"
     return text
@@ -243,25 +290,38 @@ def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
     measures = list(dict.fromkeys(row["measure"] for row in report["across_steps"]))
     out = Path(out)
     columns = max(len(measures), 1)
-    figure, axes = plt.subplots(len(PROBDIFF_MEASURES), columns, figsize=(4 * columns, 7), squeeze=False, constrained_layout=True)
+    figure, axes = plt.subplots(
+        len(PROBDIFF_MEASURES), columns, figsize=(4 * columns, 7), squeeze=False, constrained_layout=True
+    )
     correlations = {(r["probdiff"], r["measure"]): r for r in report["across_steps"]}
     for i, ours in enumerate(PROBDIFF_MEASURES):
         for j in range(columns):
             axis = axes[i][j]
             if not measures:
-                axis.text(0.5, 0.5, "no reference metric or eval loss", ha="center", va="center", transform=axis.transAxes)
+                axis.text(
+                    0.5, 0.5, "no reference metric or eval loss", ha="center", va="center", transform=axis.transAxes
+                )
                 continue
             measure = measures[j]
             points = [(s["metrics"].get(measure) if measure != LOSS else s[LOSS], s[ours], s["step"]) for s in steps]
             points = [(x, y, step) for x, y, step in points if _finite(x) and _finite(y)]
             scale = 100 if ours == "confidence" else 1
-            scatter = axis.scatter([x for x, _, _ in points], [scale * y for _, y, _ in points], c=[s for _, _, s in points],
-                                   cmap="viridis", s=40, zorder=3)
+            scatter = axis.scatter(
+                [x for x, _, _ in points],
+                [scale * y for _, y, _ in points],
+                c=[s for _, _, s in points],
+                cmap="viridis",
+                s=40,
+                zorder=3,
+            )
             for x, y, step in points:
                 axis.annotate(str(step), (x, scale * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
             row = correlations.get((ours, measure))
             if row is not None:
-                axis.set_title(f"ρ {_num(row['spearman'])} (p {_p(row['spearman_p'])}), τ {_num(row['kendall'])}, n {row['n']}", fontsize=9)
+                axis.set_title(
+                    f"ρ {_num(row['spearman'])} (p {_p(row['spearman_p'])}), τ {_num(row['kendall'])}, n {row['n']}",
+                    fontsize=9,
+                )
             axis.set_xlabel(LABELS[measure] + (" (lower is better)" if measure == LOSS else ""))
             axis.set_ylabel("ProbDiff confidence (%)" if ours == "confidence" else "mean d")
             axis.grid(alpha=0.3)
@@ -275,12 +335,24 @@ def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
 
 
 # --- outside verdicts --------------------------------------------------------------------------
-def check_verdicts(path: str | os.PathLike, rows: Sequence[dict], records_by_step: Mapping[int, Sequence[dict]],
-                   step: int | None = None, against: int | None = None) -> tuple[dict, str]:
+def check_verdicts(
+    path: str | os.PathLike,
+    rows: Sequence[dict],
+    records_by_step: Mapping[int, Sequence[dict]],
+    step: int | None = None,
+    against: int | None = None,
+) -> tuple[dict, str]:
     """(result, text) of a verdict file against the run's records: pairwise verdicts compare `step` (A, by
     default the last evaluated step) with `against` (B, by default the baseline); revision-vs-answer
     verdicts judge the records of `step`."""
-    from probdiff_callback.verdicts import PAIRWISE, conflict_degree, format_conflict, format_pairwise, pairwise_agreement, read_verdicts
+    from probdiff_callback.verdicts import (
+        PAIRWISE,
+        conflict_degree,
+        format_conflict,
+        format_pairwise,
+        pairwise_agreement,
+        read_verdicts,
+    )
 
     verdicts = read_verdicts(path)
     evaluated = sorted(records_by_step)
@@ -288,7 +360,9 @@ def check_verdicts(path: str | os.PathLike, rows: Sequence[dict], records_by_ste
         raise FileNotFoundError("no step records to set the verdicts beside")
     chosen = evaluated[-1] if step is None else step
     if chosen not in records_by_step:
-        raise ValueError(f"--step {chosen}: no records of that step; evaluated steps with records: {', '.join(map(str, evaluated))}")
+        raise ValueError(
+            f"--step {chosen}: no records of that step; evaluated steps with records: {', '.join(map(str, evaluated))}"
+        )
     delta = next(r["summary"]["delta"] for r in rows if r["global_step"] == chosen)
     if verdicts.kind != PAIRWISE:
         result = conflict_degree(verdicts, records_by_step[chosen])
@@ -298,7 +372,10 @@ def check_verdicts(path: str | os.PathLike, rows: Sequence[dict], records_by_ste
     if other is None:
         raise ValueError("pairwise verdicts need two steps: this run has no baseline row, so give --against STEP")
     if other not in records_by_step:
-        raise ValueError(f"--against {other}: no records of that step; evaluated steps with records: {', '.join(map(str, evaluated))}")
+        steps = ", ".join(map(str, evaluated))
+        raise ValueError(f"--against {other}: no records of that step; evaluated steps with records: {steps}")
     result = pairwise_agreement(verdicts, records_by_step[chosen], records_by_step[other], delta)
     label_b = f"step {other}" + (" (base model)" if other == baseline else "")
-    return {"file": str(path), "step": chosen, "against": other, **result}, format_pairwise(result, f"step {chosen}", label_b)
+    return {"file": str(path), "step": chosen, "against": other, **result}, format_pairwise(
+        result, f"step {chosen}", label_b
+    )

@@ -414,7 +414,9 @@ class ProbDiffCallback(TrainerCallback):
         step = state.global_step
         if kind == "baseline" and outcome.error is None:
             self._baseline_records = outcome.records
-        vs_base = None if kind == "baseline" else versus_base.compare_to_base(outcome.records, self._baseline_records, self.config.delta)
+        vs_base = None
+        if kind != "baseline":
+            vs_base = versus_base.compare_to_base(outcome.records, self._baseline_records, self.config.delta)
         outcome.metrics = self._metrics(outcome.summary, vs_base)
         self.evaluated[step] = outcome.metrics
         self.last_outcome = outcome
@@ -489,7 +491,8 @@ class ProbDiffCallback(TrainerCallback):
         """Every metric of one evaluation for the Trainer: eval_probdiff_*, eval_ref_* (where the queries
         have reference metrics) and eval_probdiff_vs_base_* (when the baseline is evaluated)."""
         metrics = metrics_from_summary(summary, self.config.sweep, self.categories)
-        metrics.update(reference_metrics.trainer_metrics(None if summary is None else summary.get("reference"), self.reference_plan))
+        reference = None if summary is None else summary.get("reference")
+        metrics.update(reference_metrics.trainer_metrics(reference, self.reference_plan))
         if self.options.baseline:
             metrics.update(versus_base.trainer_metrics(vs_base))
         return metrics
@@ -550,7 +553,13 @@ class ProbDiffCallback(TrainerCallback):
             wandb.log(payload)
 
     def _persist(
-        self, state: TrainerState, kind: str, base_model: bool, checkpoint: str | None, outcome: EvaluationOutcome, vs_base: dict | None
+        self,
+        state: TrainerState,
+        kind: str,
+        base_model: bool,
+        checkpoint: str | None,
+        outcome: EvaluationOutcome,
+        vs_base: dict | None,
     ) -> None:
         step = state.global_step
         records_path = history.step_records_path(self._output_dir, step, self.options.output_subdir)

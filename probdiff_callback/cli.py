@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "crosscheck",
-        help="how far ProbDiff followed independent measures over a training run: reference metrics, eval loss, your judges' verdicts",
+        help="how far ProbDiff followed independent measures over a training run: reference metrics, eval loss, "
+        "your judges' verdicts",
     )
     check.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
     check.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--verdicts", default=None,
                        help='JSON lines of outside verdicts by query id: {"id", "winner": "A"|"B"|"tie"} (pairwise) or '
                             '{"id", "revision": "better"|"worse"|"same"} (revision vs answer); see docs/agreement.md')
-    check.add_argument("--step", type=int, default=None, help="the step the verdicts judge (pairwise: A) [the last evaluated step]")
+    check.add_argument("--step", type=int, default=None,
+                       help="the step the verdicts judge (pairwise: A) [the last evaluated step]")
     check.add_argument("--against", type=int, default=None, help="pairwise verdicts: step B [the baseline]")
     return parser
 

@@ -85,7 +85,8 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
         violins["cmedians"].set_label("bar: median d of the step")
         violins["bodies"][0].set_label("violin: distribution of d over the queries")
         for index, (position, ds) in enumerate(zip(positions, distributions)):
-            bottom.scatter([position] * len(ds), ds, s=6, color="black", alpha=0.4, zorder=3, label="dot: one query" if index == 0 else None)
+            label = "dot: one query" if index == 0 else None
+            bottom.scatter([position] * len(ds), ds, s=6, color="black", alpha=0.4, zorder=3, label=label)
     bottom.axhline(delta, color="tab:red", linestyle="--", linewidth=1, label=f"delta = {delta:g}")
     _mark_best(bottom, best, label=False)
     bottom.set_xlabel("global step")
@@ -139,12 +140,14 @@ def _plot_independent_measures(axis, rows: list[dict]) -> None:
     handles, labels = axis.get_legend_handles_labels()
     if losses:
         loss_axis = axis.twinx()
-        loss_axis.plot([s for s, _ in losses], [v for _, v in losses], "s--", color="tab:gray", linewidth=1.5, label="eval loss")
+        loss_steps, loss_values = [s for s, _ in losses], [v for _, v in losses]
+        loss_axis.plot(loss_steps, loss_values, "s--", color="tab:gray", linewidth=1.5, label="eval loss")
         loss_axis.set_ylabel("eval loss (held-out references)")
         more_handles, more_labels = loss_axis.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     if not series and not losses:
-        axis.text(0.5, 0.5, "no reference metric or eval loss in the history", ha="center", va="center", transform=axis.transAxes)
+        axis.text(0.5, 0.5, "no reference metric or eval loss in the history", ha="center", va="center",
+                  transform=axis.transAxes)
     axis.set_title("independent measures: reference metrics and eval loss", fontsize=10)
     axis.grid(alpha=0.3)
     if handles:

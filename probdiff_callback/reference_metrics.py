@@ -11,9 +11,9 @@ conversation, or a `reference` field), the model's answer is scored against it:
 - summarization (categories `xsum`, `cnn_dm`): ROUGE-1, ROUGE-2 and ROUGE-L F1 with Google
   Research's `rouge-score` package, the pure-Python implementation written to replicate the
   original ROUGE-1.5.5 Perl script (the ROUGE summarization papers report; Hugging Face
-  `evaluate` wraps it), with the Porter stemmer as those papers use it. Its tokenizer keeps only ASCII letters and digits,
-  so Chinese text needs a tokenizer of its own; English news (XSum, CNN/DM) does not. A reference
-  with no token under that tokenizer is left unscored and counted.
+  `evaluate` wraps it), with the Porter stemmer as those papers use it. Its tokenizer keeps only
+  ASCII letters and digits, so Chinese text needs a tokenizer of its own; English news (XSum,
+  CNN/DM) does not. A reference with no token under that tokenizer is left unscored and counted.
 
 Every score is on sacreBLEU's 0-100 scale (ROUGE F1 is multiplied by 100). Other categories (the
 blog, AlignBench) have no reference metric: `plan_references` names them once, and nothing is
@@ -85,7 +85,9 @@ class ReferencePlan:
                 f"{'it' if len(self.without_metric) == 1 else 'them'}"
             )
         if self.n_missing_reference:
-            parts.append(f"{self.n_missing_reference} queries of a scored category carry no reference answer and are left out")
+            parts.append(
+                f"{self.n_missing_reference} queries of a scored category carry no reference answer and are left out"
+            )
         return "; ".join(parts) or None
 
 
@@ -213,7 +215,9 @@ def summarize_references(records: Sequence[dict]) -> dict | None:
     if translation_groups:
         translated = [r for r in scored if metric_family(r["category"]) == TRANSLATION]
         overall["bleu"] = pooled_bleu(translation_groups)
-        overall["chrf"] = corpus_bleu_chrf([r["response"] for r in translated], [r["reference"] for r in translated])["chrf"]
+        overall["chrf"] = corpus_bleu_chrf([r["response"] for r in translated], [r["reference"] for r in translated])[
+            "chrf"
+        ]
         n_scored.update(bleu=len(translated), chrf=len(translated))
     summaries = [r for r in scored if metric_family(r["category"]) == SUMMARIZATION]
     if summaries:

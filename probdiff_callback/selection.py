@@ -118,10 +118,9 @@ def select_checkpoints(run_dir: str | os.PathLike, subdir: str = history.DEFAULT
                 continue
             result = compare(mine, best_records, delta)
             step.p_vs_best, step.win, step.lose = result["wilcoxon_p"], result["win"], result["lose"]
-    if baseline is not None and records[baseline.global_step] is not None:
-        for step in steps:
-            if records[step.global_step] is not None:
-                step.vs_base = versus_base.compare_to_base(records[step.global_step], records[baseline.global_step], delta)
+    base_records = records[baseline.global_step] if baseline is not None else None
+    for step in steps:
+        step.vs_base = versus_base.compare_to_base(records[step.global_step] or [], base_records, delta)
     best_checkpoint = next((s for s in steps if s.checkpoint is not None), None)
     return Selection(ranked=steps, baseline=baseline, best_checkpoint=best_checkpoint, failed_steps=failed, delta=delta)
 
@@ -132,12 +131,12 @@ def _pct(value: float) -> str:
 
 def format_selection(selection: Selection) -> str:
     header = (
-        f"{'rank':>4}  {'step':>6}  {'confidence':>10}  {'95% CI':>15}  {'d mean':>8}  {'n':>4}  {'p vs best':>9}  {'win/lose':>8}  "
-        f"{'vs base w/t/l':>13}  {'p vs base':>9}  checkpoint"
+        f"{'rank':>4}  {'step':>6}  {'confidence':>10}  {'95% CI':>15}  {'d mean':>8}  {'n':>4}  {'p vs best':>9}  "
+        f"{'win/lose':>8}  {'vs base w/t/l':>13}  {'p vs base':>9}  checkpoint"
     )
     lines = [
-        f"ProbDiff confidence at delta {selection.delta:g} (ties by mean d); p: Wilcoxon signed-rank on d, same queries; "
-        "win/tie/lose: queries confident here and not there / both or neither / there and not here",
+        f"ProbDiff confidence at delta {selection.delta:g} (ties by mean d); p: Wilcoxon signed-rank on d, "
+        "same queries; win/tie/lose: queries confident here and not there / both or neither / there and not here",
         header,
     ]
 
@@ -147,8 +146,9 @@ def format_selection(selection: Selection) -> str:
         win_lose = "-" if step.rank == 1 else f"{step.win}/{step.lose}"
         return (
             f"{rank:>4}  {step.global_step:>6}  {_pct(step.confidence):>10}  {'[' + _pct(low) + ', ' + _pct(high) + ']':>15}  "
-            f"{step.d_mean:>8.4f}  {step.n:>4}  {p:>9}  {win_lose:>8}  {versus_base.format_win_tie_lose(step.vs_base):>13}  "
-            f"{versus_base.format_p(step.vs_base):>9}  {step.checkpoint or '-'}"
+            f"{step.d_mean:>8.4f}  {step.n:>4}  {p:>9}  {win_lose:>8}  "
+            f"{versus_base.format_win_tie_lose(step.vs_base):>13}  {versus_base.format_p(step.vs_base):>9}  "
+            f"{step.checkpoint or '-'}"
         )
 
     for step in selection.ranked:

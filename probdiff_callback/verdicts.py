@@ -47,7 +47,9 @@ class VerdictFile:
 def _kind_of(row: dict, where: str) -> str:
     present = [kind for kind, key in KIND_KEYS.items() if key in row]
     if not present:
-        raise DataFileError(f'{where}: neither "winner" (pairwise: A, B or tie) nor "revision" (better, worse or same) in this row')
+        raise DataFileError(
+            f'{where}: neither "winner" (pairwise: A, B or tie) nor "revision" (better, worse or same) in this row'
+        )
     if len(present) > 1:
         raise DataFileError(f'{where}: both "winner" and "revision"; a verdict file holds one kind of verdict')
     return present[0]
@@ -77,7 +79,10 @@ def read_verdicts(path: str | os.PathLike) -> VerdictFile:
         if kind is None:
             kind, first_line = row_kind, line
         elif row_kind != kind:
-            raise DataFileError(f"{where}: a {row_kind} verdict, but line {first_line} made this a {kind} verdict file; one kind per file")
+            raise DataFileError(
+                f"{where}: a {row_kind} verdict, but line {first_line} made this a {kind} verdict file; "
+                "one kind per file"
+            )
         query_id = str(row["id"])
         if query_id in lines:
             raise DataFileError(f"{where}: id {query_id!r} repeats line {lines[query_id]}; one verdict per query")
@@ -113,7 +118,9 @@ def probdiff_winner(record_a: Mapping, record_b: Mapping, delta: float) -> str:
     return "tie"
 
 
-def pairwise_agreement(verdicts: VerdictFile, records_a: Sequence[dict], records_b: Sequence[dict], delta: float) -> dict:
+def pairwise_agreement(
+    verdicts: VerdictFile, records_a: Sequence[dict], records_b: Sequence[dict], delta: float
+) -> dict:
     """ProbDiff's win/tie/lose of A against B beside the judge's verdicts on the same queries."""
     if verdicts.kind != PAIRWISE:
         raise ValueError(f"{verdicts.path}: holds {verdicts.kind} verdicts, not pairwise ones")
@@ -122,7 +129,8 @@ def pairwise_agreement(verdicts: VerdictFile, records_a: Sequence[dict], records
     matched = [r for r in both if str(r["id"]) in verdicts.verdicts]
     confusion = {ours: {theirs: 0 for theirs in OUTCOMES} for ours in OUTCOMES}
     for record in matched:
-        confusion[probdiff_winner(record, by_id_b[str(record["id"])], delta)][verdicts.verdicts[str(record["id"])]] += 1  # type: ignore[index]
+        ours = probdiff_winner(record, by_id_b[str(record["id"])], delta)
+        confusion[ours][verdicts.verdicts[str(record["id"])]] += 1  # type: ignore[index]
     n = len(matched)
     agreed = sum(confusion[o][o] for o in OUTCOMES)
     decisive = sum(confusion[a][b] for a in ("A", "B") for b in ("A", "B"))
@@ -177,7 +185,9 @@ def _pct(value: float) -> str:
 def _one_side_line(result: Mapping) -> str | None:
     parts = []
     if result["n_only_verdicts"]:
-        parts.append(f"{result['n_only_verdicts']} verdict ids have no record (e.g. {', '.join(result['only_verdicts'])})")
+        parts.append(
+            f"{result['n_only_verdicts']} verdict ids have no record (e.g. {', '.join(result['only_verdicts'])})"
+        )
     if result["n_only_records"]:
         parts.append(f"{result['n_only_records']} records have no verdict (e.g. {', '.join(result['only_records'])})")
     return "not matched: " + "; ".join(parts) if parts else None
@@ -195,8 +205,8 @@ def format_pairwise(result: Mapping, label_a: str, label_b: str) -> str:
     judge = result["judge"]
     lines.append(f"  judge:              A better {judge['A']}, tie {judge['tie']}, B better {judge['B']}")
     lines.append(
-        f"  agreement {_pct(result['agreement'])} ({result['n_agreed']} of {result['n']}); on queries both call decisive "
-        f"{_pct(result['decisive_agreement'])} ({result['n_decisive']} queries)"
+        f"  agreement {_pct(result['agreement'])} ({result['n_agreed']} of {result['n']}); "
+        f"on queries both call decisive {_pct(result['decisive_agreement'])} ({result['n_decisive']} queries)"
     )
     corner = "ProbDiff \\ judge"
     lines.append(f"  {corner:<18}" + "".join(f"{o:>6}" for o in OUTCOMES))

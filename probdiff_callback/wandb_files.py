@@ -101,5 +101,7 @@ def effective_history(segments: list[Segment]) -> list[dict]:
 
 def last_step_at_or_before(rows: list[dict], global_step: int) -> int | None:
     """The last W&B `_step` logged at a Trainer global step <= `global_step` (None if none was)."""
-    steps = [row["_step"] for row in rows if "_step" in row and row.get(GLOBAL_STEP_KEY, global_step + 1) <= global_step]
+    steps = [
+        row["_step"] for row in rows if "_step" in row and row.get(GLOBAL_STEP_KEY, global_step + 1) <= global_step
+    ]
     return max(steps) if steps else None

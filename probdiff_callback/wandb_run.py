@@ -62,7 +62,9 @@ def read_run_id(run_dir: str | os.PathLike) -> str | None:
     return value
 
 
-def choose_run_id(run_dir: str | os.PathLike, resuming: bool, make_id: Callable[[], str] = new_run_id) -> tuple[str, bool]:
+def choose_run_id(
+    run_dir: str | os.PathLike, resuming: bool, make_id: Callable[[], str] = new_run_id
+) -> tuple[str, bool]:
     """(run id, whether it was reused): the stored id when resuming, else a new one, written to the run directory."""
     stored = read_run_id(run_dir) if resuming else None
     run_id = stored or make_id()
@@ -76,7 +78,11 @@ def choose_run_id(run_dir: str | os.PathLike, resuming: bool, make_id: Callable[
 def segment_files(wandb_dir: str | os.PathLike, run_id: str) -> list[Path]:
     """The local run files of `run_id` (online and offline segments), oldest first (the directory
     names begin with the start time)."""
-    found = [p for pattern in (f"run-*-{run_id}", f"offline-run-*-{run_id}") for p in Path(wandb_dir).glob(f"{pattern}/run-{run_id}.wandb")]
+    found = [
+        p
+        for pattern in (f"run-*-{run_id}", f"offline-run-*-{run_id}")
+        for p in Path(wandb_dir).glob(f"{pattern}/run-{run_id}.wandb")
+    ]
     return sorted(found, key=lambda p: p.parent.name.removeprefix("offline-"))
 
 
@@ -106,24 +112,38 @@ def rewind_point(segments: list[Segment], resume_step: int) -> int | None:
     return last_step_at_or_before(effective_history(segments), resume_step)
 
 
-def plan_init(run_id: str, reused: bool, segments: list[Segment], resume_step: int | None) -> tuple[dict, int | None, str]:
+def plan_init(
+    run_id: str, reused: bool, segments: list[Segment], resume_step: int | None
+) -> tuple[dict, int | None, str]:
     """(wandb.init keyword arguments, rewind point, message) for starting or continuing the run."""
     if resume_step is None:
         return {"id": run_id}, None, f"W&B run {run_id} (new)"
     if not reused:
-        return {"id": run_id}, None, (
-            f"W&B run {run_id} (new): this run directory has no {RUN_ID_FILE} from before, so the earlier W&B run(s) "
-            "of this training stay separate"
+        return (
+            {"id": run_id},
+            None,
+            (
+                f"W&B run {run_id} (new): this run directory has no {RUN_ID_FILE} from before, "
+                "so the earlier W&B run(s) of this training stay separate"
+            ),
         )
     point = rewind_point(segments, resume_step)
     if point is None:
-        return {"id": run_id, "resume": "allow"}, None, (
-            f"W&B run {run_id} resumed without rewinding: no local W&B file holds step {resume_step} or earlier, so rows "
-            f"logged after step {resume_step} by the interrupted process stay in the run"
+        return (
+            {"id": run_id, "resume": "allow"},
+            None,
+            (
+                f"W&B run {run_id} resumed without rewinding: no local W&B file holds step {resume_step} or earlier, "
+                f"so rows logged after step {resume_step} by the interrupted process stay in the run"
+            ),
         )
-    return {"resume_from": f"{run_id}?_step={point}"}, point, (
-        f"W&B run {run_id} rewound to _step {point} (the last row at global step <= {resume_step}); "
-        f"rows the interrupted process logged after step {resume_step} are replaced"
+    return (
+        {"resume_from": f"{run_id}?_step={point}"},
+        point,
+        (
+            f"W&B run {run_id} rewound to _step {point} (the last row at global step <= {resume_step}); "
+            f"rows the interrupted process logged after step {resume_step} are replaced"
+        ),
     )
 
 
@@ -155,7 +175,10 @@ def start_run(
     except Exception as err:  # online: rewinding refused (not enabled, or the run not yet marked crashed)
         if point is None:
             raise
-        print(f"W&B refused to rewind run {run_id} ({type(err).__name__}: {str(err)[:200]}); resuming it instead", file=sys.stderr)
+        print(
+            f"W&B refused to rewind run {run_id} ({type(err).__name__}: {str(err)[:200]}); resuming it instead",
+            file=sys.stderr,
+        )
         kwargs, point = {"id": run_id, "resume": "allow"}, None
         init(project=project, name=name, **kwargs)
         message = (

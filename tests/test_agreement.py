@@ -23,37 +23,77 @@ from probdiff_callback.agreement import (
 )
 from probdiff_callback.cli import main
 from probdiff_callback.io import DataFileError, write_jsonl
-from probdiff_callback.verdicts import conflict_degree, format_conflict, format_pairwise, pairwise_agreement, read_verdicts
+from probdiff_callback.verdicts import (
+    conflict_degree,
+    format_conflict,
+    format_pairwise,
+    pairwise_agreement,
+    read_verdicts,
+)
 from probdiff_callback.versus_base import compare_to_base, format_win_tie_lose, trainer_metrics
 
 DELTA = -0.05
 
 
 def rec(id_: str, d: float | None, chrf: float | None = None, category: str = "zh-en") -> dict:
-    record = {"id": id_, "category": category, "d": d, "response": "x", "logp_response": -1.0,
-              "logp_revised": None if d is None else -1.0 + d, "n_tokens_response": 5, "n_tokens_revised": 5, "truncated": False}
+    record = {
+        "id": id_,
+        "category": category,
+        "d": d,
+        "response": "x",
+        "logp_response": -1.0,
+        "logp_revised": None if d is None else -1.0 + d,
+        "n_tokens_response": 5,
+        "n_tokens_revised": 5,
+        "truncated": False,
+    }
     if chrf is not None:
         record.update(reference="y", ref={"bleu": chrf / 2, "chrf": chrf})
     return record
 
 
-def history_row(step: int, confidence: float, d_mean: float, *, bleu: float | None = None, chrf: float | None = None,
-                eval_loss: float | None = None, kind: str = "evaluate") -> dict:
-    summary = {"confidence": confidence, "d_mean": d_mean, "delta": DELTA, "n": 3, "by_category": {"zh-en": {"confidence": confidence}}}
+def history_row(
+    step: int,
+    confidence: float,
+    d_mean: float,
+    *,
+    bleu: float | None = None,
+    chrf: float | None = None,
+    eval_loss: float | None = None,
+    kind: str = "evaluate",
+) -> dict:
+    summary = {
+        "confidence": confidence,
+        "d_mean": d_mean,
+        "delta": DELTA,
+        "n": 3,
+        "by_category": {"zh-en": {"confidence": confidence}},
+    }
     if bleu is not None:
-        summary["reference"] = {"overall": {"bleu": bleu, "chrf": chrf}, "n_scored": {"bleu": 3, "chrf": 3},
-                                "by_category": {"zh-en": {"n": 3, "bleu": bleu, "chrf": chrf, "tokenize": "13a"}}}
-    return {"global_step": step, "kind": kind, "summary": summary, "eval_loss": eval_loss, "records": f"step-{step}/records.jsonl"}
+        summary["reference"] = {
+            "overall": {"bleu": bleu, "chrf": chrf},
+            "n_scored": {"bleu": 3, "chrf": 3},
+            "by_category": {"zh-en": {"n": 3, "bleu": bleu, "chrf": chrf, "tokenize": "13a"}},
+        }
+    return {
+        "global_step": step,
+        "kind": kind,
+        "summary": summary,
+        "eval_loss": eval_loss,
+        "records": f"step-{step}/records.jsonl",
+    }
 
 
 # ---- rank correlations, by hand ----
+
 
 def test_rank_correlation_matches_hand_computed_values():
     perfect = rank_correlation([0.1, 0.3, 0.2, 0.4], [1, 3, 2, 5])
     assert perfect["n"] == 4 and perfect["spearman"] == pytest.approx(1.0) and perfect["kendall"] == pytest.approx(1.0)
     # exact p: of the 24 orderings of 4 values, 2 reach |rho| = 1 (scipy's t approximation would say 0)
     assert perfect["spearman_p"] == pytest.approx(2 / 24)
-    # ranks 1,2,3,4 against 4,3,1,2: sum d^2 = 18, rho = 1 - 6*18/(4*15) = -0.8; 1 concordant, 5 discordant pairs: tau = -4/6
+    # ranks 1,2,3,4 against 4,3,1,2: sum d^2 = 18, rho = 1 - 6*18/(4*15) = -0.8;
+    # 1 concordant and 5 discordant pairs: tau = -4/6
     inverse = rank_correlation([0.1, 0.2, 0.3, 0.4], [4, 3, 1, 2])
     assert inverse["spearman"] == pytest.approx(-0.8) and inverse["kendall"] == pytest.approx(-4 / 6)
     assert 0 < inverse["spearman_p"] <= 1 and 0 < inverse["kendall_p"] <= 1
@@ -79,8 +119,13 @@ def test_across_steps_pairs_confidence_and_mean_d_with_each_metric_and_the_loss(
     # confidence 0.1..0.4 against BLEU 1,3,2,5: ranks 1,2,3,4 vs 1,3,2,4: sum d^2 = 2, rho = 1 - 12/60 = 0.8
     assert table["confidence", "bleu"]["spearman"] == pytest.approx(0.8)
     assert table["confidence", "chrf"]["spearman"] == pytest.approx(1.0)
-    assert table["confidence", "eval_loss"]["spearman"] == pytest.approx(-0.8) and table["confidence", "eval_loss"]["agrees_if"] == "negative"
-    assert table["d_mean", "chrf"]["spearman"] == pytest.approx(-1.0) and table["d_mean", "chrf"]["kendall"] == pytest.approx(-1.0)
+    assert (
+        table["confidence", "eval_loss"]["spearman"] == pytest.approx(-0.8)
+        and table["confidence", "eval_loss"]["agrees_if"] == "negative"
+    )
+    assert table["d_mean", "chrf"]["spearman"] == pytest.approx(-1.0) and table["d_mean", "chrf"][
+        "kendall"
+    ] == pytest.approx(-1.0)
     assert all(r["n"] == 4 for r in table.values())
 
 
@@ -88,7 +133,12 @@ def test_per_query_correlates_d_with_the_sentence_score_within_each_step():
     records = {
         0: [rec("a", 0.1, 10), rec("b", 0.2, 30), rec("c", 0.3, 20)],  # rho = 1 - 6*2/(3*8) = 0.5
         4: [rec("a", 0.1, 30), rec("b", 0.2, 20), rec("c", 0.3, 10)],  # rho = -1
-        8: [rec("a", 0.1, 10), rec("b", 0.2, 20), rec("c", 0.3, 30), rec("d", None, 40)],  # rho = 1 (invalid d left out)
+        8: [
+            rec("a", 0.1, 10),
+            rec("b", 0.2, 20),
+            rec("c", 0.3, 30),
+            rec("d", None, 40),
+        ],  # rho = 1 (invalid d left out)
     }
     result = {r["metric"]: r for r in per_query(records)}
     assert set(result) == {"bleu", "chrf"}
@@ -103,6 +153,7 @@ def test_per_query_correlates_d_with_the_sentence_score_within_each_step():
 
 # ---- the comparison with the base model ----
 
+
 def test_versus_base_is_metric_compare_against_the_baseline():
     base = [rec("a", -0.2), rec("b", 0.1), rec("c", -0.3), rec("d", 0.0)]
     step = [rec("a", 0.1), rec("b", -0.2), rec("c", 0.0), rec("d", 0.2)]
@@ -116,13 +167,45 @@ def test_versus_base_is_metric_compare_against_the_baseline():
 
 # ---- outside verdicts, by hand ----
 
-PAIRWISE_A = [rec("q1", 0.1), rec("q2", -0.2), rec("q3", 0.0), rec("q4", -0.3), rec("q5", 0.2), rec("q6", None), rec("q7", 0.1)]
-PAIRWISE_B = [rec("q1", -0.2), rec("q2", 0.1), rec("q3", 0.0), rec("q4", -0.4), rec("q5", -0.1), rec("q6", 0.0), rec("q7", 0.1)]
+PAIRWISE_A = [
+    rec("q1", 0.1),
+    rec("q2", -0.2),
+    rec("q3", 0.0),
+    rec("q4", -0.3),
+    rec("q5", 0.2),
+    rec("q6", None),
+    rec("q7", 0.1),
+]
+PAIRWISE_B = [
+    rec("q1", -0.2),
+    rec("q2", 0.1),
+    rec("q3", 0.0),
+    rec("q4", -0.4),
+    rec("q5", -0.1),
+    rec("q6", 0.0),
+    rec("q7", 0.1),
+]
 PAIRWISE_VERDICTS = [("q1", "A"), ("q2", "a"), ("q3", "tie"), ("q4", "B"), ("q5", "Tie"), ("q6", "b"), ("q9", "A")]
-REVISION_RECORDS = [rec("r1", 0.3), rec("r2", -0.2), rec("r3", 0.1), rec("r4", -0.1), rec("r5", 0.0), rec("r6", -0.05),
-                    rec("r7", None), rec("r8", 0.4)]
-REVISION_VERDICTS = [("r1", "better"), ("r2", 1), ("r3", "worse"), ("r4", -1), ("r5", "Better"), ("r6", "same"), ("r7", "worse"),
-                     ("r10", 0)]
+REVISION_RECORDS = [
+    rec("r1", 0.3),
+    rec("r2", -0.2),
+    rec("r3", 0.1),
+    rec("r4", -0.1),
+    rec("r5", 0.0),
+    rec("r6", -0.05),
+    rec("r7", None),
+    rec("r8", 0.4),
+]
+REVISION_VERDICTS = [
+    ("r1", "better"),
+    ("r2", 1),
+    ("r3", "worse"),
+    ("r4", -1),
+    ("r5", "Better"),
+    ("r6", "same"),
+    ("r7", "worse"),
+    ("r10", 0),
+]
 
 
 def write_verdicts(path: Path, key: str, rows: list[tuple[str, object]]) -> Path:
@@ -137,41 +220,67 @@ def test_pairwise_agreement_and_confusion_table_by_hand(tmp_path):
     # ProbDiff: q1 A, q2 B, q3 tie, q4 tie, q5 A, q6 B (A's d invalid); judge: A, A, tie, B, tie, B
     assert result["n"] == 6 and result["n_agreed"] == 3 and result["agreement"] == pytest.approx(0.5)
     assert result["n_decisive"] == 3 and result["decisive_agreement"] == pytest.approx(2 / 3)  # q1, q2, q6
-    assert result["confusion"] == {"A": {"A": 1, "tie": 1, "B": 0}, "tie": {"A": 0, "tie": 1, "B": 1}, "B": {"A": 1, "tie": 0, "B": 1}}
+    assert result["confusion"] == {
+        "A": {"A": 1, "tie": 1, "B": 0},
+        "tie": {"A": 0, "tie": 1, "B": 1},
+        "B": {"A": 1, "tie": 0, "B": 1},
+    }
     assert result["judge"] == {"A": 2, "tie": 2, "B": 2}
     assert (result["compare"]["win"], result["compare"]["tie"], result["compare"]["lose"]) == (2, 2, 2)
     assert (result["n_only_verdicts"], result["only_verdicts"]) == (1, ["q9"])
     assert (result["n_only_records"], result["only_records"]) == (1, ["q7"])
     text = format_pairwise(result, "step 20", "step 0 (base model)")
-    assert "agreement 50.0% (3 of 6)" in text and "A wins 2, ties 2, loses 2" in text and "1 verdict ids have no record (e.g. q9)" in text
+    assert (
+        "agreement 50.0% (3 of 6)" in text
+        and "A wins 2, ties 2, loses 2" in text
+        and "1 verdict ids have no record (e.g. q9)" in text
+    )
 
 
 def test_conflict_degree_by_hand(tmp_path):
     verdicts = read_verdicts(write_verdicts(tmp_path / "revision.jsonl", "revision", REVISION_VERDICTS))
-    assert verdicts.kind == "revision" and verdicts.verdicts == {"r1": 1, "r2": 1, "r3": -1, "r4": -1, "r5": 1, "r6": 0, "r7": -1, "r10": 0}
+    assert verdicts.kind == "revision" and verdicts.verdicts == {
+        "r1": 1,
+        "r2": 1,
+        "r3": -1,
+        "r4": -1,
+        "r5": 1,
+        "r6": 0,
+        "r7": -1,
+        "r10": 0,
+    }
     result = conflict_degree(verdicts, REVISION_RECORDS)
     # r2 (judged better, d < 0) and r3 (judged worse, d > 0) conflict; r5 has d = 0; r7 has no valid d
     assert result["n"] == 6 and result["n_conflicts"] == 2 and result["conflict_degree"] == pytest.approx(2 / 6)
     assert result["n_invalid_d"] == 1
-    assert result["table"] == {"d > 0": {"better": 1, "same": 0, "worse": 1}, "d = 0": {"better": 1, "same": 0, "worse": 0},
-                               "d < 0": {"better": 1, "same": 1, "worse": 1}}
+    assert result["table"] == {
+        "d > 0": {"better": 1, "same": 0, "worse": 1},
+        "d = 0": {"better": 1, "same": 0, "worse": 0},
+        "d < 0": {"better": 1, "same": 1, "worse": 1},
+    }
     assert (result["n_only_verdicts"], result["n_only_records"]) == (1, 1)
     assert "conflict degree 33.3% (2 of 6" in format_conflict(result, "step 4")
     with pytest.raises(ValueError, match="not pairwise"):
         pairwise_agreement(verdicts, REVISION_RECORDS, REVISION_RECORDS, DELTA)
 
 
-@pytest.mark.parametrize("lines, message", [
-    (['{"id": "a", "winner": "A"}', "not json"], ":2: not valid JSON"),
-    (['{"winner": "A"}'], ':1: no "id"'),
-    (['{"id": "a", "winner": "C"}'], ':1: "winner" must be "A", "B" or "tie"'),
-    (['{"id": "a", "revision": "much better"}'], ':1: "revision" must be "better", "worse" or "same"'),
-    (['{"id": "a", "revision": true}'], ':1: "revision" must be'),
-    (['{"id": "a", "winner": "A"}', '{"id": "b", "revision": "better"}'], ":2: a revision verdict, but line 1 made this a pairwise"),
-    (['{"id": "a", "winner": "A"}', '{"id": "a", "winner": "B"}'], ":2: id 'a' repeats line 1"),
-    (['{"id": "a", "verdict": "A"}'], ':1: neither "winner"'),
-    (['{"id": "a", "winner": "A", "revision": "better"}'], ':1: both "winner" and "revision"'),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"id": "a", "winner": "A"}', "not json"], ":2: not valid JSON"),
+        (['{"winner": "A"}'], ':1: no "id"'),
+        (['{"id": "a", "winner": "C"}'], ':1: "winner" must be "A", "B" or "tie"'),
+        (['{"id": "a", "revision": "much better"}'], ':1: "revision" must be "better", "worse" or "same"'),
+        (['{"id": "a", "revision": true}'], ':1: "revision" must be'),
+        (
+            ['{"id": "a", "winner": "A"}', '{"id": "b", "revision": "better"}'],
+            ":2: a revision verdict, but line 1 made this a pairwise",
+        ),
+        (['{"id": "a", "winner": "A"}', '{"id": "a", "winner": "B"}'], ":2: id 'a' repeats line 1"),
+        (['{"id": "a", "verdict": "A"}'], ':1: neither "winner"'),
+        (['{"id": "a", "winner": "A", "revision": "better"}'], ':1: both "winner" and "revision"'),
+    ],
+)
 def test_a_bad_verdict_row_is_an_error_with_its_line(tmp_path, lines, message):
     path = tmp_path / "verdicts.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -182,14 +291,26 @@ def test_a_bad_verdict_row_is_an_error_with_its_line(tmp_path, lines, message):
 
 # ---- the command on a run directory ----
 
+
 def write_run(run: Path) -> None:
-    steps = {0: ([0.1, -0.2, -0.3], [10, 20, 30], 4.0), 4: ([0.2, 0.1, -0.2], [20, 10, 40], 3.0), 8: ([0.3, 0.2, 0.1], [30, 25, 35], 2.5)}
+    steps = {
+        0: ([0.1, -0.2, -0.3], [10, 20, 30], 4.0),
+        4: ([0.2, 0.1, -0.2], [20, 10, 40], 3.0),
+        8: ([0.3, 0.2, 0.1], [30, 25, 35], 2.5),
+    }
     for step, (ds, chrfs, loss) in steps.items():
         records = [rec(f"q{i}", d, chrf) for i, (d, chrf) in enumerate(zip(ds, chrfs))]
         write_jsonl(history.step_records_path(run, step), records)
         confidence = sum(d >= DELTA for d in ds) / 3
-        row = history_row(step, confidence, sum(ds) / 3, bleu=sum(chrfs) / 6, chrf=sum(chrfs) / 3, eval_loss=loss,
-                          kind="baseline" if step == 0 else "evaluate")
+        row = history_row(
+            step,
+            confidence,
+            sum(ds) / 3,
+            bleu=sum(chrfs) / 6,
+            chrf=sum(chrfs) / 3,
+            eval_loss=loss,
+            kind="baseline" if step == 0 else "evaluate",
+        )
         history.upsert_history_row(history.history_path(run), row)
 
 
@@ -207,7 +328,9 @@ def test_crosscheck_command_prints_the_table_writes_json_and_plot_and_reads_verd
     # step 8 vs 0: q0 both confident (tie), q1 A only (A), q2 A only (A); judge A, A, tie: 1 of 3 agree
     assert report["verdicts"]["n_agreed"] == 1
     loss = next(r for r in report["across_steps"] if r["probdiff"] == "confidence" and r["measure"] == "eval_loss")
-    assert loss["spearman"] == pytest.approx(-1.0) and loss["n"] == 3  # confidence 1/3, 2/3, 1 as the loss falls 4, 3, 2.5
+    assert (
+        loss["spearman"] == pytest.approx(-1.0) and loss["n"] == 3
+    )  # confidence 1/3, 2/3, 1 as the loss falls 4, 3, 2.5
     png = (run / "probdiff" / "crosscheck.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     rows, records = load_run(run)
@@ -221,8 +344,11 @@ def test_crosscheck_command_prints_the_table_writes_json_and_plot_and_reads_verd
 
 
 def test_crosscheck_without_reference_metrics_says_so():
-    rows = [history_row(0, 0.5, 0.1, eval_loss=3.0, kind="baseline"), history_row(4, 0.6, 0.2, eval_loss=2.9),
-            history_row(8, 0.7, 0.3, eval_loss=2.8)]
+    rows = [
+        history_row(0, 0.5, 0.1, eval_loss=3.0, kind="baseline"),
+        history_row(4, 0.6, 0.2, eval_loss=2.9),
+        history_row(8, 0.7, 0.3, eval_loss=2.8),
+    ]
     report = crosscheck(rows, {})
     assert [r["measure"] for r in report["across_steps"]] == ["eval_loss", "eval_loss"]
     text = format_crosscheck(report)

@@ -169,7 +169,8 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     for row in rows[1:]:
         expected = compare(read_jsonl(run / "probdiff" / row["records"]), base_records, config.delta)
         assert row["vs_base"] == json.loads(json.dumps(expected))
-        assert row["eval_loss"] == next(e["eval_loss"] for e in trainer.state.log_history if e.get("step") == row["global_step"] and "eval_loss" in e)
+        step_logs = [e for e in trainer.state.log_history if e.get("step") == row["global_step"]]
+        assert [row["eval_loss"]] == [e["eval_loss"] for e in step_logs if "eval_loss" in e]
 
     # The baseline is the base model: the adapters were disabled.
     model, tokenizer = tiny_model
@@ -193,7 +194,8 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
         for category in categories:
             assert entry[f"eval_probdiff_confidence_{category}"] == summary["by_category"][category]["confidence"]
         if row["vs_base"] is not None:
-            assert [entry[f"eval_probdiff_vs_base_{k}"] for k in ("win", "tie", "lose")] == [row["vs_base"][k] for k in ("win", "tie", "lose")]
+            for key in ("win", "tie", "lose"):
+                assert entry[f"eval_probdiff_vs_base_{key}"] == row["vs_base"][key]
         else:
             assert math.isnan(entry["eval_probdiff_vs_base_win"])
 

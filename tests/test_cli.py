@@ -45,8 +45,10 @@ def test_eval_scores_the_answers_against_the_references_when_the_queries_have_th
     import sacrebleu
 
     out = tmp_path / "translation"
-    assert main(["eval", "--model", "tiny", "--device", "cpu", "--queries", "data/samples/translation/heldout.jsonl", "--out", str(out),
-                 "--limit", "6", "max_new_tokens=8"]) == 0
+    queries = "data/samples/translation/heldout.jsonl"
+    code = main(["eval", "--model", "tiny", "--device", "cpu", "--queries", queries, "--out", str(out), "--limit", "6",
+                 "max_new_tokens=8"])
+    assert code == 0
     printed = capsys.readouterr().out
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())

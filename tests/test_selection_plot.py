@@ -141,7 +141,9 @@ def test_select_shows_win_tie_lose_against_the_base_model(tmp_path, capsys):
     assert "7/1/0" in line_20
 
 
-def test_plot_marks_the_best_checkpoint_shows_the_eval_loss_and_reference_metrics_and_labels_the_violin_bar(tmp_path, monkeypatch):
+def test_plot_marks_the_best_checkpoint_shows_eval_loss_and_reference_metrics_and_labels_the_violin_bar(
+    tmp_path, monkeypatch
+):
     import matplotlib.figure
 
     from probdiff_callback.plotting import plot_run
@@ -151,8 +153,9 @@ def test_plot_marks_the_best_checkpoint_shows_the_eval_loss_and_reference_metric
     path = history.history_path(run)
     for step, loss, bleu in ((0, 4.0, 1.0), (10, 3.5, 2.0), (20, 3.0, 4.0), (30, 3.2, 3.0)):
         row = next(r for r in history.read_history(path) if r["global_step"] == step)
-        summary = dict(row["summary"], reference={"overall": {"bleu": bleu, "chrf": 10 * bleu}, "n_scored": {"bleu": 8, "chrf": 8},
-                                                  "by_category": {}})
+        overall = {"bleu": bleu, "chrf": 10 * bleu}
+        reference = {"overall": overall, "n_scored": {"bleu": 8, "chrf": 8}, "by_category": {}}
+        summary = dict(row["summary"], reference=reference)
         history.update_row(path, step, eval_loss=loss, summary=summary)
     captured = {}
     real_savefig = matplotlib.figure.Figure.savefig
@@ -165,11 +168,12 @@ def test_plot_marks_the_best_checkpoint_shows_the_eval_loss_and_reference_metric
     plot_run(run)
     figure = captured["figure"]
     legends = [text.get_text() for axis in figure.axes if axis.get_legend() for text in axis.get_legend().get_texts()]
-    for label in ("best checkpoint (step 20)", "bar: median d of the step", "violin: distribution of d over the queries",
-                  "eval loss", "BLEU", "chrF"):
+    for label in ("best checkpoint (step 20)", "bar: median d of the step",
+                  "violin: distribution of d over the queries", "eval loss", "BLEU", "chrF"):
         assert label in legends, legends
     lines = {line.get_label(): line for axis in figure.axes for line in axis.get_lines()}
     assert list(lines["eval loss"].get_ydata()) == [4.0, 3.5, 3.0, 3.2]
-    assert list(lines["BLEU"].get_xdata()) == [0, 10, 20, 30] and list(lines["chrF"].get_ydata()) == [10.0, 20.0, 40.0, 30.0]
+    assert list(lines["BLEU"].get_xdata()) == [0, 10, 20, 30]
+    assert list(lines["chrF"].get_ydata()) == [10.0, 20.0, 40.0, 30.0]
     best_lines = [line for axis in figure.axes for line in axis.get_lines() if list(line.get_xdata()) == [20, 20]]
     assert len(best_lines) == 3  # confidence, the independent measures and the violins

@@ -41,6 +41,7 @@ def rows(steps_and_globals: list[tuple[int, int]]) -> list[dict]:
 
 # ---- no training ----
 
+
 def test_the_run_id_is_kept_in_the_run_directory_and_reused_only_on_resume(tmp_path):
     ids = iter(["first111", "second22"])
     run_id, reused = choose_run_id(tmp_path, resuming=False, make_id=lambda: next(ids))
@@ -89,8 +90,13 @@ def test_a_refused_rewind_falls_back_to_resuming(tmp_path, monkeypatch, capsys):
             raise RuntimeError("cannot rewind a run that is not in a terminal state")
 
     monkeypatch.setattr("probdiff_callback.wandb_run.segment_files", lambda directory, run_id: [Path("seg")])
-    monkeypatch.setattr("probdiff_callback.wandb_run.read_segment", lambda path: Segment(Path(path), "abc123", None, rows([(0, 0), (7, 2)])))
-    started = start_run(run, run / "checkpoint-2", project="p", name="n", wandb_dir=tmp_path / "wandb", init=refusing_init)
+    monkeypatch.setattr(
+        "probdiff_callback.wandb_run.read_segment",
+        lambda path: Segment(Path(path), "abc123", None, rows([(0, 0), (7, 2)])),
+    )
+    started = start_run(
+        run, run / "checkpoint-2", project="p", name="n", wandb_dir=tmp_path / "wandb", init=refusing_init
+    )
     assert [c.get("resume_from") for c in calls] == ["abc123?_step=7", None]
     assert calls[1] == {"project": "p", "name": "n", "id": "abc123", "resume": "allow"}
     assert started.rewound_to is None and "appear twice" in started.message
@@ -101,11 +107,15 @@ def test_segment_files_are_this_runs_in_start_order(tmp_path):
     for name in ("offline-run-20260102_000000-abc", "run-20260101_000000-abc", "offline-run-20260103_000000-xyz"):
         (tmp_path / name).mkdir()
         (tmp_path / name / f"run-{name.rsplit('-', 1)[1]}.wandb").write_bytes(b"")
-    assert [p.parent.name for p in segment_files(tmp_path, "abc")] == ["run-20260101_000000-abc", "offline-run-20260102_000000-abc"]
+    assert [p.parent.name for p in segment_files(tmp_path, "abc")] == [
+        "run-20260101_000000-abc",
+        "offline-run-20260102_000000-abc",
+    ]
     assert sync_command(tmp_path, "abc") == f"wandb sync --id abc {tmp_path}/offline-run-*-abc"
 
 
 # ---- an interrupted run, resumed ----
+
 
 class Interrupted(Exception):
     pass
@@ -134,7 +144,9 @@ def finished_segments(wandb_dir: Path, run_id: str, count: int) -> list[Segment]
             segments = []
         if len(segments) == count and all("exit" in s.record_types for s in segments):
             return segments
-        assert time.monotonic() < deadline, f"run files not finished: {paths}, {[s.record_types[-5:] for s in segments]}"
+        assert time.monotonic() < deadline, (
+            f"run files not finished: {paths}, {[s.record_types[-5:] for s in segments]}"
+        )
         time.sleep(0.5)
 
 
@@ -146,11 +158,22 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp_path, tiny_model_path, monkeypatch):
+@pytest.fixture
+def fresh_wandb(tmp_path, monkeypatch):
+    """wandb offline in `tmp_path`; its process-wide settings are dropped afterwards, so a later test's
+    WANDB_DIR is read again (wandb reads the environment once per setup)."""
     import wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wandb.teardown()
+    yield wandb
+    wandb.teardown()
+
+
+def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp_path, tiny_model_path, fresh_wandb):
+    wandb = fresh_wandb
     run = tmp_path / "run"
     wandb_dir = tmp_path / "wandb"
     queries = load_queries(TRANSLATION_QUERIES)
@@ -160,9 +183,17 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp
         trainer = build_trainer(tiny_model_path, run, **settings)
         ProbDiffCallback.attach(trainer, queries, probdiff_config(), n_queries=8, wandb_table_rows=0)
         if interrupt_at is not None:
-            trainer.add_callback(InterruptAt(interrupt_at))  # after ProbDiff: its evaluation of the step is logged first
-        started = start_run(run, resume, project="probdiff-test", name="resume-test", wandb_dir=wandb_dir,
-                            init=lambda **kw: wandb.init(dir=str(tmp_path), **kw))
+            trainer.add_callback(
+                InterruptAt(interrupt_at)
+            )  # after ProbDiff: its evaluation of the step is logged first
+        started = start_run(
+            run,
+            resume,
+            project="probdiff-test",
+            name="resume-test",
+            wandb_dir=wandb_dir,
+            init=lambda **kw: wandb.init(dir=str(tmp_path), **kw),
+        )
         try:
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         finally:
@@ -190,7 +221,9 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp
     uploaded = effective_history(segments)
     assert probdiff_steps(uploaded) == [0, 1, 2, 3, 4]
     assert [row["train/global_step"] for row in uploaded if "eval/loss" in row] == [1, 2, 3, 4]
-    assert [row["_step"] for row in uploaded] == sorted({row["_step"] for row in uploaded}), "W&B steps increase without repeats"
+    assert [row["_step"] for row in uploaded] == sorted({row["_step"] for row in uploaded}), (
+        "W&B steps increase without repeats"
+    )
 
     # what W&B holds at each step is what the history holds: the resumed process's evaluation of step 3
     by_step = {row["train/global_step"]: row for row in uploaded if "eval/probdiff_confidence" in row}
@@ -210,8 +243,12 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp
         # the resumed process compared its steps with the baseline records it read back from the history
         expected = compare(read_jsonl(run / "probdiff" / row["records"]), base_records, probdiff_config().delta)
         assert row["vs_base"] == json.loads(json.dumps(expected))
-        assert [logged[f"eval/probdiff_vs_base_{k}"] for k in ("win", "tie", "lose")] == [row["vs_base"][k] for k in ("win", "tie", "lose")]
-        logged_loss = next(r["eval/loss"] for r in uploaded if r.get("train/global_step") == row["global_step"] and "eval/loss" in r)
+        assert [logged[f"eval/probdiff_vs_base_{k}"] for k in ("win", "tie", "lose")] == [
+            row["vs_base"][k] for k in ("win", "tie", "lose")
+        ]
+        logged_loss = next(
+            r["eval/loss"] for r in uploaded if r.get("train/global_step") == row["global_step"] and "eval/loss" in r
+        )
         assert row["eval_loss"] == pytest.approx(logged_loss)
 
     # the printed sync command names exactly these segments, and wandb's dry run would upload them as one run
@@ -220,7 +257,11 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp
     assert sorted(glob.glob(pattern)) == sorted(str(s.path.parent) for s in segments)
     executable = shutil.which("wandb")
     if executable is not None:
-        dry = subprocess.run([executable, "sync", "--dry-run", "--id", run_id, *sorted(glob.glob(pattern))],
-                             capture_output=True, text=True, timeout=120)
+        dry = subprocess.run(
+            [executable, "sync", "--dry-run", "--id", run_id, *sorted(glob.glob(pattern))],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         listed = [line for line in (dry.stdout + dry.stderr).splitlines() if line.strip().endswith(".wandb")]
         assert sorted(Path(line.split()[-1]).resolve() for line in listed) == sorted(s.path.resolve() for s in segments)

@@ -332,7 +332,8 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     subdir = recipe.callback.output_subdir
     rows = [r for r in history.read_history(history.history_path(run_dir, subdir)) if r.get("summary") is not None]
     logs = trainer.state.log_history
-    references = [name for name in METRIC_LABELS if any(name in ((r["summary"].get("reference") or {}).get("overall", {})) for r in rows)]
+    overall = [(r["summary"].get("reference") or {}).get("overall", {}) for r in rows]
+    references = [name for name in METRIC_LABELS if any(name in values for values in overall)]
 
     def last(key: str, step: int) -> str:
         values = [e[key] for e in logs if key in e and e.get("step", 0) <= step]
