@@ -71,11 +71,28 @@ class ProbDiffConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
 
+def did_you_mean(key: str, candidates: list[str]) -> str:
+    """` (did you mean 'x'?)` for the closest candidate to a mistyped key, else ``."""
+    import difflib
+
+    leaf = key.split(".")[-1]
+    by_leaf = {c.split(".")[-1]: c for c in candidates}
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.7) or [
+        by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.7)
+    ]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def wrong_type_message(key: str, value: object, expected: object) -> str:
+    """`wrong type for 'key': got 'abc', expected float`, without OmegaConf's internals."""
+    return f"wrong type for {key!r}: got {value!r}, expected {expected}"
+
+
 def apply_overrides(base, overrides: list[str], where: str = "overrides"):
     """`base` (a dataclass instance) with `key=value` overrides applied through OmegaConf's typed merge.
 
-    An unknown key or a value of the wrong type raises a ValueError that names the key and
-    lists the valid ones.
+    An unknown key or a value of the wrong type raises a ValueError that names the key, the expected
+    type or the closest valid key, and lists the valid ones.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, ValidationError
@@ -85,12 +102,15 @@ def apply_overrides(base, overrides: list[str], where: str = "overrides"):
         if "=" not in item:
             raise ValueError(f"{where}: {item!r} is not key=value")
     schema = OmegaConf.structured(base)
+    layer = OmegaConf.from_dotlist(list(overrides))
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(schema, layer)
     except ConfigKeyError as err:
-        key = getattr(err, "full_key", None) or str(err)
-        raise ValueError(f"{where}: unknown key {key!r}. Valid keys: {', '.join(cls.field_names())}") from None
+        key = str(getattr(err, "full_key", None) or err)
+        valid = cls.field_names()
+        raise ValueError(f"{where}: unknown key {key!r}{did_you_mean(key, valid)}. Valid keys: {', '.join(valid)}") from None
     except ValidationError as err:
-        key = getattr(err, "full_key", "?")
-        raise ValueError(f"{where}: wrong type for {key!r}: {err.msg}") from None
+        key = str(getattr(err, "full_key", "?"))
+        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(key.split(".")[0], "value")
+        raise ValueError(f"{where}: {wrong_type_message(key, OmegaConf.select(layer, key), expected)}") from None
     return OmegaConf.to_object(merged)

@@ -25,7 +25,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
+    run_dir = history.existing_run_dir(run_dir)
     directory = history.probdiff_dir(run_dir, subdir)
     all_rows = history.read_history(directory / history.HISTORY_FILE)
     rows = [r for r in all_rows if r.get("summary") is not None]

@@ -67,6 +67,18 @@ def test_bad_input_gives_a_clear_error(tmp_path, capsys):
     assert f"{bad}:2: no query found" in capsys.readouterr().err
     assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta_typo=1"]) == 2
     assert "unknown key 'delta_typo'" in capsys.readouterr().err
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "dleta=1"]) == 2
+    assert "unknown key 'dleta' (did you mean 'delta'?)" in capsys.readouterr().err
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "wrong type for 'delta': got 'abc', expected float" in err and "object_type" not in err
+
+
+def test_select_and_plot_name_a_missing_run_directory(tmp_path, capsys):
+    missing = tmp_path / "runs" / "nope"
+    for command in ("select", "plot"):
+        assert main([command, str(missing)]) == 2
+        assert f"{missing}: no such run directory" in capsys.readouterr().err
 
 
 def test_console_script_help_lists_every_command():
