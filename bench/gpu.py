@@ -45,6 +45,7 @@ import resource
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -691,7 +692,7 @@ def evaluation_figures(
         Figure(
             f"{label}: evaluation",
             seconds(run.total_seconds),
-            f"{len(run.records)} queries; floor {seconds(floors.total)}, "
+            f"{plural(len(run.records), 'query', 'queries')}; floor {seconds(floors.total)}, "
             f"{run.total_seconds / floors.total:.2f}x the floor; "
             f"other (prompts, tokenizing) {seconds(run.total_seconds - staged)}; memory {run.memory_detail}"
             + identical_share(run, reference),
@@ -771,7 +772,7 @@ def choose_loss(requested: str, device: torch.device) -> tuple[str, str]:
 
 
 def lora_training_steps(
-    model, tokenizer, recipe: dict, lengths: Sequence[int], loss: str, device: torch.device
+    model, tokenizer, recipe: dict, lengths: Sequence[int], loss: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[object, list[TrainingStep]]:
     """Time forward + backward of one sequence and one AdamW step, LoRA on the recipe's modules, activation
     checkpointing on. Returns the base model with the adapter removed again, and one result per length."""
@@ -805,12 +806,18 @@ def lora_training_steps(
         trainable, lr=recipe["learning_rate"], weight_decay=recipe["weight_decay"], betas=(0.9, recipe["adam_beta2"])
     )
     repeats = 3 if device.type == "cuda" else 2
+    # the run's dtype, not the model's now: prepare_model_for_kbit_training has cast QLoRA's embedding to fp32
+    autocast_bf16 = recipe["bf16"] and dtype == torch.bfloat16
     results = []
     for n_tokens in lengths:
         batch = dict(zip(("input_ids", "labels"), (t.to(device) for t in training_batch(tokenizer, n_tokens))))
 
         def forward_backward(batch: dict[str, torch.Tensor] = batch) -> None:
-            peft_model(**batch, use_cache=False, **extra).loss.backward()
+            # With bf16: true the Trainer runs the forward under bf16 autocast (accelerate wraps it); without it
+            # peft's fp32 adapters, and QLoRA's fp32 norms and embeddings, would turn activations to fp32.
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+                loss = peft_model(**batch, use_cache=False, **extra).loss
+            loss.backward()
 
         forward_backward()  # warm-up, and the optimizer's states get created below
         optimizer.step()
@@ -1041,17 +1048,21 @@ def computed_floor_figures(
     return figures
 
 
-def guarded(figures: list[Figure], name: str, device: torch.device, measurement: Callable[[], object]) -> object | None:
-    """The measurement's result, or None and an "out of memory" row: a batch that does not fit is a result too."""
+def guarded(figures: list[Figure], name: str, device: torch.device, measurement: Callable[[], object]) -> object:
+    """The measurement's result, or None and a row saying why not: a batch that does not fit is a result too,
+    and one failing path (a torch.compile error, say) should not cost the rest of a long GPU run."""
     try:
         return measurement()
     except torch.OutOfMemoryError as err:
-        message = str(err).splitlines()[0]
-    # Only here, outside the except clause, are the failed call's frames and their tensors gone.
+        value, detail = "out of memory", str(err).splitlines()[0]
+    except Exception as err:  # reported in the table and on stderr; then the next measurement
+        traceback.print_exc()
+        value, detail = "failed", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    # Only here, outside the except clauses, are the failed call's frames and their tensors gone.
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    figures.append(Figure(name, "out of memory", message))
+    figures.append(Figure(name, value, detail))
     return None
 
 
@@ -1206,7 +1217,7 @@ def training_section(bench: Bench, model, runs: dict[str, EvaluationRun]) -> lis
     say(f"{label}: {', '.join(map(str, lengths))} tokens")
 
     def lora_steps(model=model) -> tuple[object, list[TrainingStep]]:
-        return lora_training_steps(model, bench.tokenizer, recipe, lengths, loss, bench.device)
+        return lora_training_steps(model, bench.tokenizer, recipe, lengths, loss, bench.device, bench.dtype)
 
     done = guarded(figures, label, bench.device, lora_steps)
     if done is None:

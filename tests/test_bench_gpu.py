@@ -86,6 +86,8 @@ def test_the_table_has_every_row(tiny_run):
     rows = table_rows(stdout)
     missing = [name for name in EXPECTED_ROWS if name not in rows]
     assert not missing, f"rows missing from the table: {missing}\n{stdout}"
+    broken = {name: cells for name, cells in rows.items() if cells[0] in ("failed", "out of memory")}
+    assert not broken, f"measurements that did not run: {broken}"
     assert rows["device"][0].startswith("CPU")
     for package in ("torch", "transformers", "peft", "probdiff"):
         assert package in rows["versions"][0]
