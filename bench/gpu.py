@@ -548,15 +548,11 @@ def decoding_paths(requested: Sequence[str], device: torch.device) -> tuple[dict
         "generate-static": functools.partial(generate_continuations, static_cache=True),
         "generate-compile": functools.partial(generate_continuations, static_cache=True, compile_forward=True),
     }
+    chosen = {name: available[name] for name in requested}
     skipped = []
-    if "generate-compile" in requested and device.type != "cuda":
-        reason = "torch.compile of generate's forward is measured on CUDA only (on CPU it compiles for minutes)"
+    if device.type != "cuda" and chosen.pop("generate-compile", None) is not None:
+        reason = "CUDA only: transformers compiles generate's forward itself on GPUs, not on a CPU"
         skipped.append(Figure(f"{PATHS['generate-compile']}: evaluation", "skipped", reason))
-    chosen = {
-        name: available[name]
-        for name in requested
-        if name in available and (name, device.type) != ("generate-compile", "cpu")
-    }
     return chosen, skipped
 
 
@@ -816,8 +812,8 @@ def lora_training_steps(
             # With bf16: true the Trainer runs the forward under bf16 autocast (accelerate wraps it); without it
             # peft's fp32 adapters, and QLoRA's fp32 norms and embeddings, would turn activations to fp32.
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                loss = peft_model(**batch, use_cache=False, **extra).loss
-            loss.backward()
+                loss_value = peft_model(**batch, use_cache=False, **extra).loss
+            loss_value.backward()
 
         forward_backward()  # warm-up, and the optimizer's states get created below
         optimizer.step()
