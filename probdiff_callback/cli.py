@@ -149,6 +149,7 @@ def cmd_eval(args) -> int:
 
     config = _config(args.overrides)
     queries = load_queries(args.queries)
+    config.check_categories(q.category for q in queries)  # the whole file: --limit may leave a category out
     if args.limit is not None:
         queries = queries[: args.limit]
     model, tokenizer = _load(args)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from probdiff_callback.categories import ALIGNBENCH, canonical_category, describe, unmatched_keys
 from probdiff_callback.prompts import REFINEMENT_PROMPTS
 from probdiff_callback.tokenizer import DEFAULT_SYSTEM_PROMPT
 
@@ -55,13 +57,31 @@ class ProbDiffConfig:
                 f"refinement_prompt={self.refinement_prompt!r}: use one of {sorted(REFINEMENT_PROMPTS)} "
                 "or a template containing {instruction} and {response}"
             )
+        seen: dict[str, str] = {}
+        for key in self.answer_temperature_by_category:
+            canonical = canonical_category(key)
+            if canonical in seen:  # e.g. Writing and 文本写作: one category, two temperatures
+                problems.append(f"answer_temperature_by_category: {seen[canonical]!r} and {key!r} name the same category")
+            seen[canonical] = key  # type: ignore[index]
         if problems:
             raise ValueError("Invalid ProbDiff config: " + "; ".join(problems))
 
     def answer_temperature_for(self, category: str | None) -> float:
-        if category is not None and category in self.answer_temperature_by_category:
-            return self.answer_temperature_by_category[category]
-        return self.answer_temperature
+        """The answer temperature of a query's category, matched under any of the category's names."""
+        by_canonical = {canonical_category(k): v for k, v in self.answer_temperature_by_category.items()}
+        return by_canonical.get(canonical_category(category), self.answer_temperature)
+
+    def check_categories(self, categories: Iterable[str | None]) -> None:
+        """Stop when a key of `answer_temperature_by_category` names no category of the queries and no
+        AlignBench category: an unmatched key would otherwise fall back to `answer_temperature` unseen."""
+        categories = list(categories)
+        unmatched = unmatched_keys(self.answer_temperature_by_category, categories)
+        if unmatched:
+            present = sorted({canonical_category(c) for c in categories if c is not None})  # type: ignore[type-var]
+            raise ValueError(
+                f"answer_temperature_by_category: {', '.join(map(repr, unmatched))} matches no category. "
+                f"The queries' categories: {describe(present) or '(none)'}; AlignBench's: {describe(ALIGNBENCH)}"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

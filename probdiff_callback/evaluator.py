@@ -127,8 +127,13 @@ def build_record(
     scores_response: list[tuple[float, int]],
     scores_revised: list[tuple[float, int]],
     delta: float,
+    *,
+    answer_temperature: float | None = None,
 ) -> dict:
-    """One row of records.jsonl from the texts and scores of each sample of a query."""
+    """One row of records.jsonl from the texts and scores of each sample of a query.
+
+    `answer_temperature` is None for texts generated elsewhere (`score_pairs`).
+    """
     d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
     d = _mean_finite(d_samples)
     record = {
@@ -144,6 +149,7 @@ def build_record(
         "n_tokens_revised": scores_revised[0][1],
         "confident": is_confident(d, delta),
         "truncated": prepared.truncated,
+        "answer_temperature": answer_temperature,
     }
     if len(responses) > 1:
         record.update(responses=responses, revisions_by_sample=revisions_by_sample, d_samples=d_samples)
@@ -160,7 +166,11 @@ def evaluate(
     synced_gpus: bool = False,
     sync_n_chunks: Callable[[int], int] | None = None,
 ) -> list[dict]:
-    """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample)."""
+    """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample).
+
+    Callers that hold the whole query set check `config.check_categories` on it first (the CLI and
+    the callback do); here the queries may be one rank's share.
+    """
     prepared = prepare_queries(tokenizer, queries, config)
     chains = [(qi, s) for qi in range(len(prepared)) for s in range(config.n_samples)]
     # Similar lengths together waste less padding; the sampler makes the order irrelevant to the texts.
@@ -228,6 +238,7 @@ def evaluate(
                 [scores[c][0] for c in mine],
                 [scores[c][1] for c in mine],
                 config.delta,
+                answer_temperature=config.answer_temperature_for(item.query.category),
             )
         )
     return records

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from probdiff_callback.categories import canonical_category
+
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 LENGTH_CHANGE_LIMIT = 0.5  # the paper's length bias: revisions that change length by more than half
 
@@ -74,9 +76,10 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float], boo
     ds = [math.nan if r["d"] is None else r["d"] for r in records]
     finite = _finite(ds)
     by_category: dict[str, dict] = {}
-    categories = sorted({r["category"] for r in records if r.get("category") is not None})
-    for category in categories:
-        cat_ds = [d for d, r in zip(ds, records) if r.get("category") == category]
+    # records written before categories were canonical may hold AlignBench's Chinese names
+    record_categories = [canonical_category(r.get("category")) for r in records]
+    for category in sorted({c for c in record_categories if c is not None}):
+        cat_ds = [d for d, c in zip(ds, record_categories) if c == category]
         by_category[category] = {"n": len(cat_ds), "confidence": confidence(cat_ds, delta), "d_mean": _mean(cat_ds)}
     return {
         "n": len(records),

@@ -41,7 +41,7 @@ def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, r
 def test_records_hold_the_documented_fields(reference_records, queries):
     record = reference_records[0]
     assert set(record) == {"id", "category", "query", "response", "revisions", "logp_response", "logp_revised", "d",
-                           "n_tokens_response", "n_tokens_revised", "confident", "truncated"}
+                           "n_tokens_response", "n_tokens_revised", "confident", "truncated", "answer_temperature"}
     assert record["id"] == queries[0].id and record["category"] == "blog"
     assert len(record["revisions"]) == 1
     for r in reference_records:
@@ -73,11 +73,14 @@ def test_several_samples_and_revisions(tiny_model, queries):
 
 def test_per_category_answer_temperature(tiny_model):
     model, tokenizer = tiny_model
-    queries = [Query("a", "写一首关于秋天的诗", "Writing"), Query("b", "写一首关于秋天的诗", "Mathematics")]
+    # AlignBench's raw files name categories in Chinese, the recipes' keys are English: they must meet
+    queries = [Query("a", "写一首关于秋天的诗", "文本写作"), Query("b", "写一首关于秋天的诗", "数学计算")]
     config = ProbDiffConfig(max_new_tokens=16, answer_temperature_by_category={"Mathematics": 0.0})
-    greedy = evaluate(model, tokenizer, queries[1:], config, progress=False)[0]["response"]
+    records = evaluate(model, tokenizer, queries, config, progress=False)
+    assert [(r["category"], r["answer_temperature"]) for r in records] == [("Writing", 0.7), ("Mathematics", 0.0)]
     # temperature 0 is greedy: the same text under any seed
-    assert evaluate(model, tokenizer, queries[1:], dataclasses.replace(config, seed=5), progress=False)[0]["response"] == greedy
+    reseeded = evaluate(model, tokenizer, queries[1:], dataclasses.replace(config, seed=5), progress=False)[0]
+    assert reseeded["response"] == records[1]["response"]
     assert config.answer_temperature_for("Writing") == 0.7 and config.answer_temperature_for(None) == 0.7
 
 
