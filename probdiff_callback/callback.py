@@ -458,7 +458,7 @@ class ProbDiffCallback(TrainerCallback):
         summary = None
         if error is None:
             try:  # deterministic on the gathered records: every rank fails alike or not at all
-                summary = summarize(records, self.config.delta, self.config.sweep, self.config.bootstrap_samples, self.config.seed)
+                summary = summarize(records, self.config.delta, self.config.sweep)
             except Exception:
                 error, records = f"summary: {traceback.format_exc()}", []
         return EvaluationOutcome(

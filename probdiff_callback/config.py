@@ -32,7 +32,6 @@ class ProbDiffConfig:
     max_prompt_tokens: int = 2048  # longer queries are cut in the middle
     batch_size: int = 16
     score_chunk_tokens: int = 512  # positions per LM-head chunk when scoring
-    bootstrap_samples: int = 1000
 
     def __post_init__(self) -> None:
         self.validate()

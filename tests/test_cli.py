@@ -58,6 +58,8 @@ def test_compare_prints_win_tie_lose(eval_dirs, capsys):
     out = capsys.readouterr().out
     assert "6 shared queries at delta -0.05" in out
     assert "A wins" in out and "ties" in out and "loses" in out and "Wilcoxon" in out
+    assert "sign test p = " in out and "tests whether one model wins more queries than it loses" in out
+    assert "(win - lose)/n = " in out and "95% CI [" in out
 
 
 def test_bad_input_gives_a_clear_error(tmp_path, capsys):
