@@ -19,12 +19,16 @@ class ProbDiffConfig:
     n_revisions: int = 1  # K: revise the last revision K times
     refinement_prompt: str = "rewriter"  # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    # --- sampling ---
+    # --- sampling (the reference code's: generation_task/vllm_inference.py and vllm_modify.py) ---
+    # Temperature only: the reference code samples with top_p 1 and top_k -1 (off), and its runs
+    # produced the published tables. The submission version of the paper states top_p 0.8 for
+    # answers and 0.9 for revisions (the camera-ready states none): answer_top_p=0.8 revision_top_p=0.9.
     answer_temperature: float = 0.7
-    answer_top_p: float = 0.8
+    answer_top_p: float = 1.0
+    # AlignBench's official settings, keyed by any name of a category (categories.py)
     answer_temperature_by_category: dict[str, float] = field(default_factory=dict)
     revision_temperature: float = 0.1
-    revision_top_p: float = 0.9
+    revision_top_p: float = 1.0
     n_samples: int = 1  # average d over this many independent answer -> revise chains
     seed: int = 0
     # --- lengths and batching ---

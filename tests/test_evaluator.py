@@ -122,6 +122,20 @@ def test_refinement_request_fills_once():
     assert "#Given Prompt#:\na {response} in the query\n#Given Response#:\nthe answer\n#Rewritten Response#:\n" in filled
 
 
+def test_sampling_defaults_are_the_reference_codes_and_reach_the_sampler(tiny_model, queries):
+    """top_p 1 for answers and revisions (the reference code); the submission paper's 0.8 / 0.9 by override."""
+    config = ProbDiffConfig()
+    assert (config.answer_temperature, config.answer_top_p, config.revision_temperature, config.revision_top_p) == (0.7, 1.0, 0.1, 1.0)
+    submission = apply_overrides(config, ["answer_top_p=0.8", "revision_top_p=0.9"])
+    assert (submission.answer_top_p, submission.revision_top_p) == (0.8, 0.9)
+    # a nucleus of one token is greedy decoding: so each top_p reaches its stage's sampler
+    model, tokenizer = tiny_model
+    narrow = ProbDiffConfig(max_new_tokens=12, answer_top_p=1e-9, revision_top_p=1e-9)
+    greedy = ProbDiffConfig(max_new_tokens=12, answer_temperature=0.0, revision_temperature=0.0)
+    a, b = (evaluate(model, tokenizer, queries[:2], c, progress=False) for c in (narrow, greedy))
+    assert [(r["response"], r["revisions"]) for r in a] == [(r["response"], r["revisions"]) for r in b]
+
+
 def test_config_overrides_reject_unknown_keys_and_bad_types():
     config = apply_overrides(ProbDiffConfig(), ["delta=-0.02", "n_samples=2", "answer_temperature_by_category.Writing=0.7"])
     assert config.delta == -0.02 and config.n_samples == 2 and config.answer_temperature_by_category == {"Writing": 0.7}
