@@ -130,6 +130,7 @@ def format_summary(summary: dict) -> str:
     low, high = summary["confidence_ci"]
     lines = [
         f"queries            {summary['n']}  (invalid {summary['n_invalid']}, truncated {summary['n_truncated']})",
+        f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}  (scored as cut)",
         f"confidence         {pct(summary['confidence'])}  at delta {summary['delta']:g}   95% CI [{pct(low)}, {pct(high)}] (Wilson)",
         "sweep              " + "  ".join(f"{k}: {pct(v)}" for k, v in summary["confidence_sweep"].items()),
         f"d mean / median    {summary['d_mean']:.4f} / {summary['d_median']:.4f}",
@@ -183,6 +184,12 @@ def cmd_eval(args) -> int:
     print(format_summary(summary))
     if summary["n_truncated"]:
         print(f"note: {summary['n_truncated']} queries were longer than max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle (see `truncated` in records.jsonl)")
+    if summary["n_capped"] or summary["n_revision_capped"]:
+        print(
+            f"note: {summary['n_capped']} answers and {summary['n_revision_capped']} revisions ended at max_new_tokens="
+            f"{config.max_new_tokens} without an end-of-turn token and were scored cut short (see `response_capped` and "
+            "`revision_capped` in records.jsonl); the reference code allowed 2,048 tokens (1,024 on AlignBench)"
+        )
     print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
     return 0
 

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.decoding import sample_continuations
+from probdiff_callback.decoding import hit_cap, sample_continuations
 from probdiff_callback.io import Query
 from probdiff_callback.metric import discrepancy, is_confident
 from probdiff_callback.prompts import refinement_request, refinement_template
@@ -77,8 +77,8 @@ def generate_texts(
     top_ps: Sequence[float],
     max_new_tokens: int,
     synced_gpus: bool = False,
-) -> list[str]:
-    """One batch of sampled texts, special tokens stripped."""
+) -> tuple[list[str], list[bool]]:
+    """One batch of sampled texts, special tokens stripped, and whether each hit `max_new_tokens`."""
     generated = sample_continuations(
         model,
         prompts,
@@ -91,7 +91,8 @@ def generate_texts(
         n_valid_ids=len(tokenizer),
         synced_gpus=synced_gpus,
     )
-    return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+    return texts, [hit_cap(ids, max_new_tokens) for ids in generated]
 
 
 @contextlib.contextmanager
@@ -129,10 +130,14 @@ def build_record(
     delta: float,
     *,
     answer_temperature: float | None = None,
+    response_capped: bool | None = None,
+    revision_capped: bool | None = None,
 ) -> dict:
     """One row of records.jsonl from the texts and scores of each sample of a query.
 
-    `answer_temperature` is None for texts generated elsewhere (`score_pairs`).
+    `response_capped` / `revision_capped`: whether an answer / a last revision (of any sample)
+    ended at max_new_tokens without a stop token, so was scored cut short. These and
+    `answer_temperature` are None for texts generated elsewhere (`score_pairs`).
     """
     d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
     d = _mean_finite(d_samples)
@@ -150,6 +155,8 @@ def build_record(
         "confident": is_confident(d, delta),
         "truncated": prepared.truncated,
         "answer_temperature": answer_temperature,
+        "response_capped": response_capped,
+        "revision_capped": revision_capped,
     }
     if len(responses) > 1:
         record.update(responses=responses, revisions_by_sample=revisions_by_sample, d_samples=d_samples)
@@ -179,6 +186,8 @@ def evaluate(
     template = refinement_template(config.refinement_prompt)
     answers: list[str] = [""] * len(chains)
     revisions: list[list[str]] = [[] for _ in chains]
+    answer_capped: list[bool] = [False] * len(chains)
+    revision_capped: list[bool] = [False] * len(chains)  # the last revision's
     scores: list[list[tuple[float, int]]] = [[] for _ in chains]
 
     steps = len(batches) * (2 + config.n_revisions)
@@ -186,7 +195,7 @@ def evaluate(
     with inference_mode(model):
         for batch in batches:
             bar.set_postfix_str("answer")
-            answers_batch = generate_texts(
+            answers_batch, capped_batch = generate_texts(
                 model,
                 tokenizer,
                 [prepared[chains[c][0]].prompt_ids for c in batch],
@@ -196,13 +205,13 @@ def evaluate(
                 config.max_new_tokens,
                 synced_gpus,
             )
-            for c, text in zip(batch, answers_batch):
-                answers[c] = text
+            for c, text, capped in zip(batch, answers_batch, capped_batch):
+                answers[c], answer_capped[c] = text, capped
             bar.update()
             for round_ in range(1, config.n_revisions + 1):
                 bar.set_postfix_str(f"revision {round_}")
                 last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
-                revised = generate_texts(
+                revised, capped_batch = generate_texts(
                     model,
                     tokenizer,
                     [
@@ -215,8 +224,9 @@ def evaluate(
                     config.max_new_tokens,
                     synced_gpus,
                 )
-                for c, text in zip(batch, revised):
+                for c, text, capped in zip(batch, revised, capped_batch):
                     revisions[c].append(text)
+                    revision_capped[c] = capped
                 bar.update()
             bar.set_postfix_str("score")
             texts = [answers[c] for c in batch] + [revisions[c][-1] for c in batch]
@@ -239,6 +249,8 @@ def evaluate(
                 [scores[c][1] for c in mine],
                 config.delta,
                 answer_temperature=config.answer_temperature_for(item.query.category),
+                response_capped=any(answer_capped[c] for c in mine),
+                revision_capped=any(revision_capped[c] for c in mine),
             )
         )
     return records

@@ -134,6 +134,9 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> 
         "n": len(records),
         "n_invalid": int(sum(math.isnan(d) for d in ds)),
         "n_truncated": int(sum(bool(r.get("truncated")) for r in records)),
+        # answers / last revisions that hit max_new_tokens without a stop token, scored cut short
+        "n_capped": int(sum(bool(r.get("response_capped")) for r in records)),
+        "n_revision_capped": int(sum(bool(r.get("revision_capped")) for r in records)),
         "delta": delta,
         "confidence": confidence(ds, delta),
         "confidence_ci": confidence_interval(ds, delta),

@@ -41,7 +41,8 @@ def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, r
 def test_records_hold_the_documented_fields(reference_records, queries):
     record = reference_records[0]
     assert set(record) == {"id", "category", "query", "response", "revisions", "logp_response", "logp_revised", "d",
-                           "n_tokens_response", "n_tokens_revised", "confident", "truncated", "answer_temperature"}
+                           "n_tokens_response", "n_tokens_revised", "confident", "truncated", "answer_temperature",
+                           "response_capped", "revision_capped"}
     assert record["id"] == queries[0].id and record["category"] == "blog"
     assert len(record["revisions"]) == 1
     for r in reference_records:
@@ -49,6 +50,21 @@ def test_records_hold_the_documented_fields(reference_records, queries):
             assert r["d"] == pytest.approx(r["logp_revised"] - r["logp_response"])
             assert r["logp_response"] < 0
         assert r["confident"] == (r["d"] is not None and not math.isnan(r["d"]) and r["d"] >= -0.05)
+
+
+def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queries):
+    from probdiff_callback.metric import summarize
+
+    model, tokenizer = tiny_model
+    cut = evaluate(model, tokenizer, queries[:4], ProbDiffConfig(max_new_tokens=1), progress=False)
+    # one new token leaves no room for the end-of-turn token: every non-empty text was cut
+    assert all(r["response_capped"] or r["response"] == "" for r in cut) and any(r["response_capped"] for r in cut)
+    assert all(r["revision_capped"] or r["revisions"][-1] == "" for r in cut)
+    summary = summarize(cut, -0.05, [-0.05])
+    assert summary["n_capped"] == sum(r["response_capped"] for r in cut) > 0
+    assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in cut)
+    roomy = evaluate(model, tokenizer, queries[:4], ProbDiffConfig(max_new_tokens=64, answer_temperature=0.0), progress=False)
+    assert not all(r["response_capped"] for r in roomy), "the tiny model ends most answers within 64 tokens"
 
 
 def test_seed_changes_texts(tiny_model, queries, reference_records):
