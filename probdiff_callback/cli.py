@@ -184,6 +184,11 @@ def cmd_eval(args) -> int:
     print(format_summary(summary))
     if summary["n_truncated"]:
         print(f"note: {summary['n_truncated']} queries were longer than max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle (see `truncated` in records.jsonl)")
+    if summary["n_revision_truncated"]:
+        print(
+            f"note: {summary['n_revision_truncated']} refinement requests (query + answer + prompt) were longer than "
+            f"max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle (see `revision_truncated` in records.jsonl)"
+        )
     if summary["n_capped"] or summary["n_revision_capped"]:
         print(
             f"note: {summary['n_capped']} answers and {summary['n_revision_capped']} revisions ended at max_new_tokens="

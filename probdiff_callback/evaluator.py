@@ -58,6 +58,42 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
     return head + ELLIPSIS + tail, True
 
 
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def refinement_prompt_ids(
+    tokenizer, system_prompt: str, template: str, instruction: str, response: str, max_tokens: int
+) -> tuple[list[int], bool]:
+    """Chat ids of the refinement request for (instruction, response), cut to `max_tokens`, and
+    whether it was cut.
+
+    The request holds the query and the answer, so it outgrows the context where the query alone
+    did not (a CNN/DM article with its summary passes 2,048 tokens, where Qwen v1's conversion
+    stops being exact). It is cut as queries are, in the middle: the instruction first (it is
+    context; the response is what gets rewritten), keeping it at least a quarter of the room,
+    then the response. At most `max_tokens` unless the template alone is longer.
+    """
+    ids = chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, instruction, response))
+    if len(ids) <= max_tokens:
+        return ids, False
+    frame = len(chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, "", "")))
+    room = max(max_tokens - frame, 4)
+    response_budget = min(_n_tokens(tokenizer, response), room - min(_n_tokens(tokenizer, instruction), room // 4))
+    instruction_budget = room - response_budget
+    for _ in range(4):  # tokens can merge across the cut pieces' edges: shrink by the excess and retry
+        cut_instruction, _ = truncate_middle(tokenizer, instruction, max(instruction_budget, 2))
+        cut_response, _ = truncate_middle(tokenizer, response, max(response_budget, 2))
+        ids = chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, cut_instruction, cut_response))
+        excess = len(ids) - max_tokens
+        if excess <= 0:
+            break
+        shrink_instruction = min(excess, max(instruction_budget - 2, 0))
+        instruction_budget -= shrink_instruction
+        response_budget -= excess - shrink_instruction
+    return ids, True
+
+
 def prepare_queries(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[PreparedQuery]:
     overhead = len(chat_prompt_ids(tokenizer, config.system_prompt, ""))
     budget = max(config.max_prompt_tokens - overhead, 16)
@@ -132,12 +168,14 @@ def build_record(
     answer_temperature: float | None = None,
     response_capped: bool | None = None,
     revision_capped: bool | None = None,
+    revision_truncated: bool = False,
 ) -> dict:
     """One row of records.jsonl from the texts and scores of each sample of a query.
 
     `response_capped` / `revision_capped`: whether an answer / a last revision (of any sample)
     ended at max_new_tokens without a stop token, so was scored cut short. These and
     `answer_temperature` are None for texts generated elsewhere (`score_pairs`).
+    `revision_truncated`: a refinement request was cut to max_prompt_tokens.
     """
     d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
     d = _mean_finite(d_samples)
@@ -157,6 +195,7 @@ def build_record(
         "answer_temperature": answer_temperature,
         "response_capped": response_capped,
         "revision_capped": revision_capped,
+        "revision_truncated": revision_truncated,
     }
     if len(responses) > 1:
         record.update(responses=responses, revisions_by_sample=revisions_by_sample, d_samples=d_samples)
@@ -188,6 +227,7 @@ def evaluate(
     revisions: list[list[str]] = [[] for _ in chains]
     answer_capped: list[bool] = [False] * len(chains)
     revision_capped: list[bool] = [False] * len(chains)  # the last revision's
+    request_cut: list[bool] = [False] * len(chains)  # any refinement request cut to max_prompt_tokens
     scores: list[list[tuple[float, int]]] = [[] for _ in chains]
 
     steps = len(batches) * (2 + config.n_revisions)
@@ -211,13 +251,18 @@ def evaluate(
             for round_ in range(1, config.n_revisions + 1):
                 bar.set_postfix_str(f"revision {round_}")
                 last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
+                requests = [
+                    refinement_prompt_ids(
+                        tokenizer, config.system_prompt, template, prepared[chains[c][0]].text, prev, config.max_prompt_tokens
+                    )
+                    for c, prev in zip(batch, last)
+                ]
+                for c, (_, cut) in zip(batch, requests):
+                    request_cut[c] = request_cut[c] or cut
                 revised, capped_batch = generate_texts(
                     model,
                     tokenizer,
-                    [
-                        chat_prompt_ids(tokenizer, config.system_prompt, refinement_request(template, prepared[chains[c][0]].text, prev))
-                        for c, prev in zip(batch, last)
-                    ],
+                    [ids for ids, _ in requests],
                     [row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], f"revision-{round_}") for c in batch],
                     [config.revision_temperature] * len(batch),
                     [config.revision_top_p] * len(batch),
@@ -251,6 +296,7 @@ def evaluate(
                 answer_temperature=config.answer_temperature_for(item.query.category),
                 response_capped=any(answer_capped[c] for c in mine),
                 revision_capped=any(revision_capped[c] for c in mine),
+                revision_truncated=any(request_cut[c] for c in mine),
             )
         )
     return records

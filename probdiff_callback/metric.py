@@ -137,6 +137,7 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> 
         # answers / last revisions that hit max_new_tokens without a stop token, scored cut short
         "n_capped": int(sum(bool(r.get("response_capped")) for r in records)),
         "n_revision_capped": int(sum(bool(r.get("revision_capped")) for r in records)),
+        "n_revision_truncated": int(sum(bool(r.get("revision_truncated")) for r in records)),
         "delta": delta,
         "confidence": confidence(ds, delta),
         "confidence_ci": confidence_interval(ds, delta),

@@ -4,7 +4,9 @@ import math
 import pytest
 
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
-from probdiff_callback.evaluator import build_record, evaluate, score_pairs, truncate_middle, PreparedQuery
+from probdiff_callback.evaluator import (
+    PreparedQuery, build_record, chat_prompt_ids, evaluate, refinement_prompt_ids, score_pairs, truncate_middle,
+)
 from probdiff_callback.io import Query, load_queries
 from probdiff_callback.prompts import REWRITER, refinement_request
 
@@ -42,7 +44,7 @@ def test_records_hold_the_documented_fields(reference_records, queries):
     record = reference_records[0]
     assert set(record) == {"id", "category", "query", "response", "revisions", "logp_response", "logp_revised", "d",
                            "n_tokens_response", "n_tokens_revised", "confident", "truncated", "answer_temperature",
-                           "response_capped", "revision_capped"}
+                           "response_capped", "revision_capped", "revision_truncated"}
     assert record["id"] == queries[0].id and record["category"] == "blog"
     assert len(record["revisions"]) == 1
     for r in reference_records:
@@ -112,9 +114,29 @@ def test_middle_truncation_keeps_head_and_tail(qwen_tokenizer):
 def test_long_queries_are_truncated_and_counted(tiny_model):
     model, tokenizer = tiny_model
     long_query = Query("long", "请总结下面的内容。" + "今天天气很好，我们去公园散步。" * 200)
-    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=128), progress=False)
+    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=256), progress=False)
     assert [r["truncated"] for r in records] == [True, False]
     assert records[0]["query"] == long_query.text, "records keep the original query"
+    # the cut query (256 tokens) plus the answer and the refinement prompt outgrow 256 again: cut, and said so
+    assert [r["revision_truncated"] for r in records] == [True, False]
+
+
+def test_refinement_requests_are_cut_to_the_prompt_budget(qwen_tokenizer):
+    system = ProbDiffConfig().system_prompt
+    instruction = "INSTRUCTION START " + " ".join(f"fact{i}" for i in range(600)) + " INSTRUCTION END"
+    response = "RESPONSE START " + " ".join(f"claim{i}" for i in range(60)) + " RESPONSE END"
+    whole = chat_prompt_ids(qwen_tokenizer, system, refinement_request(REWRITER, "short question", response))
+    assert refinement_prompt_ids(qwen_tokenizer, system, REWRITER, "short question", response, 500) == (whole, False)
+    ids, cut = refinement_prompt_ids(qwen_tokenizer, system, REWRITER, instruction, response, 500)
+    text = qwen_tokenizer.decode(ids)
+    assert cut and len(ids) <= 500
+    # the instruction loses its middle; the response, which is what gets rewritten, stays whole
+    assert "INSTRUCTION START" in text and "INSTRUCTION END" in text and "fact300" not in text
+    assert response in text and text.endswith("#Rewritten Response#:\n<|im_end|>\n<|im_start|>assistant\n")
+    long_response = response.replace("claim", "long claim number ") * 8
+    ids, cut = refinement_prompt_ids(qwen_tokenizer, system, REWRITER, instruction, long_response, 500)
+    text = qwen_tokenizer.decode(ids)
+    assert cut and len(ids) <= 500 and "INSTRUCTION END" in text and "RESPONSE START" in text and "RESPONSE END" in text
 
 
 def test_empty_texts_give_nan_and_count_as_not_confident(tiny_model):
