@@ -32,7 +32,7 @@ class ProbDiffConfig:
     n_samples: int = 1  # average d over this many independent answer -> revise chains
     seed: int = 0
     # --- lengths and batching ---
-    max_new_tokens: int = 512
+    max_new_tokens: int = 512  # the reference code: 2,048 (AlignBench 1,024); answers cut here are flagged
     max_prompt_tokens: int = 2048  # longer queries are cut in the middle
     batch_size: int = 16
     score_chunk_tokens: int = 512  # positions per LM-head chunk when scoring
