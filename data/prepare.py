@@ -143,7 +143,8 @@ class Fetcher:
                 self.used.append((relative, str(candidate)))
                 return candidate
         if required:
-            raise SystemExit(f"error: {relative} not found under --source {source} (looked for {', '.join(map(str, candidates[:2]))})")
+            looked = ", ".join(map(str, candidates[:2]))
+            raise SystemExit(f"error: {relative} not found under --source {source} (looked for {looked})")
         return None
 
     def paper_file(self, source: str | None, relative: str, default: str = PAPER_DATA) -> Path:
@@ -338,6 +339,7 @@ def split_directions(pairs: list[tuple[str, str]], pair: str, template: str) -> 
     return rows
 
 
+CONVERSATIONS = "a JSON list of `conversations` [{from, value}]"
 TRANSLATION_EXPECTED = {
     "train": "a JSON list of `conversations` [{from, value}] whose user turn starts 'Translate the sentence into "
              "<Language>.', or rows {\"<src>\": .., \"en\": ..}",
@@ -364,10 +366,10 @@ def prepare_translation(source: str | None, seed: int, fetcher: Fetcher) -> tupl
     train, heldout = [], []
     for pair in WMT19_PAIRS:
         if source == HUB:
-            hub = hub_rows("wmt/wmt19", pair, "train", n_train, seed)
-            train += split_directions(translation_pairs(((f"wmt/wmt19 {pair} train", r) for r in hub), pair), pair, TRANSLATION_TRAIN_PROMPT)
-            hub = hub_rows("wmt/wmt19", pair, "validation", n_heldout, seed)
-            heldout += split_directions(translation_pairs(((f"wmt/wmt19 {pair} validation", r) for r in hub), pair), pair, TRANSLATION_HELDOUT_PROMPT)
+            for split, size, bucket, template in (("train", n_train, train, TRANSLATION_TRAIN_PROMPT),
+                                                  ("validation", n_heldout, heldout, TRANSLATION_HELDOUT_PROMPT)):
+                hub = ((f"wmt/wmt19 {pair} {split}", r) for r in hub_rows("wmt/wmt19", pair, split, size, seed))
+                bucket += split_directions(translation_pairs(hub, pair), pair, template)
             fetcher.used.append((pair, "wmt/wmt19 train and validation (Hugging Face hub)"))
             continue
         train_file = fetcher.paper_file(source, f"{pair}/train.json")
@@ -376,7 +378,8 @@ def prepare_translation(source: str | None, seed: int, fetcher: Fetcher) -> tupl
         test_file = fetcher.paper_file(source, f"{pair}/test.json")
         with fetcher.expecting(test_file, TRANSLATION_EXPECTED["test"]):
             # in file order, as the paper's code reads its test files
-            pairs = translation_pairs(((f"{test_file}:{line}", r) for line, r in read_rows(test_file)), pair)[:n_heldout]
+            rows = ((f"{test_file}:{line}", r) for line, r in read_rows(test_file))
+            pairs = translation_pairs(rows, pair)[:n_heldout]
         heldout += split_directions(pairs, pair, TRANSLATION_HELDOUT_PROMPT)
     return train, heldout
 
@@ -430,7 +433,7 @@ def prepare_summarization(source: str | None, seed: int, fetcher: Fetcher) -> tu
             path = summarization_file(fetcher, source, folders, split)
             expected = f"JSON lines {{{document_key}, {summary_key}}}"
             if split == "train":
-                expected = f"a JSON list of `conversations` [{{from, value}}], or {expected}"
+                expected = f"{CONVERSATIONS}, or {expected}"
             with fetcher.expecting(path, expected):
                 bucket += summarization_split(path, name, split, size, seed)
     return train, heldout
@@ -438,7 +441,7 @@ def prepare_summarization(source: str | None, seed: int, fetcher: Fetcher) -> tu
 
 def prepare_blog(source: str | None, seed: int, fetcher: Fetcher) -> tuple[list[dict], list[dict]]:
     splits = []
-    for name, expected in (("train", "a JSON list of `conversations` [{from, value}]"), ("test", "JSON lines {user, assistant}")):
+    for name, expected in (("train", CONVERSATIONS), ("test", "JSON lines {user, assistant}")):
         path = fetcher.paper_file(source, f"redbook/{name}.json")
         with fetcher.expecting(path, expected):
             splits.append([{"category": "blog", "messages": messages} for _, messages, _ in conversation_rows(path)])
@@ -465,7 +468,9 @@ def alignbench_file(fetcher: Fetcher, source: str | None, name: str) -> Path:
     return fetcher.fetch(f"{PAPER_ALIGNBENCH}/{name}", name)
 
 
-def prepare_alignbench(source: str | None, train_file: str | None, seed: int, fetcher: Fetcher) -> tuple[list[dict], list[dict]]:
+def prepare_alignbench(
+    source: str | None, train_file: str | None, seed: int, fetcher: Fetcher
+) -> tuple[list[dict], list[dict]]:
     path = alignbench_file(fetcher, source, ALIGNBENCH_RELEASE)
     heldout = []
     with fetcher.expecting(path, "JSON lines {question_id, category, subcategory, question, reference}"):
@@ -485,7 +490,7 @@ def prepare_alignbench(source: str | None, train_file: str | None, seed: int, fe
     else:  # the paper's GPT-4-generated training set
         train_path = alignbench_file(fetcher, source, ALIGNBENCH_TRAIN)
     train = []
-    with fetcher.expecting(train_path, "a JSON list of `conversations` [{from, value}] or rows with `messages` [{role, content}]"):
+    with fetcher.expecting(train_path, f"{CONVERSATIONS} or rows with `messages` [{{role, content}}]"):
         for _, messages, item in conversation_rows(train_path):
             train.append({"category": canonical_category(item.get("category")) or "alignbench", "messages": messages})
     return train, heldout
@@ -505,9 +510,9 @@ def prepare(task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed:
     if task not in TASKS:
         raise SystemExit(f"error: unknown task {task!r}; tasks: {', '.join(TASKS)}")
     if train_file is not None and task != "alignbench":
-        raise SystemExit("error: --train is for alignbench; the other tasks read the paper's training files or --source")
+        raise SystemExit("error: --train is for alignbench; other tasks read the paper's files or --source")
     if source == HUB and task not in ("translation", "summarization"):
-        raise SystemExit(f"error: --source hub is for translation and summarization; {task} comes from the paper's repository")
+        raise SystemExit(f"error: --source hub is for translation and summarization; {task} is the paper's own data")
     with tempfile.TemporaryDirectory(prefix="probdiff-prepare-") as tmp:
         fetcher = Fetcher(Path(tmp))
         if task == "translation":
@@ -537,12 +542,12 @@ def prepare(task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=TASKS)
-    parser.add_argument("--source", default=None, help="a local directory/file, a URL prefix, or `hub` (translation, summarization) "
-                        "instead of the paper's repository")
+    parser.add_argument("--source", default=None, help="a local directory/file, a URL prefix, or `hub` (translation, "
+                        "summarization) instead of the paper's repository")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"output root; files go to OUT/<task>/ [{DEFAULT_OUT}]")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed for subsets drawn from the hub or from plain pairs [0]")
+    parser.add_argument("--seed", type=int, default=0, help="seed of subsets of the hub or of plain pairs [0]")
     parser.add_argument("--train", dest="train_file", default=None,
-                        help="alignbench only: your training conversations instead of the paper's gpt_generate_train.json")
+                        help="alignbench only: your conversations instead of the paper's gpt_generate_train.json")
     args = parser.parse_args(argv)
     try:
         counts = prepare(args.task, args.source, Path(args.out), args.seed, args.train_file)

@@ -64,7 +64,9 @@ class ProbDiffConfig:
         for key in self.answer_temperature_by_category:
             canonical = canonical_category(key)
             if canonical in seen:  # e.g. Writing and 文本写作: one category, two temperatures
-                problems.append(f"answer_temperature_by_category: {seen[canonical]!r} and {key!r} name the same category")
+                problems.append(
+                    f"answer_temperature_by_category: {seen[canonical]!r} and {key!r} name the same category"
+                )
             seen[canonical] = key  # type: ignore[index]
         if problems:
             raise ValueError("Invalid ProbDiff config: " + "; ".join(problems))

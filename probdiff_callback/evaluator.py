@@ -253,7 +253,8 @@ def evaluate(
                 last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
                 requests = [
                     refinement_prompt_ids(
-                        tokenizer, config.system_prompt, template, prepared[chains[c][0]].text, prev, config.max_prompt_tokens
+                        tokenizer, config.system_prompt, template, prepared[chains[c][0]].text, prev,
+                        config.max_prompt_tokens,
                     )
                     for c, prev in zip(batch, last)
                 ]

@@ -452,9 +452,10 @@ def data_files(recipe: Recipe) -> tuple[Path, Path, list[str]]:
             elif recipe.task == "alignbench" and split == "train":
                 raise RecipeError(
                     f"AlignBench training data not found at {path}: run `python data/prepare.py alignbench`, which "
-                    "downloads the paper's GPT-4-generated training set (alignbench/data/gpt_generate_train.json in its "
-                    "repository) to data/processed/alignbench/train.jsonl; `--train FILE` takes your own conversations "
-                    f"instead; or set train_file=PATH. With model=tiny the recipe trains on {SAMPLES_DIR / 'alignbench' / 'train.jsonl'}."
+                    "downloads the paper's GPT-4-generated training set (alignbench/data/gpt_generate_train.json in "
+                    "its repository) to data/processed/alignbench/train.jsonl; `--train FILE` takes your own "
+                    "conversations instead; or set train_file=PATH. With model=tiny the recipe trains on "
+                    f"{SAMPLES_DIR / 'alignbench' / 'train.jsonl'}."
                 )
             else:
                 raise RecipeError(

@@ -40,7 +40,8 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     printed = format_summary(summary)
     assert f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}" in printed
     assert "95% CI [" in printed and "(Wilson)" in printed
-    for key in ("n_invalid", "n_truncated", "n_capped", "n_revision_capped", "n_revision_truncated", "confidence_ci", "d_mean", "d_median", "d_std", "d_quantiles", "logp_response_mean",
+    for key in ("n_invalid", "n_truncated", "n_capped", "n_revision_capped", "n_revision_truncated",
+                "confidence_ci", "d_mean", "d_median", "d_std", "d_quantiles", "logp_response_mean",
                 "logp_revised_mean", "len_response_mean", "len_revised_mean", "length_changed_share"):
         assert key in summary
 

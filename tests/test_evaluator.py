@@ -65,7 +65,8 @@ def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queri
     summary = summarize(cut, -0.05, [-0.05])
     assert summary["n_capped"] == sum(r["response_capped"] for r in cut) > 0
     assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in cut)
-    roomy = evaluate(model, tokenizer, queries[:4], ProbDiffConfig(max_new_tokens=64, answer_temperature=0.0), progress=False)
+    greedy = ProbDiffConfig(max_new_tokens=64, answer_temperature=0.0)
+    roomy = evaluate(model, tokenizer, queries[:4], greedy, progress=False)
     assert not all(r["response_capped"] for r in roomy), "the tiny model ends most answers within 64 tokens"
 
 
@@ -114,7 +115,8 @@ def test_middle_truncation_keeps_head_and_tail(qwen_tokenizer):
 def test_long_queries_are_truncated_and_counted(tiny_model):
     model, tokenizer = tiny_model
     long_query = Query("long", "请总结下面的内容。" + "今天天气很好，我们去公园散步。" * 200)
-    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=256), progress=False)
+    config = ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=256)
+    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], config, progress=False)
     assert [r["truncated"] for r in records] == [True, False]
     assert records[0]["query"] == long_query.text, "records keep the original query"
     # the cut query (256 tokens) plus the answer and the refinement prompt outgrow 256 again: cut, and said so
@@ -163,7 +165,8 @@ def test_refinement_request_fills_once():
 def test_sampling_defaults_are_the_reference_codes_and_reach_the_sampler(tiny_model, queries):
     """top_p 1 for answers and revisions (the reference code); the submission paper's 0.8 / 0.9 by override."""
     config = ProbDiffConfig()
-    assert (config.answer_temperature, config.answer_top_p, config.revision_temperature, config.revision_top_p) == (0.7, 1.0, 0.1, 1.0)
+    assert (config.answer_temperature, config.answer_top_p) == (0.7, 1.0)
+    assert (config.revision_temperature, config.revision_top_p) == (0.1, 1.0)
     submission = apply_overrides(config, ["answer_top_p=0.8", "revision_top_p=0.9"])
     assert (submission.answer_top_p, submission.revision_top_p) == (0.8, 0.9)
     # a nucleus of one token is greedy decoding: so each top_p reaches its stage's sampler

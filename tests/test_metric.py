@@ -60,7 +60,8 @@ def test_interval_stays_meaningful_at_0_and_100_percent():
 def test_wilson_coverage_is_near_95_percent(p):
     """Exact coverage over every outcome of 40 queries (Wilson's dips to ~0.94 near 1%, as published)."""
     n = 40
-    coverage = sum(binom.pmf(k, n, p) for k in range(n + 1) if wilson_interval(k, n)[0] <= p <= wilson_interval(k, n)[1])
+    intervals = [wilson_interval(k, n) for k in range(n + 1)]
+    coverage = sum(binom.pmf(k, n, p) for k, (low, high) in enumerate(intervals) if low <= p <= high)
     assert coverage >= 0.93
 
 
@@ -98,7 +99,7 @@ def test_compare_paired_test_detects_a_consistent_shift():
 
 
 def test_sign_test_fits_the_win_lose_split():
-    """The issue's case: 0 wins, 10 losses, 30 ties. Wilcoxon on d gave 0.43; the sign test on 0 vs 10 gives 2 / 2^10."""
+    """The issue's case: 0 wins, 10 losses, 30 ties. Wilcoxon on d gave 0.43; a sign test on 0 vs 10 gives 2 / 2^10."""
     a = [record(i, -0.2) for i in range(10)] + [record(i, 0.0) for i in range(10, 40)]
     b = [record(i, 0.0) for i in range(40)]
     result = compare(a, b, -0.05)

@@ -167,7 +167,7 @@ def test_reference_files(tmp_path):
     counts = prepare.prepare("blog", str(REFERENCE), out)
     assert (counts["train"] + counts["train_in_heldout"] + counts["train_repeats"], counts["heldout"]) == (469, 100)
     mine = tmp_path / "mine.jsonl"
-    write_json_lines(mine, [{"messages": [{"role": "user", "content": "训练问题"}, {"role": "assistant", "content": "回答"}]}])
+    write_json_lines(mine, [{"messages": [{"role": "user", "content": "问题"}, {"role": "assistant", "content": "回答"}]}])
     counts = prepare.prepare("alignbench", str(REFERENCE), out, train_file=str(mine))
     assert counts["heldout"] == 683
     assert set(counts["heldout_by_category"]) == {"Professional", "Mathematics", "Fundamental", "Logical", "Writing", "Chinese", "Roleplay", "Open-ended"}
@@ -253,14 +253,17 @@ def paper_translation_files() -> dict[str, str]:
             # held-out test row 3 in its own direction, with the training prompt's "." instead of ":"
             conversation(3, f"Translate the sentence into {language}.\nen test 3", f"{other} test 3"),
         ])
-        files[f"{PAPER}/generation_task/data/{pair}/test.json"] = json_lines([{other: f"{other} test {i}", "en": f"en test {i}"} for i in range(4)])
+        test_rows = [{other: f"{other} test {i}", "en": f"en test {i}"} for i in range(4)]
+        files[f"{PAPER}/generation_task/data/{pair}/test.json"] = json_lines(test_rows)
     return files
 
 
 def test_translation_comes_from_the_paper_and_leaks_are_caught_in_both_directions(tmp_path, monkeypatch, capsys):
     asked = serve(monkeypatch, paper_translation_files())
     assert prepare.main(["translation", "--out", str(tmp_path)]) == 0
-    assert sorted(asked) == sorted(f"{PAPER}/generation_task/data/{pair}/{split}.json" for pair in prepare.WMT19_PAIRS for split in ("train", "test"))
+    expected = [f"{PAPER}/generation_task/data/{pair}/{split}.json"
+                for pair in prepare.WMT19_PAIRS for split in ("train", "test")]
+    assert sorted(asked) == sorted(expected)
     train = read(tmp_path / "translation/train.jsonl")
     assert len(train) == 8 and not any("test" in r["messages"][0]["content"] for r in train)
     printed = capsys.readouterr().out
@@ -270,12 +273,14 @@ def test_translation_comes_from_the_paper_and_leaks_are_caught_in_both_direction
 
 def test_summarization_comes_from_the_papers_cnn_and_xsum_folders(tmp_path, monkeypatch):
     prompt = prepare.SUMMARIZATION_PROMPT.format
+    data = f"{PAPER}/generation_task/data"
     files = {
-        f"{PAPER}/generation_task/data/xsum/train.json": json.dumps([conversation(i, prompt(content=f"bbc doc {i}"), f"one line {i}") for i in range(3)]),
-        f"{PAPER}/generation_task/data/xsum/test.json": json_lines([{"document": "bbc test", "summary": "s", "id": "1"}]),
-        f"{PAPER}/generation_task/data/cnn/train.json": json.dumps(
-            [conversation(0, prompt(content="cnn doc"), "hl"), conversation(1, prompt(content=" cnn  test\n"), "the held-out article")]),
-        f"{PAPER}/generation_task/data/cnn/test.json": json_lines([{"article": "cnn test", "highlights": "hl 1"}, {"article": "cnn 2", "highlights": "hl 2"}]),
+        f"{data}/xsum/train.json": json.dumps([conversation(i, prompt(content=f"doc {i}"), f"s{i}") for i in range(3)]),
+        f"{data}/xsum/test.json": json_lines([{"document": "bbc test", "summary": "s", "id": "1"}]),
+        f"{data}/cnn/train.json": json.dumps([conversation(0, prompt(content="cnn doc"), "hl"),
+                                              conversation(1, prompt(content=" cnn  test\n"), "the held-out article")]),
+        f"{data}/cnn/test.json": json_lines([{"article": "cnn test", "highlights": "hl 1"},
+                                             {"article": "cnn 2", "highlights": "hl 2"}]),
     }
     asked = serve(monkeypatch, files)
     counts = prepare.prepare("summarization", None, tmp_path)
@@ -342,7 +347,8 @@ def test_leak_keys_ignore_the_prompt_ending_and_whitespace():
     other_direction = prepare.row("en-zh", "Translate the sentence into Chinese.\nHello world", "你好，世界")
     unrelated = prepare.row("zh-en", "Translate the sentence into English.\n再见", "Goodbye")
     keys = prepare.leak_keys("translation", held)
-    assert prepare.leak_keys("translation", same_direction) & keys and prepare.leak_keys("translation", other_direction) & keys
+    assert prepare.leak_keys("translation", same_direction) & keys
+    assert prepare.leak_keys("translation", other_direction) & keys
     assert not prepare.leak_keys("translation", unrelated) & keys
     document = prepare.SUMMARIZATION_PROMPT.format(content="A  document.\n")
     assert prepare.leak_keys("summarization", prepare.row("xsum", document, "s")) == {"A document."}

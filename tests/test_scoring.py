@@ -100,8 +100,9 @@ def bf16_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(5)
-    config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.normal_(std=0.6)
@@ -157,4 +158,5 @@ def test_lora_head_scores_from_fp32_products(bf16_model):
         exact = fp64_logprobs(hidden, targets, effective)
         scored = token_logprobs_chunked(hidden, targets, head, chunk_size=32)
     assert (scored.double() - exact).abs().max() < 1e-3
-    assert (fp64_logprobs(hidden, targets, head.base_layer.weight) - exact).abs().max() > 1e-2, "the adapter must matter"
+    without_adapter = fp64_logprobs(hidden, targets, head.base_layer.weight)
+    assert (without_adapter - exact).abs().max() > 1e-2, "the adapter must matter"

@@ -328,7 +328,8 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         ])
     print(
         f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "
-        f"capped: answers/revisions that hit max_new_tokens={recipe.probdiff.max_new_tokens} without an end-of-turn token)"
+        f"capped: answers/revisions that hit max_new_tokens={recipe.probdiff.max_new_tokens} "
+        "without an end-of-turn token)"
     )
     print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "capped"], table))
     best_dir = None
