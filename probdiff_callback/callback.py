@@ -274,6 +274,7 @@ class ProbDiffCallback(TrainerCallback):
         self.tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)  # a processor wraps the tokenizer
         if self.tokenizer is None or not callable(getattr(self.tokenizer, "apply_chat_template", None)):
             raise ValueError("ProbDiffCallback needs the chat tokenizer: give `tokenizer=` or build the trainer with processing_class")
+        self.config.check_categories(q.category for q in queries)  # all of them: the subset may miss a category
         self.queries = select_queries(queries, self.options.n_queries, self.config.seed)
         self.categories = sorted({q.category for q in self.queries if q.category is not None})
         self.evaluated: dict[int, dict[str, float]] = {}  # global step -> its metrics
@@ -457,7 +458,7 @@ class ProbDiffCallback(TrainerCallback):
         summary = None
         if error is None:
             try:  # deterministic on the gathered records: every rank fails alike or not at all
-                summary = summarize(records, self.config.delta, self.config.sweep, self.config.bootstrap_samples, self.config.seed)
+                summary = summarize(records, self.config.delta, self.config.sweep)
             except Exception:
                 error, records = f"summary: {traceback.format_exc()}", []
         return EvaluationOutcome(

@@ -1,6 +1,6 @@
 """`probdiff plot RUN_DIR`: ProbDiff over training in one PNG, for runs without W&B.
 
-Top: confidence per evaluated step with its bootstrap interval (and one line per category
+Top: confidence per evaluated step with its 95% Wilson interval (and one line per category
 when there are several). Bottom: the distribution of d at each evaluated step as violins,
 with the threshold delta.
 """
@@ -40,7 +40,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     confidence = [100 * (r["summary"]["confidence"] if r["summary"]["confidence"] is not None else math.nan) for r in rows]
     low = [100 * (r["summary"]["confidence_ci"][0] if r["summary"]["confidence_ci"][0] is not None else math.nan) for r in rows]
     high = [100 * (r["summary"]["confidence_ci"][1] if r["summary"]["confidence_ci"][1] is not None else math.nan) for r in rows]
-    top.fill_between(steps, low, high, color="tab:blue", alpha=0.2, label="95% bootstrap interval")
+    top.fill_between(steps, low, high, color="tab:blue", alpha=0.2, label="95% Wilson interval")
     top.plot(steps, confidence, "o-", color="tab:blue", linewidth=2, label=f"confidence (d ≥ {delta:g})")
     categories = sorted({c for r in rows for c in r["summary"]["by_category"]})
     if len(categories) > 1:

@@ -463,10 +463,11 @@ def data_files(recipe: Recipe) -> tuple[Path, Path, list[str]]:
                 path = sample
             elif recipe.task == "alignbench" and split == "train":
                 raise RecipeError(
-                    f"AlignBench training data not found at {path}. The paper's 10,245 GPT-4-generated samples are not "
-                    "public: supply your own conversations (JSON lines with `messages` or `conversations`) with "
-                    "`python data/prepare.py alignbench --train FILE` (writes data/processed/alignbench/train.jsonl) "
-                    f"or train_file=PATH. With model=tiny the recipe trains on {SAMPLES_DIR / 'alignbench' / 'train.jsonl'}."
+                    f"AlignBench training data not found at {path}: run `python data/prepare.py alignbench`, which "
+                    "downloads the paper's GPT-4-generated training set (alignbench/data/gpt_generate_train.json in "
+                    "its repository) to data/processed/alignbench/train.jsonl; `--train FILE` takes your own "
+                    "conversations instead; or set train_file=PATH. With model=tiny the recipe trains on "
+                    f"{SAMPLES_DIR / 'alignbench' / 'train.jsonl'}."
                 )
             else:
                 raise RecipeError(

@@ -194,7 +194,8 @@ def test_missing_prepared_data_falls_back_to_samples_with_a_notice(tmp_path):
 
 def test_missing_alignbench_training_file_stops_with_a_message(tmp_path):
     recipe = load_recipe(["recipe=alignbench", f"train_file={tmp_path}/mine.jsonl"])
-    with pytest.raises(RecipeError, match=r"AlignBench training data not found at .*mine.jsonl.*not public.*--train FILE"):
+    expected = r"AlignBench training data not found at .*mine.jsonl: run `python data/prepare.py alignbench`, which "
+    with pytest.raises(RecipeError, match=expected + r"downloads .*gpt_generate_train.json.*--train FILE"):
         data_files(recipe)
     tiny = load_recipe(["recipe=alignbench", "model=tiny", f"train_file={tmp_path}/mine.jsonl"])
     train, _, notices = data_files(tiny)

@@ -77,6 +77,12 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
     assert "step" in out and "eval loss" in out and "95% CI" in out and "mean d" in out
     table = out[out.index("ProbDiff over training"):]
     assert len([line for line in table.splitlines() if line.strip().startswith(("0 ", "1 ", "2 "))]) >= 3
+    # how many answers/revisions hit the cap (8 new tokens cut most of the tiny model's answers)
+    assert "capped: answers/revisions that hit max_new_tokens=8" in table
+    for row in rows:
+        line = next(line for line in table.splitlines() if line.strip().startswith(f"{row['global_step']} "))
+        assert line.rstrip().endswith(f"{row['summary']['n_capped']}/{row['summary']['n_revision_capped']}")
+    assert any(row["summary"]["n_capped"] > 0 for row in rows)
     assert "offline samples" in out and "Best checkpoint: step" in out and f"{run_dir.name}/best" in out
     card = (run_dir / "README.md").read_text()
     assert "[None]" not in card and "`probdiff tiny`" in card and 'model="None"' not in card

@@ -364,9 +364,15 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
             str(row["global_step"]), row["kind"], last("loss", row["global_step"]) if row["global_step"] else "-",
             last("eval_loss", row["global_step"]), pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]",
             "n/a" if d_mean is None or not math.isfinite(d_mean) else f"{d_mean:+.4f}", str(s["n"]),
+            # histories written before the cap was counted have no n_capped
+            f"{s['n_capped']}/{s['n_revision_capped']}" if "n_capped" in s else "-",
         ])
-    print(f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step)")
-    print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n"], table))
+    print(
+        f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "
+        f"capped: answers/revisions that hit max_new_tokens={recipe.probdiff.max_new_tokens} "
+        "without an end-of-turn token)"
+    )
+    print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "capped"], table))
     best_dir = None
     try:
         selection = select_checkpoints(run_dir, subdir)
