@@ -1193,9 +1193,9 @@ def cost_figures(cost: ModelCost) -> list[Figure]:
 
 NOTES = [
     "Random weights never produce <|im_end|>, so every row runs to max_new_tokens: the worst case the floor assumes.",
-    "Random weights give a nearly flat next-token distribution: at the answers' temperature 0.7 / top-p 0.8 the "
-    "nucleus holds thousands of tokens and the sampler takes its slowest path (a sort of the vocabulary), in every "
-    "decoding path alike; a trained model's nucleus is usually a few tokens.",
+    "The recipe samples at top_p 1 (the reference code's setting): every step draws from the whole vocabulary by a "
+    "cumulative sum, in every decoding path alike; with top_p < 1 a flat random-weight distribution would make the "
+    "sampler sort the vocabulary, where a trained model's nucleus is usually a few tokens.",
     "Floors: decode steps read the weights and the live rows' KV cache once at the measured bandwidth; prefill and "
     "scoring need their FLOPs at the measured matmul rate. Ratios are measured / floor.",
 ]
