@@ -53,8 +53,9 @@ def score(prompt_text, response):
 
 ds = []
 for q in queries:
-    answer = generate(q.text, 0.7, 0.8)
-    revised = generate(refinement_request(REWRITER, q.text, answer), 0.1, 0.9)
+    # temperature only, top_p 1: the reference code's vLLM settings (and our defaults)
+    answer = generate(q.text, 0.7, 1.0)
+    revised = generate(refinement_request(REWRITER, q.text, answer), 0.1, 1.0)
     prompt = chat(q.text)
     ds.append(score(prompt, revised) - score(prompt, answer))
 json.dump({"n": len(ds), "seconds": time.time() - started, "d": ds}, open(out_path, "w"))

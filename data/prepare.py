@@ -1,49 +1,54 @@
 """Prepare the training and held-out data of a ProbDiff recipe.
 
-    python data/prepare.py translation   [--source DIR_OR_URL] [--out DIR] [--seed N]
-    python data/prepare.py summarization [--source DIR] ...
+    python data/prepare.py translation   [--source DIR_OR_URL|hub] [--out DIR] [--seed N]
+    python data/prepare.py summarization [--source DIR_OR_URL|hub] ...
     python data/prepare.py blog          [--source DIR_OR_URL] ...
-    python data/prepare.py alignbench    [--source FILE_OR_URL] [--train FILE] ...
+    python data/prepare.py alignbench    [--source DIR_OR_FILE_OR_URL] [--train FILE] ...
 
 Writes `train.jsonl` and `heldout.jsonl` to `data/processed/<task>/` (where the recipes look),
 one JSON object per line: `{"id", "category", "messages": [{"role", "content"}, ...]}`; AlignBench
 held-out rows also carry `reference` and `subcategory`. The output depends only on the inputs and
-`--seed`. Train rows whose user prompt also appears in the held-out set are removed and counted.
+`--seed`. Train rows that share a held-out source (translation: a sentence of a pair, in either
+direction; summarization: a document; otherwise the prompt) are removed and counted.
 
-Sources (the splits of the ProbDiff paper):
-  translation    WMT19 cs-en, de-en, ru-en, zh-en from the Hugging Face hub (`wmt/wmt19`): per pair
-                 5,000 train pairs (train split) and 1,000 held-out pairs (validation split), half
-                 into English and half out of it. `--source DIR` reads `DIR/<pair>/train.json` (the
-                 paper's `conversations` files, or rows `{"translation": {...}}` / `{"cs": .., "en": ..}`)
-                 and `DIR/<pair>/test.json` (rows `{"<src>": .., "en": ..}`; first half into English,
-                 second half out of it, as the paper's code reads them); what DIR lacks comes from the hub.
-  summarization  XSum (`EdinburghNLP/xsum`) and CNN/DM (`abisee/cnn_dailymail` 3.0.0), 5,000 train and
-                 1,000 held-out documents each. `--source DIR` reads `DIR/{xsum,cnn_dm}/{train,test}.json[l]`
-                 (rows `{document, summary}` or `{article, highlights}`); what DIR lacks comes from the hub.
-  blog           The paper's Xiaohongshu set (469 train, 100 held-out): `redbook/train.json` (a JSON list of
-                 `conversations`) and `redbook/test.json` (JSON lines `{user, assistant}`) from the paper's
-                 repository, or from `--source` (a URL prefix or directory holding `redbook/`, or that folder).
-                 A URL --source for translation likewise holds `<pair>/train.json` and `<pair>/test.json`.
-  alignbench     AlignBench's `data_release.jsonl` (683 questions, 8 categories) as held-out queries with
-                 their reference answers. The paper's 10,245 GPT-4-generated training samples are not public:
-                 pass your own conversations with `--train FILE` (rows with `messages` or `conversations`).
+Sources: the paper's own splits, from its repository (github.com/xiatingyu/ProbDiff), by default.
+  translation    `generation_task/data/<pair>/train.json` (5,000 `conversations` per pair) and `test.json`
+                 (1,000 rows `{"<src>": .., "en": ..}`: first half into English, second half out of it, as
+                 the paper's code reads them), for cs-en, de-en, ru-en, zh-en (WMT19).
+  summarization  `generation_task/data/xsum/{train,test}.json` and `cnn/{train,test}.json` (CNN/DM): train
+                 files of `conversations`, test files of rows `{document, summary}` (XSum) or `{article,
+                 highlights}` (CNN/DM), 5,000 / 1,000 documents each.
+  blog           `generation_task/data/redbook/train.json` (469 `conversations`) and `test.json` (100 rows
+                 `{user, assistant}`), the Xiaohongshu set.
+  alignbench     `alignbench/data/data_release.jsonl` (683 questions in 8 categories, the paper's copy: THUDM's
+                 v1.1 differs in 242 of them) as held-out queries with their reference answers, and
+                 `alignbench/data/gpt_generate_train.json` (`conversations`) as training data, or `--train FILE`.
+`--source DIR` reads the same files from a local copy in the paper's layout (`DIR/<pair>/`, `DIR/xsum/`,
+`DIR/cnn/` or `DIR/cnn_dm/`, `DIR/redbook/`, `DIR/alignbench/`), the task folder itself, or the file;
+what DIR lacks is downloaded from the paper's repository. `--source URL` is a URL prefix in the same
+layout (for alignbench also the release file's URL). `--source hub` takes WMT19 (`wmt/wmt19`: train
+and validation splits), XSum (`EdinburghNLP/xsum`) and CNN/DM (`abisee/cnn_dailymail` 3.0.0) from the
+Hugging Face hub instead: seeded samples of the same sizes, not the paper's.
 
-File formats are detected by content (the paper's `.json` files are sometimes JSON lines). A bad row
-stops the run with its file and line.
+File formats are detected by content (the paper's `.json` files are sometimes JSON lines). A bad row,
+or an upstream file whose format changed, stops the run with its file (or URL), line and what was
+expected.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import re
 import sys
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from probdiff_callback.categories import ALIGNBENCH, canonical_category, is_alignbench
 from probdiff_callback.io import DataFileError, read_rows, write_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +56,9 @@ DEFAULT_OUT = REPO_ROOT / "data" / "processed"
 TASKS = ("translation", "summarization", "blog", "alignbench")
 
 PROBDIFF_RAW = "https://raw.githubusercontent.com/xiatingyu/ProbDiff/HEAD"
-BLOG_SOURCE = f"{PROBDIFF_RAW}/generation_task/data"  # + redbook/train.json, redbook/test.json
-ALIGNBENCH_SOURCE = "https://raw.githubusercontent.com/THUDM/AlignBench/HEAD/data/data_release.jsonl"
+PAPER_DATA = f"{PROBDIFF_RAW}/generation_task/data"  # + <pair>/, xsum/, cnn/, redbook/
+PAPER_ALIGNBENCH = f"{PROBDIFF_RAW}/alignbench/data"  # + data_release.jsonl, gpt_generate_train.json
+HUB = "hub"  # --source hub: translation and summarization from the Hugging Face hub
 
 # --- task constants (REFERENCE.md) ---------------------------------------------------------
 WMT19_PAIRS = ("cs-en", "de-en", "ru-en", "zh-en")
@@ -63,9 +69,9 @@ TRANSLATION_TRAIN_PROMPT = "Translate the sentence into {language}.\n{text}"
 TRANSLATION_HELDOUT_PROMPT = "Translate the sentence into {language}:\n{text}"
 
 SUMMARIZATION_DATASETS = {
-    # name: (hub id, hub config, held-out split, document field, summary field)
-    "xsum": ("EdinburghNLP/xsum", None, "test", "document", "summary"),
-    "cnn_dm": ("abisee/cnn_dailymail", "3.0.0", "test", "article", "highlights"),
+    # category: (folders, first the paper's; hub id, hub config, held-out split, document field, summary field)
+    "xsum": (("xsum",), "EdinburghNLP/xsum", None, "test", "document", "summary"),
+    "cnn_dm": (("cnn", "cnn_dm"), "abisee/cnn_dailymail", "3.0.0", "test", "article", "highlights"),
 }
 SUMMARIZATION_SIZES = (5000, 1000)
 SUMMARIZATION_PROMPT = (
@@ -73,19 +79,12 @@ SUMMARIZATION_PROMPT = (
     "Your goal is to provide a concise and coherent summary that captures the essential information and ideas "
     "expressed in the given content.\nHere is the content:\n{content}\nYour answer: "
 )
+SUMMARIZATION_CONTENT = re.compile(r"\nHere is the content:\n(.*)\nYour answer: ?$", re.S)
 
 BLOG_SIZES = (469, 100)
 
-ALIGNBENCH_CATEGORIES = {
-    "专业能力": "Professional",
-    "数学计算": "Mathematics",
-    "基本任务": "Fundamental",
-    "逻辑推理": "Logical",
-    "文本写作": "Writing",
-    "中文理解": "Chinese",
-    "角色扮演": "Roleplay",
-    "综合问答": "Open-ended",
-}
+ALIGNBENCH_RELEASE = "data_release.jsonl"
+ALIGNBENCH_TRAIN = "gpt_generate_train.json"
 
 HUB_STREAM_BUFFER = 10_000
 
@@ -95,39 +94,75 @@ def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-def fetch(url: str, cache: Path) -> Path:
-    """Download `url` into `cache` (once per run) and return the local file."""
-    target = cache / re.sub(r"[^A-Za-z0-9._-]", "_", url)
-    if not target.is_file():
-        print(f"downloading {url}", flush=True)
+class Fetcher:
+    """Finds and downloads the input files of one run, and remembers where each came from: the
+    report names every source used, and an error in a downloaded file names its URL.
+
+    (A plain class: tests load this script as a module without registering it, which `dataclass` needs.)
+    """
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+        self.origins: dict[Path, str] = {}  # downloaded file -> its URL
+        self.used: list[tuple[str, str]] = []  # (what, where from), for the report
+
+    def fetch(self, url: str, what: str) -> Path:
+        """Download `url` into the cache (once per run) and return the local file."""
+        target = self.cache / re.sub(r"[^A-Za-z0-9._-]", "_", url)
+        if not target.is_file():
+            print(f"downloading {url}", flush=True)
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response:
+                    target.write_bytes(response.read())
+            except (urllib.error.URLError, TimeoutError, OSError) as err:
+                raise SystemExit(
+                    f"error: could not download {url} ({err}). Without network access, download it elsewhere and pass "
+                    "its folder or path with --source (translation and summarization: --source hub takes the "
+                    "Hugging Face hub's splits instead of the paper's)."
+                ) from None
+        self.origins[target] = url
+        self.used.append((what, url))
+        return target
+
+    def locate(self, source: str, relative: str, required: bool = True, own_folder: bool = True) -> Path | None:
+        """`relative` (e.g. `redbook/train.json`) under a URL prefix or a directory; with `own_folder` a
+        directory may also be the file's own folder (`.../redbook`) or the file itself."""
+        if is_url(source):
+            return self.fetch(f"{source.rstrip('/')}/{relative}", relative)
+        base = Path(source)
+        name = relative.split("/")[-1]
+        if not own_folder:
+            candidates = [base / relative]
+        else:
+            candidates = [base / relative, base / name] if base.is_dir() else [base]
+        stem = Path(name).stem
+        for candidate in list(candidates):  # the paper's `.json` files are also found as `.jsonl` and vice versa
+            candidates += [candidate.with_name(stem + ".json"), candidate.with_name(stem + ".jsonl")]
+        for candidate in candidates:
+            if candidate.is_file():
+                self.used.append((relative, str(candidate)))
+                return candidate
+        if required:
+            looked = ", ".join(map(str, candidates[:2]))
+            raise SystemExit(f"error: {relative} not found under --source {source} (looked for {looked})")
+        return None
+
+    def paper_file(self, source: str | None, relative: str, default: str = PAPER_DATA) -> Path:
+        """`relative` from `--source` where it holds it, else from the paper's repository (`default`)."""
+        found = self.locate(source, relative, required=False) if source else None
+        return found if found is not None else self.fetch(f"{default}/{relative}", relative)
+
+    @contextlib.contextmanager
+    def expecting(self, path: Path, expected: str) -> Iterator[None]:
+        """Errors from reading `path` name its URL when it was downloaded and say what was expected."""
         try:
-            with urllib.request.urlopen(url, timeout=60) as response:
-                target.write_bytes(response.read())
-        except (urllib.error.URLError, TimeoutError, OSError) as err:
-            raise SystemExit(
-                f"error: could not download {url} ({err}). Without network access, download the file elsewhere "
-                "and pass its folder or path with --source."
-            ) from None
-    return target
-
-
-def locate(source: str, relative: str, cache: Path, required: bool = True) -> Path | None:
-    """`relative` (e.g. `redbook/train.json`) under a URL prefix or a directory; a directory may also be
-    the file's own folder (`.../redbook`) or the file itself."""
-    if is_url(source):
-        return fetch(f"{source.rstrip('/')}/{relative}", cache)
-    base = Path(source)
-    name = relative.split("/")[-1]
-    candidates = [base / relative, base / name] if base.is_dir() else [base]
-    stem = Path(name).stem
-    for candidate in list(candidates):  # the paper's `.json` files are also found as `.jsonl` and vice versa
-        candidates += [candidate.with_name(stem + ".json"), candidate.with_name(stem + ".jsonl")]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    if required:
-        raise SystemExit(f"error: {relative} not found under --source {source} (looked for {', '.join(map(str, candidates[:2]))})")
-    return None
+            yield
+        except DataFileError as err:
+            message = str(err)
+            if path in self.origins:
+                message = message.replace(str(path), self.origins[path])
+                expected += "; the upstream file may have changed: pass a corrected copy with --source"
+            raise DataFileError(f"{message} (expected {expected})") from None
 
 
 def turns_to_messages(turns: object, where: str) -> list[dict]:
@@ -197,27 +232,58 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
+def summarized_document(prompt: str) -> str:
+    """The document inside the reference summarization prompt; a prompt in another wording whole."""
+    match = SUMMARIZATION_CONTENT.search(prompt)
+    return match.group(1) if match is not None else prompt
+
+
+def leak_keys(task: str, item: dict) -> set[str]:
+    """The normalized texts by which a training row would hold a held-out row.
+
+    Translation: both sentences of the pair (the source after the prompt's first line, and the
+    reference translation), so that a held-out sentence is caught under the training prompt's "."
+    (held-out prompts end in ":") and in the other direction (its translation as the source).
+    Summarization: the document inside the prompt. The other tasks: the user prompt.
+    """
+    prompt = user_prompt(item)
+    if task == "translation":
+        match = TRANSLATION_TARGET.match(prompt)
+        source = prompt[match.end():] if match is not None else prompt
+        return {normalize(source), normalize(item["messages"][-1]["content"])}
+    if task == "summarization":
+        return {normalize(summarized_document(prompt))}
+    return {normalize(prompt)}
+
+
 def finish(task: str, train: list[dict], heldout: list[dict]) -> tuple[list[dict], list[dict], dict]:
-    """Ids, duplicate removal (train rows whose prompt is in held-out, and repeats within a split)."""
+    """Ids, and duplicate removal: held-out rows whose prompt repeats, train rows that leak a held-out
+    row (`leak_keys`) and train rows that repeat (prompt and answer).
+
+    Leaking train rows are dropped, not the held-out ones: the held-out set is the paper's split and
+    stays comparable with its numbers. The count is reported, never dropped silently.
+    """
     stats = {"train_in_heldout": 0, "train_repeats": 0, "heldout_repeats": 0}
     seen_heldout, kept_heldout = set(), []
-    for row in heldout:
-        key = normalize(user_prompt(row))
+    heldout_keys: set[str] = set()
+    for item in heldout:
+        key = normalize(user_prompt(item))
         if key in seen_heldout:
             stats["heldout_repeats"] += 1
             continue
         seen_heldout.add(key)
-        kept_heldout.append(row)
+        heldout_keys |= leak_keys(task, item)
+        kept_heldout.append(item)
     seen_train, kept_train = set(), []
-    for row in train:
-        key = normalize(user_prompt(row) + "\0" + row["messages"][-1]["content"])
-        if normalize(user_prompt(row)) in seen_heldout:
+    for item in train:
+        key = normalize(user_prompt(item) + "\0" + item["messages"][-1]["content"])
+        if leak_keys(task, item) & heldout_keys:
             stats["train_in_heldout"] += 1
         elif key in seen_train:
             stats["train_repeats"] += 1
         else:
             seen_train.add(key)
-            kept_train.append(row)
+            kept_train.append(item)
     out = []
     for split, rows in (("train", kept_train), ("heldout", kept_heldout)):
         out.append([{"id": item.get("id", f"{task}-{split}-{index:05d}"), **item} for index, item in enumerate(rows)])
@@ -273,37 +339,53 @@ def split_directions(pairs: list[tuple[str, str]], pair: str, template: str) -> 
     return rows
 
 
-def prepare_translation(source: str | None, seed: int, cache: Path) -> tuple[list[dict], list[dict]]:
+CONVERSATIONS = "a JSON list of `conversations` [{from, value}]"
+TRANSLATION_EXPECTED = {
+    "train": "a JSON list of `conversations` [{from, value}] whose user turn starts 'Translate the sentence into "
+             "<Language>.', or rows {\"<src>\": .., \"en\": ..}",
+    "test": "JSON lines {\"<src>\": .., \"en\": ..}, e.g. {\"zh\", \"en\"}",
+}
+
+
+def translation_train_rows(path: Path, pair: str, seed: int, n_train: int) -> list[dict]:
+    """The paper's conversations as they are (all of them), or a seeded subset of plain pairs."""
+    rows = read_rows(path)
+    if any("conversations" in r or "messages" in r for _, r in rows):
+        out = []
+        for where, messages, _ in conversation_rows(path, rows):
+            prompt = next(m["content"] for m in messages if m["role"] == "user")
+            out.append({"category": translation_category(prompt, pair, where), "messages": messages})
+        return out
+    pairs = translation_pairs(((f"{path}:{line}", r) for line, r in rows), pair)  # e.g. a dump of the hub dataset
+    random.Random(f"{seed}-{pair}").shuffle(pairs)
+    return split_directions(pairs[:n_train], pair, TRANSLATION_TRAIN_PROMPT)
+
+
+def prepare_translation(source: str | None, seed: int, fetcher: Fetcher) -> tuple[list[dict], list[dict]]:
     n_train, n_heldout = TRANSLATION_SIZES
     train, heldout = [], []
     for pair in WMT19_PAIRS:
-        train_file = locate(source, f"{pair}/train.json", cache, required=False) if source else None
-        test_file = locate(source, f"{pair}/test.json", cache, required=False) if source else None
-        if train_file is not None:
-            rows = read_rows(train_file)
-            if any("conversations" in r or "messages" in r for _, r in rows):
-                for where, messages, _ in conversation_rows(train_file, rows):
-                    prompt = next(m["content"] for m in messages if m["role"] == "user")
-                    category = translation_category(prompt, pair, where)
-                    train.append({"category": category, "messages": messages})
-            else:  # plain pairs (e.g. a dump of the hub dataset): a seeded subset of n_train
-                pairs = translation_pairs(((f"{train_file}:{line}", r) for line, r in rows), pair)
-                random.Random(f"{seed}-{pair}").shuffle(pairs)
-                train += split_directions(pairs[:n_train], pair, TRANSLATION_TRAIN_PROMPT)
-        else:
-            hub = hub_rows("wmt/wmt19", pair, "train", n_train, seed)
-            train += split_directions(translation_pairs(((f"wmt/wmt19 {pair} train", r) for r in hub), pair), pair, TRANSLATION_TRAIN_PROMPT)
-        if test_file is not None:  # in file order, as the paper's code reads its test files
-            pairs = translation_pairs(((f"{test_file}:{line}", r) for line, r in read_rows(test_file)), pair)[:n_heldout]
-        else:
-            hub = hub_rows("wmt/wmt19", pair, "validation", n_heldout, seed)
-            pairs = translation_pairs(((f"wmt/wmt19 {pair} validation", r) for r in hub), pair)
+        if source == HUB:
+            for split, size, bucket, template in (("train", n_train, train, TRANSLATION_TRAIN_PROMPT),
+                                                  ("validation", n_heldout, heldout, TRANSLATION_HELDOUT_PROMPT)):
+                hub = ((f"wmt/wmt19 {pair} {split}", r) for r in hub_rows("wmt/wmt19", pair, split, size, seed))
+                bucket += split_directions(translation_pairs(hub, pair), pair, template)
+            fetcher.used.append((pair, "wmt/wmt19 train and validation (Hugging Face hub)"))
+            continue
+        train_file = fetcher.paper_file(source, f"{pair}/train.json")
+        with fetcher.expecting(train_file, TRANSLATION_EXPECTED["train"]):
+            train += translation_train_rows(train_file, pair, seed, n_train)
+        test_file = fetcher.paper_file(source, f"{pair}/test.json")
+        with fetcher.expecting(test_file, TRANSLATION_EXPECTED["test"]):
+            # in file order, as the paper's code reads its test files
+            rows = ((f"{test_file}:{line}", r) for line, r in read_rows(test_file))
+            pairs = translation_pairs(rows, pair)[:n_heldout]
         heldout += split_directions(pairs, pair, TRANSLATION_HELDOUT_PROMPT)
     return train, heldout
 
 
 def summarization_rows(items: Iterable[tuple[str, dict]], name: str) -> list[dict]:
-    _, _, _, document_key, summary_key = SUMMARIZATION_DATASETS[name]
+    _, _, _, _, document_key, summary_key = SUMMARIZATION_DATASETS[name]
     out = []
     for where, item in items:
         # Either dataset's field names are accepted, so a file of one can be read under the other's name.
@@ -314,72 +396,133 @@ def summarization_rows(items: Iterable[tuple[str, dict]], name: str) -> list[dic
     return out
 
 
-def prepare_summarization(source: str | None, seed: int, cache: Path) -> tuple[list[dict], list[dict]]:
-    if source and is_url(source):
-        raise SystemExit("error: summarization --source must be a local directory (XSum and CNN/DM come from the hub)")
+def summarization_file(fetcher: Fetcher, source: str | None, folders: tuple[str, ...], split: str) -> Path:
+    """`<folder>/<split>.json` from a local --source under any of the dataset's folder names (the paper's
+    `cnn/`, or `cnn_dm/`), else from the URL prefix or the paper's repository, by the paper's name."""
+    if source and not is_url(source):
+        for folder in folders:
+            found = fetcher.locate(source, f"{folder}/{split}.json", required=False, own_folder=False)
+            if found is not None:
+                return found
+    prefix = source.rstrip("/") if source and is_url(source) else PAPER_DATA
+    return fetcher.fetch(f"{prefix}/{folders[0]}/{split}.json", f"{folders[0]}/{split}.json")
+
+
+def summarization_split(path: Path, name: str, split: str, size: int, seed: int) -> list[dict]:
+    """The paper's training conversations as they are; document rows (its test files, or dumps of the hub
+    datasets): test files in file order, as the paper's code reads them, training files a seeded subset."""
+    rows = read_rows(path)
+    if split == "train" and any("conversations" in r or "messages" in r for _, r in rows):
+        return [{"category": name, "messages": messages} for _, messages, _ in conversation_rows(path, rows)]
+    out = summarization_rows(((f"{path}:{line}", r) for line, r in rows), name)
+    if split == "train":
+        random.Random(f"{seed}-{name}-{split}").shuffle(out)
+    return out[:size]
+
+
+def prepare_summarization(source: str | None, seed: int, fetcher: Fetcher) -> tuple[list[dict], list[dict]]:
     n_train, n_heldout = SUMMARIZATION_SIZES
     train, heldout = [], []
-    for name, (hub_id, config, heldout_split, _, _) in SUMMARIZATION_DATASETS.items():
+    for name, (folders, hub_id, config, heldout_split, document_key, summary_key) in SUMMARIZATION_DATASETS.items():
         for split, size, bucket, hub_split in (("train", n_train, train, "train"), ("test", n_heldout, heldout, heldout_split)):
-            local = locate(source, f"{name}/{split}.json", cache, required=False) if source else None
-            if local is not None:
-                items = [(f"{local}:{line}", r) for line, r in read_rows(local)]
-                rows = summarization_rows(items, name)
-                random.Random(f"{seed}-{name}-{split}").shuffle(rows)
-                bucket += rows[:size]
-            else:
+            if source == HUB:
                 hub = hub_rows(hub_id, config, hub_split, size, seed)
                 bucket += summarization_rows(((f"{hub_id} {hub_split}", r) for r in hub), name)
+                fetcher.used.append((f"{name} {split}", f"{hub_id} {hub_split} (Hugging Face hub)"))
+                continue
+            path = summarization_file(fetcher, source, folders, split)
+            expected = f"JSON lines {{{document_key}, {summary_key}}}"
+            if split == "train":
+                expected = f"{CONVERSATIONS}, or {expected}"
+            with fetcher.expecting(path, expected):
+                bucket += summarization_split(path, name, split, size, seed)
     return train, heldout
 
 
-def prepare_blog(source: str | None, seed: int, cache: Path) -> tuple[list[dict], list[dict]]:
-    source = source or BLOG_SOURCE
+def prepare_blog(source: str | None, seed: int, fetcher: Fetcher) -> tuple[list[dict], list[dict]]:
     splits = []
-    for name in ("train", "test"):
-        path = locate(source, f"redbook/{name}.json", cache)
-        splits.append([{"category": "blog", "messages": messages} for _, messages, _ in conversation_rows(path)])
+    for name, expected in (("train", CONVERSATIONS), ("test", "JSON lines {user, assistant}")):
+        path = fetcher.paper_file(source, f"redbook/{name}.json")
+        with fetcher.expecting(path, expected):
+            splits.append([{"category": "blog", "messages": messages} for _, messages, _ in conversation_rows(path)])
     return splits[0], splits[1]
 
 
-def prepare_alignbench(source: str | None, train_file: str | None, seed: int, cache: Path) -> tuple[list[dict], list[dict]]:
-    path = fetch(source or ALIGNBENCH_SOURCE, cache) if not source or is_url(source) else locate(source, "alignbench/data_release.jsonl", cache)
+def alignbench_file(fetcher: Fetcher, source: str | None, name: str) -> Path:
+    """`name` from --source (a directory holding `alignbench/`, a URL prefix, or the release file itself,
+    beside which the training file is looked for), else from the paper's repository."""
+    if source is not None and is_url(source):
+        if not source.endswith((".json", ".jsonl")):
+            return fetcher.fetch(f"{source.rstrip('/')}/{name}", name)
+        if name == ALIGNBENCH_RELEASE:
+            return fetcher.fetch(source, name)
+    elif source is not None:
+        folder = Path(source).parent if Path(source).is_file() else Path(source)
+        if Path(source).is_file() and name == ALIGNBENCH_RELEASE:
+            fetcher.used.append((name, source))
+            return Path(source)
+        for relative in (f"alignbench/{name}", f"alignbench/data/{name}"):
+            found = fetcher.locate(str(folder), relative, required=False)
+            if found is not None:
+                return found
+    return fetcher.fetch(f"{PAPER_ALIGNBENCH}/{name}", name)
+
+
+def prepare_alignbench(
+    source: str | None, train_file: str | None, seed: int, fetcher: Fetcher
+) -> tuple[list[dict], list[dict]]:
+    path = alignbench_file(fetcher, source, ALIGNBENCH_RELEASE)
     heldout = []
-    for line, item in read_rows(path):
-        where = f"{path}:{line}"
-        category = item.get("category")
-        if category not in ALIGNBENCH_CATEGORIES and category not in ALIGNBENCH_CATEGORIES.values():
-            raise DataFileError(f"{where}: unknown category {category!r}; AlignBench has {', '.join(ALIGNBENCH_CATEGORIES)}")
-        question, reference = text_field(item, "question", where), text_field(item, "reference", where)
-        extra = {"id": f"alignbench-{item['question_id']}"} if "question_id" in item else {}
-        heldout.append(
-            row(ALIGNBENCH_CATEGORIES.get(category, category), question, reference, reference=reference, subcategory=item.get("subcategory"), **extra)
-        )
-    train = []
-    if train_file is not None:
-        for where, messages, item in conversation_rows(Path(train_file)):
+    with fetcher.expecting(path, "JSON lines {question_id, category, subcategory, question, reference}"):
+        for line, item in read_rows(path):
+            where = f"{path}:{line}"
             category = item.get("category")
-            train.append({"category": ALIGNBENCH_CATEGORIES.get(category, category), "messages": messages})
+            if not is_alignbench(category):
+                names = ", ".join(f"{names[0]} ({label})" for label, names in ALIGNBENCH.items())
+                raise DataFileError(f"{where}: unknown category {category!r}; AlignBench has {names}")
+            question, reference = text_field(item, "question", where), text_field(item, "reference", where)
+            extra = {"id": f"alignbench-{item['question_id']}"} if "question_id" in item else {}
+            heldout.append(row(canonical_category(category), question, reference, reference=reference,
+                               subcategory=item.get("subcategory"), **extra))
+    if train_file is not None:
+        train_path = Path(train_file)
+        fetcher.used.append((ALIGNBENCH_TRAIN, f"{train_file} (--train)"))
+    else:  # the paper's GPT-4-generated training set
+        train_path = alignbench_file(fetcher, source, ALIGNBENCH_TRAIN)
+    train = []
+    with fetcher.expecting(train_path, f"{CONVERSATIONS} or rows with `messages` [{{role, content}}]"):
+        for _, messages, item in conversation_rows(train_path):
+            train.append({"category": canonical_category(item.get("category")) or "alignbench", "messages": messages})
     return train, heldout
 
 
 # --- main ------------------------------------------------------------------------------------
+LEAK_CHECKS = {
+    "translation": "train rows sharing a sentence with held-out (either side of a pair, either direction)",
+    "summarization": "train rows sharing a document with held-out",
+    "blog": "train rows whose prompt is in held-out",
+    "alignbench": "train rows whose prompt is a held-out question",
+}
+
+
 def prepare(task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed: int = 0, train_file: str | None = None) -> dict:
-    """Write `<out>/<task>/{train,heldout}.jsonl`; returns counts."""
+    """Write `<out>/<task>/{train,heldout}.jsonl`; returns counts and the sources used (`sources`)."""
     if task not in TASKS:
         raise SystemExit(f"error: unknown task {task!r}; tasks: {', '.join(TASKS)}")
     if train_file is not None and task != "alignbench":
-        raise SystemExit("error: --train is for alignbench (its training data is not public); other tasks read --source")
+        raise SystemExit("error: --train is for alignbench; other tasks read the paper's files or --source")
+    if source == HUB and task not in ("translation", "summarization"):
+        raise SystemExit(f"error: --source hub is for translation and summarization; {task} is the paper's own data")
     with tempfile.TemporaryDirectory(prefix="probdiff-prepare-") as tmp:
-        cache = Path(tmp)
+        fetcher = Fetcher(Path(tmp))
         if task == "translation":
-            train, heldout = prepare_translation(source, seed, cache)
+            train, heldout = prepare_translation(source, seed, fetcher)
         elif task == "summarization":
-            train, heldout = prepare_summarization(source, seed, cache)
+            train, heldout = prepare_summarization(source, seed, fetcher)
         elif task == "blog":
-            train, heldout = prepare_blog(source, seed, cache)
+            train, heldout = prepare_blog(source, seed, fetcher)
         else:
-            train, heldout = prepare_alignbench(source, train_file, seed, cache)
+            train, heldout = prepare_alignbench(source, train_file, seed, fetcher)
     train, heldout, stats = finish(task, train, heldout)
     target = Path(out) / task
     if train:
@@ -387,7 +530,7 @@ def prepare(task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed:
     elif (target / "train.jsonl").exists():
         (target / "train.jsonl").unlink()  # a stale file must not pair with a new held-out set
     write_jsonl(target / "heldout.jsonl", heldout)
-    counts = {"train": len(train), "heldout": len(heldout), **stats}
+    counts: dict = {"train": len(train), "heldout": len(heldout), **stats, "sources": fetcher.used}
     for split, rows in (("train", train), ("heldout", heldout)):
         by_category: dict[str, int] = {}
         for item in rows:
@@ -399,10 +542,12 @@ def prepare(task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task", choices=TASKS)
-    parser.add_argument("--source", default=None, help="a local directory/file or a URL prefix instead of the default source")
+    parser.add_argument("--source", default=None, help="a local directory/file, a URL prefix, or `hub` (translation, "
+                        "summarization) instead of the paper's repository")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"output root; files go to OUT/<task>/ [{DEFAULT_OUT}]")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed for the translation and summarization subsets [0]")
-    parser.add_argument("--train", dest="train_file", default=None, help="alignbench only: your training conversations (JSON lines or list)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of subsets of the hub or of plain pairs [0]")
+    parser.add_argument("--train", dest="train_file", default=None,
+                        help="alignbench only: your conversations instead of the paper's gpt_generate_train.json")
     args = parser.parse_args(argv)
     try:
         counts = prepare(args.task, args.source, Path(args.out), args.seed, args.train_file)
@@ -411,17 +556,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     target = Path(args.out) / args.task
     print(f"{args.task}: {counts['train']} train rows, {counts['heldout']} held-out rows -> {target}")
+    for what, where in counts["sources"]:
+        print(f"  source   {what}: {where}")
     for split in ("train", "heldout"):
         print(f"  {split:<8} " + ", ".join(f"{k}: {v}" for k, v in sorted(counts[f"{split}_by_category"].items())))
     print(
-        f"  removed: {counts['train_in_heldout']} train rows whose prompt is in held-out, "
+        f"  removed: {counts['train_in_heldout']} {LEAK_CHECKS[args.task]}, "
         f"{counts['train_repeats']} repeated train rows, {counts['heldout_repeats']} repeated held-out prompts"
     )
-    if args.task == "alignbench" and not counts["train"]:
-        print(
-            "  no training data written: AlignBench's training set (10,245 GPT-4 samples in the paper) is not public. "
-            f"Pass your own conversations with --train FILE (written to {target / 'train.jsonl'})."
-        )
     return 0
 
 

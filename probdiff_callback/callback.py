@@ -274,6 +274,7 @@ class ProbDiffCallback(TrainerCallback):
         self.tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)  # a processor wraps the tokenizer
         if self.tokenizer is None or not callable(getattr(self.tokenizer, "apply_chat_template", None)):
             raise ValueError("ProbDiffCallback needs the chat tokenizer: give `tokenizer=` or build the trainer with processing_class")
+        self.config.check_categories(q.category for q in queries)  # all of them: the subset may miss a category
         self.queries = select_queries(queries, self.options.n_queries, self.config.seed)
         self.categories = sorted({q.category for q in self.queries if q.category is not None})
         self.reference_plan = reference_metrics.plan_references(self.queries)
@@ -473,7 +474,7 @@ class ProbDiffCallback(TrainerCallback):
             try:  # deterministic on the gathered records: every rank fails alike or not at all
                 if self.reference_plan.active:
                     records = reference_metrics.score_records(records, self.queries)
-                summary = summarize(records, self.config.delta, self.config.sweep, self.config.bootstrap_samples, self.config.seed)
+                summary = summarize(records, self.config.delta, self.config.sweep)
                 reference = reference_metrics.summarize_references(records)
                 if reference is not None:
                     summary["reference"] = reference

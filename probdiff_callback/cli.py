@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(score)
     score.add_argument("--pairs", required=True, help="JSON lines or a JSON list of {id, query, response, revised}")
 
-    compare = commands.add_parser("compare", help="win/tie/lose of two result directories on the same queries, and a paired test")
+    compare = commands.add_parser(
+        "compare", help="win/tie/lose of two result directories on the same queries, a sign test and an interval"
+    )
     compare.add_argument("dir_a")
     compare.add_argument("dir_b")
     compare.add_argument("--delta", type=float, default=None, help="threshold [the delta in DIR_A's summary]")
@@ -132,7 +134,7 @@ def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra:
     from probdiff_callback.metric import summarize
     from probdiff_callback.reference_metrics import summarize_references
 
-    summary = summarize(records, config.delta, config.sweep, config.bootstrap_samples, config.seed)
+    summary = summarize(records, config.delta, config.sweep)
     reference = summarize_references(records)
     if reference is not None:
         summary["reference"] = reference
@@ -150,7 +152,9 @@ def format_summary(summary: dict) -> str:
     low, high = summary["confidence_ci"]
     lines = [
         f"queries            {summary['n']}  (invalid {summary['n_invalid']}, truncated {summary['n_truncated']})",
-        f"confidence         {pct(summary['confidence'])}  at delta {summary['delta']:g}   95% CI [{pct(low)}, {pct(high)}]",
+        f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}  (scored as cut)",
+        f"confidence         {pct(summary['confidence'])}  at delta {summary['delta']:g}   "
+        f"95% CI [{pct(low)}, {pct(high)}] (Wilson)",
         "sweep              " + "  ".join(f"{k}: {pct(v)}" for k, v in summary["confidence_sweep"].items()),
         f"d mean / median    {summary['d_mean']:.4f} / {summary['d_median']:.4f}",
         f"log p answer/rev.  {summary['logp_response_mean']:.4f} / {summary['logp_revised_mean']:.4f}",
@@ -167,6 +171,31 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _p(value: float | None) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3g}"
+
+
+def format_comparison(result: dict, name_a: str, name_b: str) -> str:
+    """`probdiff compare`'s report: the counts, then each test with the question it answers."""
+    n = result["n"]
+    low, high = result["difference_ci"]
+    share = {key: f"{100 * result[key] / n:.1f}%" for key in ("win", "tie", "lose")}
+    return "\n".join([
+        f"A = {name_a}\nB = {name_b}\n{n} shared queries at delta {result['delta']:g}",
+        f"A wins {result['win']} ({share['win']})  ties {result['tie']} ({share['tie']})  "
+        f"loses {result['lose']} ({share['lose']})  "
+        "(each model thresholded on its own d: a model is confident on a query when its d >= delta)",
+        f"confidence on these queries: A {100 * result['confidence_a']:.1f}%  B {100 * result['confidence_b']:.1f}%  "
+        f"(win - lose)/n = {100 * result['difference']:+.1f} points, 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] "
+        "(Bonett-Price adjusted Wald for paired proportions)",
+        f"sign test p = {_p(result['sign_p'])}: exact binomial test of {result['win']} wins against "
+        f"{result['lose']} losses, ties left out; tests whether one model wins more queries than it loses",
+        f"Wilcoxon signed-rank p = {_p(result['wilcoxon_p'])} over {result['n_paired']} pairs of valid d "
+        f"(mean d: A {result['d_mean_a']:.4f}  B {result['d_mean_b']:.4f}); "
+        "tests whether d is shifted between the models, not the win/lose split",
+    ])
+
+
 def cmd_eval(args) -> int:
     from probdiff_callback.evaluator import evaluate
     from probdiff_callback.io import load_queries
@@ -174,6 +203,7 @@ def cmd_eval(args) -> int:
 
     config = _config(args.overrides)
     queries = load_queries(args.queries)
+    config.check_categories(q.category for q in queries)  # the whole file: --limit may leave a category out
     if args.limit is not None:
         queries = queries[: args.limit]
     plan = plan_references(queries)
@@ -188,6 +218,19 @@ def cmd_eval(args) -> int:
     print(format_summary(summary))
     if summary["n_truncated"]:
         print(f"note: {summary['n_truncated']} queries were longer than max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle (see `truncated` in records.jsonl)")
+    if summary["n_revision_truncated"]:
+        print(
+            f"note: {summary['n_revision_truncated']} refinement requests (query + answer + prompt) were longer than "
+            f"max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle "
+            "(see `revision_truncated` in records.jsonl)"
+        )
+    if summary["n_capped"] or summary["n_revision_capped"]:
+        print(
+            f"note: {summary['n_capped']} answers and {summary['n_revision_capped']} revisions ended at "
+            f"max_new_tokens={config.max_new_tokens} without an end-of-turn token and were scored cut short "
+            "(see `response_capped` and `revision_capped` in records.jsonl); "
+            "the reference code allowed 2,048 tokens (1,024 on AlignBench)"
+        )
     print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
     return 0
 
@@ -221,11 +264,7 @@ def cmd_compare(args) -> int:
     if delta is None:
         delta = json.loads((Path(args.dir_a) / "summary.json").read_text())["delta"]
     result = compare(records[0], records[1], delta)
-    n = result["n"]
-    print(f"A = {args.dir_a}\nB = {args.dir_b}\n{n} shared queries at delta {delta:g}")
-    print(f"A wins {result['win']} ({100 * result['win'] / n:.1f}%)  ties {result['tie']} ({100 * result['tie'] / n:.1f}%)  loses {result['lose']} ({100 * result['lose'] / n:.1f}%)")
-    p = result["wilcoxon_p"]
-    print(f"mean d: A {result['d_mean_a']:.4f}  B {result['d_mean_b']:.4f}  Wilcoxon signed-rank p = {'n/a' if p is None or math.isnan(p) else f'{p:.3g}'} over {result['n_paired']} valid pairs")
+    print(format_comparison(result, args.dir_a, args.dir_b))
     if result["n_only_a"] or result["n_only_b"]:
         print(f"not compared: {result['n_only_a']} queries only in A, {result['n_only_b']} only in B")
     return 0

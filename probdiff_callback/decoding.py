@@ -129,6 +129,13 @@ def prefill(
     return Cache(layers=layers), hidden, attention_mask
 
 
+def hit_cap(ids: Sequence[int], max_new_tokens: int) -> bool:
+    """Whether a row of `sample_continuations` ended at `max_new_tokens` without a stop id: a live
+    row gains one id at every step until it draws a stop id (which is not kept), so only a row
+    that never stopped holds `max_new_tokens` ids."""
+    return len(ids) >= max_new_tokens
+
+
 def _anyone_generating(local: bool, synced_gpus: bool, device: torch.device) -> bool:
     if not synced_gpus:
         return local
@@ -153,7 +160,8 @@ def sample_continuations(
     n_valid_ids: int | None = None,
     synced_gpus: bool = False,
 ) -> list[list[int]]:
-    """The token ids sampled after each prompt, up to (not including) a stop id.
+    """The token ids sampled after each prompt, up to (not including) a stop id; a row that
+    drew none within `max_new_tokens` steps was cut there (`hit_cap`).
 
     Row i draws from `seeds[i]` alone, so its ids do not depend on the other rows. Ids at
     or past `n_valid_ids` (vocabulary rows without text) are never sampled.

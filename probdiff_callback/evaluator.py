@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.decoding import sample_continuations
+from probdiff_callback.decoding import hit_cap, sample_continuations
 from probdiff_callback.io import Query
 from probdiff_callback.metric import discrepancy, is_confident
 from probdiff_callback.prompts import refinement_request, refinement_template
@@ -58,6 +58,42 @@ def truncate_middle(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
     return head + ELLIPSIS + tail, True
 
 
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def refinement_prompt_ids(
+    tokenizer, system_prompt: str, template: str, instruction: str, response: str, max_tokens: int
+) -> tuple[list[int], bool]:
+    """Chat ids of the refinement request for (instruction, response), cut to `max_tokens`, and
+    whether it was cut.
+
+    The request holds the query and the answer, so it outgrows the context where the query alone
+    did not (a CNN/DM article with its summary passes 2,048 tokens, where Qwen v1's conversion
+    stops being exact). It is cut as queries are, in the middle: the instruction first (it is
+    context; the response is what gets rewritten), keeping it at least a quarter of the room,
+    then the response. At most `max_tokens` unless the template alone is longer.
+    """
+    ids = chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, instruction, response))
+    if len(ids) <= max_tokens:
+        return ids, False
+    frame = len(chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, "", "")))
+    room = max(max_tokens - frame, 4)
+    response_budget = min(_n_tokens(tokenizer, response), room - min(_n_tokens(tokenizer, instruction), room // 4))
+    instruction_budget = room - response_budget
+    for _ in range(4):  # tokens can merge across the cut pieces' edges: shrink by the excess and retry
+        cut_instruction, _ = truncate_middle(tokenizer, instruction, max(instruction_budget, 2))
+        cut_response, _ = truncate_middle(tokenizer, response, max(response_budget, 2))
+        ids = chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, cut_instruction, cut_response))
+        excess = len(ids) - max_tokens
+        if excess <= 0:
+            break
+        shrink_instruction = min(excess, max(instruction_budget - 2, 0))
+        instruction_budget -= shrink_instruction
+        response_budget -= excess - shrink_instruction
+    return ids, True
+
+
 def prepare_queries(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[PreparedQuery]:
     overhead = len(chat_prompt_ids(tokenizer, config.system_prompt, ""))
     budget = max(config.max_prompt_tokens - overhead, 16)
@@ -77,8 +113,8 @@ def generate_texts(
     top_ps: Sequence[float],
     max_new_tokens: int,
     synced_gpus: bool = False,
-) -> list[str]:
-    """One batch of sampled texts, special tokens stripped."""
+) -> tuple[list[str], list[bool]]:
+    """One batch of sampled texts, special tokens stripped, and whether each hit `max_new_tokens`."""
     generated = sample_continuations(
         model,
         prompts,
@@ -91,7 +127,8 @@ def generate_texts(
         n_valid_ids=len(tokenizer),
         synced_gpus=synced_gpus,
     )
-    return [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+    return texts, [hit_cap(ids, max_new_tokens) for ids in generated]
 
 
 @contextlib.contextmanager
@@ -127,8 +164,19 @@ def build_record(
     scores_response: list[tuple[float, int]],
     scores_revised: list[tuple[float, int]],
     delta: float,
+    *,
+    answer_temperature: float | None = None,
+    response_capped: bool | None = None,
+    revision_capped: bool | None = None,
+    revision_truncated: bool = False,
 ) -> dict:
-    """One row of records.jsonl from the texts and scores of each sample of a query."""
+    """One row of records.jsonl from the texts and scores of each sample of a query.
+
+    `response_capped` / `revision_capped`: whether an answer / a last revision (of any sample)
+    ended at max_new_tokens without a stop token, so was scored cut short. These and
+    `answer_temperature` are None for texts generated elsewhere (`score_pairs`).
+    `revision_truncated`: a refinement request was cut to max_prompt_tokens.
+    """
     d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
     d = _mean_finite(d_samples)
     record = {
@@ -144,6 +192,10 @@ def build_record(
         "n_tokens_revised": scores_revised[0][1],
         "confident": is_confident(d, delta),
         "truncated": prepared.truncated,
+        "answer_temperature": answer_temperature,
+        "response_capped": response_capped,
+        "revision_capped": revision_capped,
+        "revision_truncated": revision_truncated,
     }
     if len(responses) > 1:
         record.update(responses=responses, revisions_by_sample=revisions_by_sample, d_samples=d_samples)
@@ -160,7 +212,11 @@ def evaluate(
     synced_gpus: bool = False,
     sync_n_chunks: Callable[[int], int] | None = None,
 ) -> list[dict]:
-    """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample)."""
+    """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample).
+
+    Callers that hold the whole query set check `config.check_categories` on it first (the CLI and
+    the callback do); here the queries may be one rank's share.
+    """
     prepared = prepare_queries(tokenizer, queries, config)
     chains = [(qi, s) for qi in range(len(prepared)) for s in range(config.n_samples)]
     # Similar lengths together waste less padding; the sampler makes the order irrelevant to the texts.
@@ -169,6 +225,9 @@ def evaluate(
     template = refinement_template(config.refinement_prompt)
     answers: list[str] = [""] * len(chains)
     revisions: list[list[str]] = [[] for _ in chains]
+    answer_capped: list[bool] = [False] * len(chains)
+    revision_capped: list[bool] = [False] * len(chains)  # the last revision's
+    request_cut: list[bool] = [False] * len(chains)  # any refinement request cut to max_prompt_tokens
     scores: list[list[tuple[float, int]]] = [[] for _ in chains]
 
     steps = len(batches) * (2 + config.n_revisions)
@@ -176,7 +235,7 @@ def evaluate(
     with inference_mode(model):
         for batch in batches:
             bar.set_postfix_str("answer")
-            answers_batch = generate_texts(
+            answers_batch, capped_batch = generate_texts(
                 model,
                 tokenizer,
                 [prepared[chains[c][0]].prompt_ids for c in batch],
@@ -186,27 +245,34 @@ def evaluate(
                 config.max_new_tokens,
                 synced_gpus,
             )
-            for c, text in zip(batch, answers_batch):
-                answers[c] = text
+            for c, text, capped in zip(batch, answers_batch, capped_batch):
+                answers[c], answer_capped[c] = text, capped
             bar.update()
             for round_ in range(1, config.n_revisions + 1):
                 bar.set_postfix_str(f"revision {round_}")
                 last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
-                revised = generate_texts(
+                requests = [
+                    refinement_prompt_ids(
+                        tokenizer, config.system_prompt, template, prepared[chains[c][0]].text, prev,
+                        config.max_prompt_tokens,
+                    )
+                    for c, prev in zip(batch, last)
+                ]
+                for c, (_, cut) in zip(batch, requests):
+                    request_cut[c] = request_cut[c] or cut
+                revised, capped_batch = generate_texts(
                     model,
                     tokenizer,
-                    [
-                        chat_prompt_ids(tokenizer, config.system_prompt, refinement_request(template, prepared[chains[c][0]].text, prev))
-                        for c, prev in zip(batch, last)
-                    ],
+                    [ids for ids, _ in requests],
                     [row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], f"revision-{round_}") for c in batch],
                     [config.revision_temperature] * len(batch),
                     [config.revision_top_p] * len(batch),
                     config.max_new_tokens,
                     synced_gpus,
                 )
-                for c, text in zip(batch, revised):
+                for c, text, capped in zip(batch, revised, capped_batch):
                     revisions[c].append(text)
+                    revision_capped[c] = capped
                 bar.update()
             bar.set_postfix_str("score")
             texts = [answers[c] for c in batch] + [revisions[c][-1] for c in batch]
@@ -228,6 +294,10 @@ def evaluate(
                 [scores[c][0] for c in mine],
                 [scores[c][1] for c in mine],
                 config.delta,
+                answer_temperature=config.answer_temperature_for(item.query.category),
+                response_capped=any(answer_capped[c] for c in mine),
+                revision_capped=any(revision_capped[c] for c in mine),
+                revision_truncated=any(request_cut[c] for c in mine),
             )
         )
     return records

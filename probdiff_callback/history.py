@@ -28,6 +28,16 @@ def probdiff_dir(output_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) ->
     return Path(output_dir) / subdir
 
 
+def existing_run_dir(run_dir: str | os.PathLike) -> Path:
+    """`run_dir` as a Path, or a FileNotFoundError saying that the folder itself is missing."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path}: no such run directory (give the folder a training run wrote, e.g. runs/blog/tiny-<hash>)"
+        )
+    return path
+
+
 def history_path(output_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Path:
     return probdiff_dir(output_dir, subdir) / HISTORY_FILE
 

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from probdiff_callback.categories import canonical_category
+
 QUERY_FIELDS = ("query", "instruction", "question", "user")
 TURN_FIELDS = ("conversations", "messages", "turns")
 
@@ -16,8 +18,11 @@ TURN_FIELDS = ("conversations", "messages", "turns")
 class Query:
     id: str
     text: str
-    category: str | None = None
+    category: str | None = None  # AlignBench's categories under their canonical name (categories.py)
     reference: str | None = None  # a reference answer, for reference metrics (BLEU, chrF, ROUGE)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "category", canonical_category(self.category))
 
 
 class DataFileError(ValueError):

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from probdiff_callback.categories import canonical_category
+
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 LENGTH_CHANGE_LIMIT = 0.5  # the paper's length bias: revisions that change length by more than half
 
@@ -39,15 +41,64 @@ def delta_key(delta: float) -> str:
     return f"{delta:g}" if delta != 0 else "0"
 
 
-def bootstrap_interval(ds: Sequence[float], delta: float, n_resamples: int = 1000, seed: int = 0) -> list[float]:
-    """Percentile 95% bootstrap interval of the confidence, resampling queries."""
-    if len(ds) == 0:
+# The 97.5% standard-normal quantile: every interval here is a two-sided 95% interval.
+Z_95 = 1.959963984540054
+
+
+def wilson_interval(successes: int, n: int, z: float = Z_95) -> list[float]:
+    """Wilson score interval of a binomial share (Wilson 1927).
+
+    Chosen over the percentile bootstrap, which collapses to [0, 0] or [1, 1] when no or every
+    query is confident (where base models sit on translation), and over Clopper-Pearson, which is
+    conservative (coverage above 95%, wider); Brown, Cai and DasGupta (2001) recommend Wilson's
+    for its near-nominal coverage at small n. At 0 of n the upper end is z^2 / (n + z^2), not 0.
+    """
+    if n == 0:
         return [math.nan, math.nan]
-    hits = np.array([is_confident(d, delta) for d in ds], dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = hits[rng.integers(0, len(hits), size=(n_resamples, len(hits)))].mean(axis=1)
-    low, high = np.quantile(means, [0.025, 0.975])
-    return [float(low), float(high)]
+    share = successes / n
+    scale = 1.0 + z * z / n
+    center = (share + z * z / (2 * n)) / scale
+    half = z / scale * math.sqrt(share * (1.0 - share) / n + z * z / (4 * n * n))
+    # at 0 (n) successes the lower (upper) end is exactly 0 (1); rounding would miss it by 1e-17
+    low = 0.0 if successes == 0 else max(0.0, center - half)
+    high = 1.0 if successes == n else min(1.0, center + half)
+    return [low, high]
+
+
+def confidence_interval(ds: Sequence[float], delta: float) -> list[float]:
+    """95% Wilson interval of the confidence, invalid d counted as not confident (as in `confidence`)."""
+    return wilson_interval(sum(is_confident(d, delta) for d in ds), len(ds))
+
+
+def sign_test_p(win: int, lose: int) -> float:
+    """Exact two-sided sign test of wins against losses, ties left out: do the queries one model
+    wins outnumber those it loses more than chance (each discordant query a fair coin) allows?
+
+    With no win and no loss there is no evidence either way: p = 1.
+    """
+    from scipy.stats import binomtest
+
+    if win + lose == 0:
+        return 1.0
+    return float(binomtest(win, win + lose, 0.5).pvalue)
+
+
+def paired_difference_interval(win: int, lose: int, n: int, z: float = Z_95) -> list[float]:
+    """95% interval of (win - lose) / n over n paired queries: Bonett and Price's (2012) adjusted Wald
+    interval for a difference of paired proportions.
+
+    (win - lose) / n is confidence_A - confidence_B on the shared queries, a difference of two
+    proportions measured on the same queries, so it needs a paired interval. The adjusted Wald
+    adds one pseudo-observation to each discordant cell: closed form, deterministic, and not
+    degenerate when every query ties (a plain Wald interval is [0, 0] there); Fagerland, Lydersen
+    and Laake (2014) recommend it among the intervals for paired proportions.
+    """
+    if n == 0:
+        return [math.nan, math.nan]
+    p_win, p_lose = (win + 1) / (n + 2), (lose + 1) / (n + 2)
+    difference = p_win - p_lose
+    half = z * math.sqrt(max(p_win + p_lose - difference * difference, 0.0) / (n + 2))
+    return [max(-1.0, difference - half), min(1.0, difference + half)]
 
 
 def _finite(values: Iterable[float | None]) -> np.ndarray:
@@ -69,22 +120,27 @@ def length_changed_share(records: Sequence[dict]) -> float:
     return sum(changed) / len(changed) if changed else math.nan
 
 
-def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float], bootstrap_samples: int = 1000, seed: int = 0) -> dict:
+def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> dict:
     """The summary of a set of records (see the README for each key)."""
     ds = [math.nan if r["d"] is None else r["d"] for r in records]
     finite = _finite(ds)
     by_category: dict[str, dict] = {}
-    categories = sorted({r["category"] for r in records if r.get("category") is not None})
-    for category in categories:
-        cat_ds = [d for d, r in zip(ds, records) if r.get("category") == category]
+    # records written before categories were canonical may hold AlignBench's Chinese names
+    record_categories = [canonical_category(r.get("category")) for r in records]
+    for category in sorted({c for c in record_categories if c is not None}):
+        cat_ds = [d for d, c in zip(ds, record_categories) if c == category]
         by_category[category] = {"n": len(cat_ds), "confidence": confidence(cat_ds, delta), "d_mean": _mean(cat_ds)}
     return {
         "n": len(records),
         "n_invalid": int(sum(math.isnan(d) for d in ds)),
         "n_truncated": int(sum(bool(r.get("truncated")) for r in records)),
+        # answers / last revisions that hit max_new_tokens without a stop token, scored cut short
+        "n_capped": int(sum(bool(r.get("response_capped")) for r in records)),
+        "n_revision_capped": int(sum(bool(r.get("revision_capped")) for r in records)),
+        "n_revision_truncated": int(sum(bool(r.get("revision_truncated")) for r in records)),
         "delta": delta,
         "confidence": confidence(ds, delta),
-        "confidence_ci": bootstrap_interval(ds, delta, bootstrap_samples, seed),
+        "confidence_ci": confidence_interval(ds, delta),
         "confidence_sweep": confidence_sweep(ds, sorted(set(sweep) | {delta}, reverse=True)),
         "d_mean": float(finite.mean()) if finite.size else math.nan,
         "d_median": float(np.median(finite)) if finite.size else math.nan,
@@ -102,9 +158,18 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float], boo
 def compare(records_a: Sequence[dict], records_b: Sequence[dict], delta: float) -> dict:
     """The paper's pairwise comparison on the queries both sets share.
 
-    Each model's d is thresholded on its own: A wins a query where A is confident and
-    B is not, loses in the reverse case, ties otherwise. The paired test is a Wilcoxon
-    signed-rank test on d over the queries where both d are valid.
+    Each model's d is thresholded on its own: A wins a query where A is confident and B is
+    not, loses in the reverse case, ties otherwise. The paper's wording ("predefined thresholds
+    for d(alpha, q) and d(theta, q)") also reads as thresholding d_A - d_B; we threshold each d
+    because each is a difference of one model's own log-probabilities (their scales need not
+    agree across models), and because then (win - lose) / n is exactly confidence_A -
+    confidence_B on these queries, the numbers the paper reports per model.
+
+    Tests: `sign_p`, an exact sign test of wins against losses (does one model win more queries
+    than it loses?), with `difference_ci`, a 95% interval on (win - lose) / n; `wilcoxon_p`, a
+    Wilcoxon signed-rank test of d_A against d_B over the queries where both are valid (is d
+    shifted?), a different question: d can shift without any query crossing delta, and many
+    queries can cross delta with a small shift.
     """
     from scipy.stats import wilcoxon
 
@@ -126,14 +191,20 @@ def compare(records_a: Sequence[dict], records_b: Sequence[dict], delta: float) 
     p_value = math.nan
     if pairs and any(x != y for x, y in pairs):
         p_value = float(wilcoxon([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
+    n = len(shared)
     return {
-        "n": len(shared),
-        "n_only_a": len(records_a) - len(shared),
-        "n_only_b": len(records_b) - len(shared),
+        "n": n,
+        "n_only_a": len(records_a) - n,
+        "n_only_b": len(records_b) - n,
         "delta": delta,
         "win": win,
         "tie": tie,
         "lose": lose,
+        "confidence_a": confidence([math.nan if a["d"] is None else a["d"] for a, _ in shared], delta),
+        "confidence_b": confidence([math.nan if b["d"] is None else b["d"] for _, b in shared], delta),
+        "difference": (win - lose) / n,
+        "difference_ci": paired_difference_interval(win, lose, n),
+        "sign_p": sign_test_p(win, lose),
         "n_paired": len(pairs),
         "d_mean_a": _mean(p[0] for p in pairs),
         "d_mean_b": _mean(p[1] for p in pairs),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,6 +16,16 @@ PRESETS = {
 }
 PRESET_HUB_IDS = {"qwen-14b-chat": "Qwen/Qwen-14B-Chat", "qwen1.5-14b-chat": "Qwen/Qwen1.5-14B-Chat"}
 QWEN_V1_HUB_IDS = {"Qwen/Qwen-14B-Chat", "Qwen/Qwen-7B-Chat", "Qwen/Qwen-72B-Chat", "Qwen/Qwen-1_8B-Chat"}
+
+
+@contextlib.contextmanager
+def peft_without_deprecated_alias_warning():
+    """peft (0.21) builds every PeftModel through `getattr(model, "is_gradient_checkpointing", True)`, an alias
+    that transformers 5 deprecates with a FutureWarning on each read; users would see it on every run while
+    nothing of theirs can act on it. Only that message is silenced, only while a PeftModel is built."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def resolve_model_path(name: str) -> str:
@@ -97,7 +109,8 @@ def load_model_and_tokenizer(
 
         if not (Path(adapter) / "adapter_config.json").is_file():
             raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (a PEFT adapter directory?)")
-        model = PeftModel.from_pretrained(model, adapter)
+        with peft_without_deprecated_alias_warning():
+            model = PeftModel.from_pretrained(model, adapter)
     if device is not None:
         model.to(device)
     model.eval()

@@ -1,6 +1,6 @@
 """`probdiff plot RUN_DIR`: ProbDiff over training in one PNG, for runs without W&B.
 
-Top left: confidence per evaluated step with its bootstrap interval (and one line per category
+Top left: confidence per evaluated step with its 95% Wilson interval (and one line per category
 when there are several). Top right: the independent measures at the same steps: the reference
 metrics of the answers (BLEU/chrF, ROUGE) where the queries have them, and the eval loss on its own
 axis. Bottom: the distribution of d at each evaluated step as violins (the bar inside each is the
@@ -28,7 +28,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
+    run_dir = history.existing_run_dir(run_dir)
     directory = history.probdiff_dir(run_dir, subdir)
     all_rows = history.read_history(directory / history.HISTORY_FILE)
     rows = [r for r in all_rows if r.get("summary") is not None]
@@ -47,7 +47,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     confidence = [100 * (r["summary"]["confidence"] if r["summary"]["confidence"] is not None else math.nan) for r in rows]
     low = [100 * (r["summary"]["confidence_ci"][0] if r["summary"]["confidence_ci"][0] is not None else math.nan) for r in rows]
     high = [100 * (r["summary"]["confidence_ci"][1] if r["summary"]["confidence_ci"][1] is not None else math.nan) for r in rows]
-    top.fill_between(steps, low, high, color="tab:blue", alpha=0.2, label="95% bootstrap interval")
+    top.fill_between(steps, low, high, color="tab:blue", alpha=0.2, label="95% Wilson interval")
     top.plot(steps, confidence, "o-", color="tab:blue", linewidth=2, label=f"confidence (d ≥ {delta:g})")
     categories = sorted({c for r in rows for c in r["summary"]["by_category"]})
     if len(categories) > 1:

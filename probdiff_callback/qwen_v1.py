@@ -622,6 +622,8 @@ def merge_adapter(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from probdiff_callback.models import peft_without_deprecated_alias_warning
+
     base_path, adapter_dir, out_dir = Path(base_path), Path(adapter_dir), Path(out_dir)
     adapter_config = _read_json(adapter_dir / "adapter_config.json")
     targets = adapter_config.get("target_modules") or []
@@ -647,7 +649,8 @@ def merge_adapter(
             weights = path.suffix in (".safetensors", ".bin")
             if path.is_file() and not weights and path.name not in _WRITTEN_BY_SAVE_PRETRAINED:
                 shutil.copy2(path, out_dir / path.name)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    with peft_without_deprecated_alias_warning():
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     # save_pretrained also writes the base's generation_config (stop ids, suppressed rows).
     merged.save_pretrained(out_dir)
     return out_dir

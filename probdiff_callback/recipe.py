@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from probdiff_callback.callback import ProbDiffCallbackArgs
-from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.config import ProbDiffConfig, did_you_mean, wrong_type_message
 from probdiff_callback.io import DataFileError, Query, load_queries, read_rows
 from probdiff_callback.models import PRESETS
 from probdiff_callback.qwen_v1 import QWEN2_LORA_TARGET_MODULES
@@ -150,6 +150,17 @@ def _section_class(cls: type, parts: list[str]) -> type | None:
     return cls
 
 
+def _schema_keys(cls: type = Recipe, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, nested sections included (`probdiff.delta`)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        keys.append(prefix + f.name)
+        section = f.default_factory if isinstance(f.default_factory, type) else None  # type: ignore[arg-type]
+        if section is not None and dataclasses.is_dataclass(section):
+            keys.extend(_schema_keys(section, f"{prefix}{f.name}."))
+    return keys
+
+
 def _key_error(full_key: str, where: str) -> RecipeError:
     parts = full_key.split(".")
     if parts and parts[0] == "presets" and len(parts) > 2:  # presets.<model>.<key>
@@ -159,8 +170,10 @@ def _key_error(full_key: str, where: str) -> RecipeError:
     section = _section_class(Recipe, parts[:-1])
     valid = [f.name for f in dataclasses.fields(section)] if section is not None else []
     scope = ".".join(parts[:-1])
+    hint = did_you_mean(".".join(parts), _schema_keys())
     return RecipeError(
-        f"{where}: unknown key {full_key!r}. Valid keys{' in ' + prefix + scope if scope else ''}: {', '.join(valid)}"
+        f"{where}: unknown key {full_key!r}{hint}. Valid keys{' in ' + prefix + scope if scope else ''}: "
+        f"{', '.join(valid)}"
     )
 
 
@@ -176,11 +189,10 @@ def _merge(layers: list[tuple[str, Any]]):
         except ConfigKeyError as err:
             raise _key_error(str(getattr(err, "full_key", "") or err), where) from None
         except ValidationError as err:
-            key = getattr(err, "full_key", "?")
-            message = str(getattr(err, "msg", err)).splitlines()[0]
+            key = str(getattr(err, "full_key", "?"))
             section = _section_class(Recipe, key.split(".")[:-1]) or Recipe
-            expected = {f.name: f.type for f in dataclasses.fields(section)}.get(key.split(".")[-1], "?")
-            raise RecipeError(f"{where}: wrong type for {key!r}: {message} (expected {expected})") from None
+            expected = {f.name: f.type for f in dataclasses.fields(section)}.get(key.split(".")[-1], "value")
+            raise RecipeError(f"{where}: {wrong_type_message(key, OmegaConf.select(layer, key), expected)}") from None
         except OmegaConfBaseException as err:
             raise RecipeError(f"{where}: {str(err).splitlines()[0]}") from None
     return merged
@@ -451,10 +463,11 @@ def data_files(recipe: Recipe) -> tuple[Path, Path, list[str]]:
                 path = sample
             elif recipe.task == "alignbench" and split == "train":
                 raise RecipeError(
-                    f"AlignBench training data not found at {path}. The paper's 10,245 GPT-4-generated samples are not "
-                    "public: supply your own conversations (JSON lines with `messages` or `conversations`) with "
-                    "`python data/prepare.py alignbench --train FILE` (writes data/processed/alignbench/train.jsonl) "
-                    f"or train_file=PATH. With model=tiny the recipe trains on {SAMPLES_DIR / 'alignbench' / 'train.jsonl'}."
+                    f"AlignBench training data not found at {path}: run `python data/prepare.py alignbench`, which "
+                    "downloads the paper's GPT-4-generated training set (alignbench/data/gpt_generate_train.json in "
+                    "its repository) to data/processed/alignbench/train.jsonl; `--train FILE` takes your own "
+                    "conversations instead; or set train_file=PATH. With model=tiny the recipe trains on "
+                    f"{SAMPLES_DIR / 'alignbench' / 'train.jsonl'}."
                 )
             else:
                 raise RecipeError(

@@ -151,9 +151,19 @@ def sample_tokens(
         best_block = block_max[alone].argmax(dim=-1)
         result[alone] = best_block * block + blocks[alone, best_block].argmax(dim=-1)
     pending = (result < 0).nonzero().squeeze(-1)
+    # top_p = 1 (the reference code's setting): the nucleus is the whole vocabulary, in any
+    # order, so invert the CDF in id order; no sort (on CPU 9 ms for 16 x 152k rows, against
+    # 390 ms for the sort). fp64: an fp32 running sum over 152k weights drifts by ~1e-5.
+    whole = pending[top_p[pending] >= 1.0]
+    if whole.numel():
+        cdf = torch.cumsum(weights[whole], dim=-1, dtype=torch.float64)
+        # right=True: the first id whose CDF passes u * total, never a zero-weight id
+        target = u[whole].to(cdf.dtype)[:, None] * cdf[:, -1:]
+        result[whole] = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=vocab - 1)
+        pending = pending[top_p[pending] < 1.0]
     # Otherwise widen the candidate set only for rows that need it: when the k heaviest
     # tokens hold top_p of the mass, the nucleus lies among them. Flat rows (an untrained
-    # model, top_p = 1) end in a sort of the whole vocabulary.
+    # model) end in a sort of the whole vocabulary.
     for level, k in enumerate([c for c in candidates if c < vocab] + [vocab]):
         if pending.numel() == 0:
             break
@@ -163,7 +173,7 @@ def sample_tokens(
         else:
             shared = dict(block_max=block_max[pending], block=block) if level == 0 else {}
             top_weights, top_ids = largest(weights, k, pending, **shared)
-            inside = (top_weights.sum(-1, dtype=torch.float64) / total[pending] >= top_p[pending]) & (top_p[pending] < 1.0)
+            inside = top_weights.sum(-1, dtype=torch.float64) / total[pending] >= top_p[pending]
         if inside.any():
             probs = top_weights[inside].double() / total[pending][inside, None]
             pick = _pick_in_nucleus(probs, top_p[pending][inside], u[pending][inside])

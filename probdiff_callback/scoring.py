@@ -5,9 +5,9 @@ A plain forward materialises [batch, sequence, vocabulary] logits (5 GB in fp32 
 needed. We run the decoder for hidden states, keep the positions that predict response
 tokens, and apply the LM head to them a chunk at a time with an fp32 log-sum-exp (a
 plain linear head also a vocabulary tile at a time), so the extra memory is proportional
-to the chunk. fp32 matters for bf16 models: bf16
-logits near 16 are spaced 0.125 apart, coarser than the thresholds (0.02-0.05) we
-compare against.
+to the chunk. The logits themselves come from fp32 products of the (bf16) hidden state and
+weights, not from a cast after a bf16 matmul: bf16 logits near 16 are spaced 0.125 apart,
+coarser than the thresholds (0.02-0.05) we compare against.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # Sequences per scoring forward, in order of length: little padding, and a count of forwards
 # that depends only on the number of texts (ZeRO-3 with sharded parameters needs equal counts).
@@ -28,6 +29,35 @@ def split_model(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     if hasattr(model, "get_base_model"):  # PEFT: the LoRA layers live inside the base model
         model = model.get_base_model()
     return model.get_decoder(), model.get_output_embeddings()
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _upcast(value):
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION else value
+
+
+class Fp32Products(TorchFunctionMode):
+    """Inside this mode every linear layer and matrix product takes its bf16/fp16 operands in fp32.
+
+    For an LM head that is more than a plain `nn.Linear` (a LoRA-wrapped head, ZeRO-3's
+    parameter-gathering hooks) we cannot take its weight and tile it ourselves, so we run the
+    module as it is and upcast inside its products: the hooks still gather, the LoRA branch
+    still adds, and the logits come out of fp32 products (PEFT casts its result back to the
+    dtype of the base layer's output, which is then fp32 too).
+    """
+
+    FUNCTIONS = frozenset({
+        torch.nn.functional.linear, torch.matmul, torch.mm, torch.addmm, torch.Tensor.matmul, torch.Tensor.__matmul__,
+    })
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCTIONS:
+            args = tuple(_upcast(a) for a in args)
+            kwargs = {key: _upcast(value) for key, value in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 def token_logprobs_chunked(
@@ -57,7 +87,8 @@ def token_logprobs_chunked(
         if plain_weight is not None:
             out[start : start + chunk_size] = _logprobs_by_vocabulary_tiles(rows, chunk_targets, plain_weight)
             continue
-        logits = lm_head(rows).float()
+        with Fp32Products():
+            logits = lm_head(rows).float()
         # log-softmax at the targets only: one [chunk, vocabulary] tensor, not two
         out[start : start + chunk_size] = logits.gather(1, chunk_targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         del logits
@@ -81,12 +112,13 @@ def _logprobs_by_vocabulary_tiles(hidden: torch.Tensor, targets: torch.Tensor, w
     """log p(target) of each row of `hidden`: logits and a running log-sum-exp one tile of
     the vocabulary at a time, so they never leave the cache (on CPU 1.5x faster than the
     whole [rows, vocabulary] logits and torch.logsumexp, and 1/19 of the memory)."""
+    hidden = hidden.float()  # each weight tile is upcast too: fp32 products, not a cast of bf16 ones
     n_rows = hidden.shape[0]
     target_logits = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     running_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=hidden.device)
     running_sum = torch.zeros(n_rows, dtype=torch.float64, device=hidden.device)
     for start in range(0, weight.shape[0], VOCABULARY_TILE):
-        tile = (hidden @ weight[start : start + VOCABULARY_TILE].T).float()
+        tile = hidden @ weight[start : start + VOCABULARY_TILE].float().T
         here = ((targets >= start) & (targets < start + tile.shape[1])).nonzero().squeeze(-1)
         target_logits[here] = tile[here, targets[here] - start]
         new_max = torch.maximum(running_max, tile.amax(dim=-1))

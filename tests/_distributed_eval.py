@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN_FILE = REPO / "data" / "samples" / "blog" / "train.jsonl"
 QUERY_FILE = REPO / "data" / "samples" / "alignbench" / "heldout.jsonl"
 N_QUERIES = 5  # odd, so two ranks need padding
-EVAL_SETTINGS = dict(max_new_tokens=8, batch_size=8, bootstrap_samples=200, seed=3)
+EVAL_SETTINGS = dict(max_new_tokens=8, batch_size=8, seed=3)
 
 
 def probdiff_config():

@@ -1,4 +1,4 @@
-"""Shared fixtures: models are built once per test session (and the `tiny` preset once per machine)."""
+"""Shared fixtures: models are built once per test session (and the `tiny` preset unpacked once per machine)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def qwen_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_path():
-    """Directory of the `tiny` preset (pretrained on data/samples, cached under PROBDIFF_CACHE)."""
+    """Directory of the `tiny` preset (shipped with the package, unpacked under PROBDIFF_CACHE)."""
     from probdiff_callback.tiny import tiny_model_dir
 
     return tiny_model_dir()

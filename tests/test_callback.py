@@ -94,7 +94,7 @@ def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
          "n_tokens_response": 5, "n_tokens_revised": 5, "truncated": False}
         for i, (c, d) in enumerate([("a b", 0.1), ("a b", -0.2), ("c/d", 0.3)])
     ]
-    summary = summarize(records, -0.05, [0.0, -0.1], 100, 0)
+    summary = summarize(records, -0.05, [0.0, -0.1])
     metrics = metrics_from_summary(summary, [0.0, -0.1], ["a b", "c/d"])
     assert metrics["eval_probdiff_confidence"] == pytest.approx(2 / 3)
     assert metrics["eval_probdiff_confidence_a_b"] == 0.5 and metrics["eval_probdiff_confidence_c_d"] == 1.0
@@ -159,7 +159,7 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     for row in rows:
         records = read_jsonl(run / "probdiff" / row["records"])
         assert [r["id"] for r in records] == subset
-        assert row["summary"] == json.loads(json.dumps(summarize(records, config.delta, config.sweep, config.bootstrap_samples, config.seed)))
+        assert row["summary"] == json.loads(json.dumps(summarize(records, config.delta, config.sweep)))
     for row in rows[1:]:
         assert row["checkpoint"] == str(run / f"checkpoint-{row['global_step']}")
         assert json.loads((run / f"checkpoint-{row['global_step']}" / "probdiff.json").read_text()) == row

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from probdiff_callback.cli import main
+from probdiff_callback.cli import format_summary, main
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 
@@ -35,7 +35,13 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     assert summary["config"]["max_new_tokens"] == 12
     assert summary["config"]["answer_temperature_by_category"] == {"Mathematics": 0.1}
     assert set(summary["by_category"]) == {r["category"] for r in records}
-    for key in ("n_invalid", "n_truncated", "confidence_ci", "d_mean", "d_median", "d_std", "d_quantiles", "logp_response_mean",
+    assert summary["n_capped"] == sum(r["response_capped"] for r in records)
+    assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in records)
+    printed = format_summary(summary)
+    assert f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}" in printed
+    assert "95% CI [" in printed and "(Wilson)" in printed
+    for key in ("n_invalid", "n_truncated", "n_capped", "n_revision_capped", "n_revision_truncated",
+                "confidence_ci", "d_mean", "d_median", "d_std", "d_quantiles", "logp_response_mean",
                 "logp_revised_mean", "len_response_mean", "len_revised_mean", "length_changed_share"):
         assert key in summary
     assert "reference" not in summary and all("ref" not in r for r in records)  # AlignBench has no reference metric
@@ -81,6 +87,8 @@ def test_compare_prints_win_tie_lose(eval_dirs, capsys):
     out = capsys.readouterr().out
     assert "6 shared queries at delta -0.05" in out
     assert "A wins" in out and "ties" in out and "loses" in out and "Wilcoxon" in out
+    assert "sign test p = " in out and "tests whether one model wins more queries than it loses" in out
+    assert "(win - lose)/n = " in out and "95% CI [" in out
 
 
 def test_bad_input_gives_a_clear_error(tmp_path, capsys):
@@ -90,6 +98,18 @@ def test_bad_input_gives_a_clear_error(tmp_path, capsys):
     assert f"{bad}:2: no query found" in capsys.readouterr().err
     assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta_typo=1"]) == 2
     assert "unknown key 'delta_typo'" in capsys.readouterr().err
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "dleta=1"]) == 2
+    assert "unknown key 'dleta' (did you mean 'delta'?)" in capsys.readouterr().err
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "wrong type for 'delta': got 'abc', expected float" in err and "object_type" not in err
+
+
+def test_select_and_plot_name_a_missing_run_directory(tmp_path, capsys):
+    missing = tmp_path / "runs" / "nope"
+    for command in ("select", "plot"):
+        assert main([command, str(missing)]) == 2
+        assert f"{missing}: no such run directory" in capsys.readouterr().err
 
 
 def test_console_script_help_lists_every_command():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from probdiff_callback.decoding import sample_continuations
+from probdiff_callback.decoding import hit_cap, sample_continuations
 from probdiff_callback.evaluator import chat_prompt_ids
 from probdiff_callback.sampling import row_seed
 from probdiff_callback.tokenizer import stop_token_ids
@@ -45,7 +45,10 @@ def test_greedy_equals_hf_generate(tiny_model, prompts):
             out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
         expected = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
         assert ids == expected
+        # capped exactly when HF's own loop found no stop token within max_new_tokens
+        assert hit_cap(ids, 40) == (not any(t in stops for t in out))
     assert len({len(ids) for ids in ours}) > 1, "rows should finish at different steps, so some are dropped early"
+    assert any(hit_cap(ids, 40) for ids in ours) and not all(hit_cap(ids, 40) for ids in ours)
     assert any(len(ids) < 40 for ids in ours) and not any(t in stops for ids in ours for t in ids)
 
 

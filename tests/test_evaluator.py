@@ -4,7 +4,9 @@ import math
 import pytest
 
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
-from probdiff_callback.evaluator import build_record, evaluate, score_pairs, truncate_middle, PreparedQuery
+from probdiff_callback.evaluator import (
+    PreparedQuery, build_record, chat_prompt_ids, evaluate, refinement_prompt_ids, score_pairs, truncate_middle,
+)
 from probdiff_callback.io import Query, load_queries
 from probdiff_callback.prompts import REWRITER, refinement_request
 
@@ -41,7 +43,8 @@ def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, r
 def test_records_hold_the_documented_fields(reference_records, queries):
     record = reference_records[0]
     assert set(record) == {"id", "category", "query", "response", "revisions", "logp_response", "logp_revised", "d",
-                           "n_tokens_response", "n_tokens_revised", "confident", "truncated"}
+                           "n_tokens_response", "n_tokens_revised", "confident", "truncated", "answer_temperature",
+                           "response_capped", "revision_capped", "revision_truncated"}
     assert record["id"] == queries[0].id and record["category"] == "blog"
     assert len(record["revisions"]) == 1
     for r in reference_records:
@@ -49,6 +52,22 @@ def test_records_hold_the_documented_fields(reference_records, queries):
             assert r["d"] == pytest.approx(r["logp_revised"] - r["logp_response"])
             assert r["logp_response"] < 0
         assert r["confident"] == (r["d"] is not None and not math.isnan(r["d"]) and r["d"] >= -0.05)
+
+
+def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queries):
+    from probdiff_callback.metric import summarize
+
+    model, tokenizer = tiny_model
+    cut = evaluate(model, tokenizer, queries[:4], ProbDiffConfig(max_new_tokens=1), progress=False)
+    # one new token leaves no room for the end-of-turn token: every non-empty text was cut
+    assert all(r["response_capped"] or r["response"] == "" for r in cut) and any(r["response_capped"] for r in cut)
+    assert all(r["revision_capped"] or r["revisions"][-1] == "" for r in cut)
+    summary = summarize(cut, -0.05, [-0.05])
+    assert summary["n_capped"] == sum(r["response_capped"] for r in cut) > 0
+    assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in cut)
+    greedy = ProbDiffConfig(max_new_tokens=64, answer_temperature=0.0)
+    roomy = evaluate(model, tokenizer, queries[:4], greedy, progress=False)
+    assert not all(r["response_capped"] for r in roomy), "the tiny model ends most answers within 64 tokens"
 
 
 def test_seed_changes_texts(tiny_model, queries, reference_records):
@@ -73,11 +92,14 @@ def test_several_samples_and_revisions(tiny_model, queries):
 
 def test_per_category_answer_temperature(tiny_model):
     model, tokenizer = tiny_model
-    queries = [Query("a", "写一首关于秋天的诗", "Writing"), Query("b", "写一首关于秋天的诗", "Mathematics")]
+    # AlignBench's raw files name categories in Chinese, the recipes' keys are English: they must meet
+    queries = [Query("a", "写一首关于秋天的诗", "文本写作"), Query("b", "写一首关于秋天的诗", "数学计算")]
     config = ProbDiffConfig(max_new_tokens=16, answer_temperature_by_category={"Mathematics": 0.0})
-    greedy = evaluate(model, tokenizer, queries[1:], config, progress=False)[0]["response"]
+    records = evaluate(model, tokenizer, queries, config, progress=False)
+    assert [(r["category"], r["answer_temperature"]) for r in records] == [("Writing", 0.7), ("Mathematics", 0.0)]
     # temperature 0 is greedy: the same text under any seed
-    assert evaluate(model, tokenizer, queries[1:], dataclasses.replace(config, seed=5), progress=False)[0]["response"] == greedy
+    reseeded = evaluate(model, tokenizer, queries[1:], dataclasses.replace(config, seed=5), progress=False)[0]
+    assert reseeded["response"] == records[1]["response"]
     assert config.answer_temperature_for("Writing") == 0.7 and config.answer_temperature_for(None) == 0.7
 
 
@@ -93,9 +115,30 @@ def test_middle_truncation_keeps_head_and_tail(qwen_tokenizer):
 def test_long_queries_are_truncated_and_counted(tiny_model):
     model, tokenizer = tiny_model
     long_query = Query("long", "请总结下面的内容。" + "今天天气很好，我们去公园散步。" * 200)
-    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=128), progress=False)
+    config = ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=256)
+    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], config, progress=False)
     assert [r["truncated"] for r in records] == [True, False]
     assert records[0]["query"] == long_query.text, "records keep the original query"
+    # the cut query (256 tokens) plus the answer and the refinement prompt outgrow 256 again: cut, and said so
+    assert [r["revision_truncated"] for r in records] == [True, False]
+
+
+def test_refinement_requests_are_cut_to_the_prompt_budget(qwen_tokenizer):
+    system = ProbDiffConfig().system_prompt
+    instruction = "INSTRUCTION START " + " ".join(f"fact{i}" for i in range(600)) + " INSTRUCTION END"
+    response = "RESPONSE START " + " ".join(f"claim{i}" for i in range(60)) + " RESPONSE END"
+    whole = chat_prompt_ids(qwen_tokenizer, system, refinement_request(REWRITER, "short question", response))
+    assert refinement_prompt_ids(qwen_tokenizer, system, REWRITER, "short question", response, 500) == (whole, False)
+    ids, cut = refinement_prompt_ids(qwen_tokenizer, system, REWRITER, instruction, response, 500)
+    text = qwen_tokenizer.decode(ids)
+    assert cut and len(ids) <= 500
+    # the instruction loses its middle; the response, which is what gets rewritten, stays whole
+    assert "INSTRUCTION START" in text and "INSTRUCTION END" in text and "fact300" not in text
+    assert response in text and text.endswith("#Rewritten Response#:\n<|im_end|>\n<|im_start|>assistant\n")
+    long_response = response.replace("claim", "long claim number ") * 8
+    ids, cut = refinement_prompt_ids(qwen_tokenizer, system, REWRITER, instruction, long_response, 500)
+    text = qwen_tokenizer.decode(ids)
+    assert cut and len(ids) <= 500 and "INSTRUCTION END" in text and "RESPONSE START" in text and "RESPONSE END" in text
 
 
 def test_empty_texts_give_nan_and_count_as_not_confident(tiny_model):
@@ -117,6 +160,21 @@ def test_build_record_mean_over_valid_samples():
 def test_refinement_request_fills_once():
     filled = refinement_request(REWRITER, "a {response} in the query", "the answer")
     assert "#Given Prompt#:\na {response} in the query\n#Given Response#:\nthe answer\n#Rewritten Response#:\n" in filled
+
+
+def test_sampling_defaults_are_the_reference_codes_and_reach_the_sampler(tiny_model, queries):
+    """top_p 1 for answers and revisions (the reference code); the submission paper's 0.8 / 0.9 by override."""
+    config = ProbDiffConfig()
+    assert (config.answer_temperature, config.answer_top_p) == (0.7, 1.0)
+    assert (config.revision_temperature, config.revision_top_p) == (0.1, 1.0)
+    submission = apply_overrides(config, ["answer_top_p=0.8", "revision_top_p=0.9"])
+    assert (submission.answer_top_p, submission.revision_top_p) == (0.8, 0.9)
+    # a nucleus of one token is greedy decoding: so each top_p reaches its stage's sampler
+    model, tokenizer = tiny_model
+    narrow = ProbDiffConfig(max_new_tokens=12, answer_top_p=1e-9, revision_top_p=1e-9)
+    greedy = ProbDiffConfig(max_new_tokens=12, answer_temperature=0.0, revision_temperature=0.0)
+    a, b = (evaluate(model, tokenizer, queries[:2], c, progress=False) for c in (narrow, greedy))
+    assert [(r["response"], r["revisions"]) for r in a] == [(r["response"], r["revisions"]) for r in b]
 
 
 def test_config_overrides_reject_unknown_keys_and_bad_types():

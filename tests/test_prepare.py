@@ -96,7 +96,7 @@ def test_translation_wrong_language_names_file_and_line(tmp_path):
     write_json_list(src / "cs-en" / "train.json", [conversation(0, "Translate the sentence into English.\nx", "y"),
                                                    conversation(1, "Translate the sentence into German.\nx", "y")])
     with pytest.raises(prepare.DataFileError, match=r"cs-en/train.json:15: prompt asks for German, but this is the cs-en pair"):
-        prepare.prepare_translation(str(src), 0, tmp_path)
+        prepare.prepare_translation(str(src), 0, prepare.Fetcher(tmp_path))
 
 
 # --- summarization: XSum {document, summary} and CNN/DM {article, highlights} ---------------------------
@@ -151,9 +151,6 @@ def test_alignbench_categories_reference_and_user_training_file(tmp_path):
     assert heldout[0]["messages"][1]["content"] == heldout[0]["reference"]
     assert counts["train"] == 1 and counts["train_in_heldout"] == 1
     assert read(tmp_path / "out/alignbench/train.jsonl")[0]["category"] == "Writing"
-    # without a training file only the held-out set is written, and a stale train.jsonl is removed
-    prepare.prepare("alignbench", str(release), tmp_path / "out")
-    assert not (tmp_path / "out/alignbench/train.jsonl").exists()
 
 
 def test_unknown_alignbench_category(tmp_path):
@@ -169,12 +166,16 @@ def test_reference_files(tmp_path):
     out = tmp_path / "out"
     counts = prepare.prepare("blog", str(REFERENCE), out)
     assert (counts["train"] + counts["train_in_heldout"] + counts["train_repeats"], counts["heldout"]) == (469, 100)
-    counts = prepare.prepare("alignbench", str(REFERENCE), out)
+    mine = tmp_path / "mine.jsonl"
+    write_json_lines(mine, [{"messages": [{"role": "user", "content": "问题"}, {"role": "assistant", "content": "回答"}]}])
+    counts = prepare.prepare("alignbench", str(REFERENCE), out, train_file=str(mine))
     assert counts["heldout"] == 683
     assert set(counts["heldout_by_category"]) == {"Professional", "Mathematics", "Fundamental", "Logical", "Writing", "Chinese", "Roleplay", "Open-ended"}
     counts = prepare.prepare("translation", str(REFERENCE), out)
     assert counts["heldout"] == 4000 and set(counts["heldout_by_category"].values()) == {500}
     assert counts["train"] + counts["train_in_heldout"] + counts["train_repeats"] == 20000
+    # the paper's own split reuses held-out sentences in training, in the other direction
+    assert counts["train_in_heldout"] > 100
     rows = prepare.summarization_rows(((f"xsum:{line}", row) for line, row in prepare.read_rows(REFERENCE / "xsum" / "test.json")), "xsum")
     assert len(rows) == 1000 and rows[0]["messages"][0]["content"].startswith(SUMMARY_PROMPT_START)
 
@@ -193,7 +194,7 @@ def test_hub_sources_ids_splits_and_fields(tmp_path, monkeypatch):
         return [{"article": f"cnn {split} {i}", "highlights": f"hl {i}", "id": str(i)} for i in range(3)]
 
     monkeypatch.setattr(prepare, "hub_rows", fake_hub_rows)
-    counts = prepare.prepare("translation", None, tmp_path)
+    counts = prepare.prepare("translation", "hub", tmp_path)
     assert sorted(c for c in calls if c[0] == "wmt/wmt19") == sorted(
         [("wmt/wmt19", pair, "train", 5000) for pair in prepare.WMT19_PAIRS] + [("wmt/wmt19", pair, "validation", 1000) for pair in prepare.WMT19_PAIRS])
     assert counts["train_by_category"]["de-en"] == 2 and counts["train_by_category"]["en-de"] == 2
@@ -201,7 +202,7 @@ def test_hub_sources_ids_splits_and_fields(tmp_path, monkeypatch):
     assert train[0]["messages"][0]["content"] == "Translate the sentence into English.\ncs train 0"  # the reference training prompt
     assert train[2]["messages"][0]["content"] == "Translate the sentence into Czech.\nen train 2"
     calls.clear()
-    counts = prepare.prepare("summarization", None, tmp_path)
+    counts = prepare.prepare("summarization", "hub", tmp_path)
     assert sorted(calls) == [("EdinburghNLP/xsum", None, "test", 1000), ("EdinburghNLP/xsum", None, "train", 5000),
                              ("abisee/cnn_dailymail", "3.0.0", "test", 1000), ("abisee/cnn_dailymail", "3.0.0", "train", 5000)]
     assert counts["train_by_category"] == {"xsum": 3, "cnn_dm": 3}
@@ -213,3 +214,142 @@ def test_hub_unreachable_says_how_to_work_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit, match=r"could not load EdinburghNLP/xsum \[train\].*pass a local copy with --source"):
         prepare.hub_rows("EdinburghNLP/xsum", None, "train", 2, 0)
+
+
+# --- the paper's repository as the default source (downloads served here: no network) ---------------------
+PAPER = "https://raw.githubusercontent.com/xiatingyu/ProbDiff/HEAD"
+
+
+def json_lines(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def serve(monkeypatch, files: dict[str, str]) -> list[str]:
+    """Answer prepare.py's downloads from `files` (URL -> text), 404 for any other URL; returns the URLs asked for."""
+    import io
+    import urllib.error
+
+    asked = []
+
+    def urlopen(url, timeout=None):
+        asked.append(url)
+        if url not in files:
+            raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
+        return io.BytesIO(files[url].encode("utf-8"))
+
+    monkeypatch.setattr(prepare.urllib.request, "urlopen", urlopen)
+    return asked
+
+
+def paper_translation_files() -> dict[str, str]:
+    files = {}
+    for pair, language in (("cs-en", "Czech"), ("de-en", "German"), ("ru-en", "Russian"), ("zh-en", "Chinese")):
+        other = pair[:2]
+        files[f"{PAPER}/generation_task/data/{pair}/train.json"] = json.dumps([
+            conversation(0, f"Translate the sentence into English.\n{other} sentence A", "English sentence A"),
+            conversation(1, f"Translate the sentence into {language}.\nEnglish sentence B", f"{other} sentence B"),
+            # held-out test row 0 in the other direction: the same pair of sentences
+            conversation(2, f"Translate the sentence into {language}.\nen test 0", f"{other} test 0"),
+            # held-out test row 3 in its own direction, with the training prompt's "." instead of ":"
+            conversation(3, f"Translate the sentence into {language}.\nen test 3", f"{other} test 3"),
+        ])
+        test_rows = [{other: f"{other} test {i}", "en": f"en test {i}"} for i in range(4)]
+        files[f"{PAPER}/generation_task/data/{pair}/test.json"] = json_lines(test_rows)
+    return files
+
+
+def test_translation_comes_from_the_paper_and_leaks_are_caught_in_both_directions(tmp_path, monkeypatch, capsys):
+    asked = serve(monkeypatch, paper_translation_files())
+    assert prepare.main(["translation", "--out", str(tmp_path)]) == 0
+    expected = [f"{PAPER}/generation_task/data/{pair}/{split}.json"
+                for pair in prepare.WMT19_PAIRS for split in ("train", "test")]
+    assert sorted(asked) == sorted(expected)
+    train = read(tmp_path / "translation/train.jsonl")
+    assert len(train) == 8 and not any("test" in r["messages"][0]["content"] for r in train)
+    printed = capsys.readouterr().out
+    assert f"source   cs-en/train.json: {PAPER}/generation_task/data/cs-en/train.json" in printed
+    assert "removed: 8 train rows sharing a sentence with held-out (either side of a pair, either direction)" in printed
+
+
+def test_summarization_comes_from_the_papers_cnn_and_xsum_folders(tmp_path, monkeypatch):
+    prompt = prepare.SUMMARIZATION_PROMPT.format
+    data = f"{PAPER}/generation_task/data"
+    files = {
+        f"{data}/xsum/train.json": json.dumps([conversation(i, prompt(content=f"doc {i}"), f"s{i}") for i in range(3)]),
+        f"{data}/xsum/test.json": json_lines([{"document": "bbc test", "summary": "s", "id": "1"}]),
+        f"{data}/cnn/train.json": json.dumps([conversation(0, prompt(content="cnn doc"), "hl"),
+                                              conversation(1, prompt(content=" cnn  test\n"), "the held-out article")]),
+        f"{data}/cnn/test.json": json_lines([{"article": "cnn test", "highlights": "hl 1"},
+                                             {"article": "cnn 2", "highlights": "hl 2"}]),
+    }
+    asked = serve(monkeypatch, files)
+    counts = prepare.prepare("summarization", None, tmp_path)
+    assert sorted(asked) == sorted(files)
+    # all of the paper's training conversations (no subset), its test rows in file order; the training
+    # conversation whose document is a held-out one (up to whitespace) is dropped and counted
+    assert counts["train_by_category"] == {"xsum": 3, "cnn_dm": 1} and counts["train_in_heldout"] == 1
+    heldout = read(tmp_path / "summarization/heldout.jsonl")
+    assert [r["messages"][1]["content"] for r in heldout] == ["s", "hl 1", "hl 2"]
+    assert heldout[1]["messages"][0]["content"] == prompt(content="cnn test")
+
+
+def test_source_directory_in_the_papers_layout_finds_cnn(tmp_path, monkeypatch):
+    """`--source DIR` reads DIR/cnn/ (the paper's folder name); what DIR lacks is downloaded from the paper."""
+    src = tmp_path / "src"
+    write_json_lines(src / "cnn" / "test.json", [{"article": "local article", "highlights": "local hl"}])
+    write_json_list(src / "cnn" / "train.json", [conversation(0, "Summarize: a local article", "local summary")])
+    files = {f"{PAPER}/generation_task/data/xsum/train.json": json.dumps([conversation(0, "Summarize: bbc", "s")]),
+             f"{PAPER}/generation_task/data/xsum/test.json": json_lines([{"document": "bbc test", "summary": "s"}])}
+    asked = serve(monkeypatch, files)
+    counts = prepare.prepare("summarization", str(src), tmp_path / "out")
+    assert sorted(asked) == sorted(files), "cnn/ was found locally"
+    assert (src / "cnn" / "test.json").as_posix() in dict(counts["sources"])["cnn/test.json"]
+    assert counts["heldout_by_category"] == {"xsum": 1, "cnn_dm": 1}
+
+
+def test_changed_upstream_format_stops_naming_the_url_and_what_was_expected(tmp_path, monkeypatch):
+    files = {f"{PAPER}/generation_task/data/xsum/train.json": json.dumps([conversation(0, "Summarize: bbc", "s")]),
+             f"{PAPER}/generation_task/data/xsum/test.json": json_lines([{"text": "a renamed field", "label": "s"}])}
+    serve(monkeypatch, files)
+    with pytest.raises(prepare.DataFileError) as err:
+        prepare.prepare("summarization", None, tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{PAPER}/generation_task/data/xsum/test.json:1: missing or empty `document`")
+    assert "expected JSON lines {document, summary}" in message and "upstream file may have changed" in message
+    with pytest.raises(SystemExit, match=r"could not download .*/generation_task/data/redbook/train.json .*--source"):
+        prepare.prepare("blog", None, tmp_path)  # not served: 404
+
+
+def test_alignbench_downloads_questions_and_training_set_so_the_recipe_runs(tmp_path, monkeypatch):
+    from probdiff_callback.recipe import data_files, load_recipe
+
+    files = {
+        f"{PAPER}/alignbench/data/data_release.jsonl": json_lines([
+            {"question_id": 1, "category": "数学计算", "subcategory": "初等数学", "question": "1+1=?", "reference": "2"},
+            {"question_id": 2, "category": "文本写作", "subcategory": "诗歌", "question": "写一首诗", "reference": "春眠不觉晓"}]),
+        f"{PAPER}/alignbench/data/gpt_generate_train.json": json.dumps([
+            conversation(0, "2+2=?", "4"), conversation(1, "写一首诗", "与评测题重复"), conversation(2, "介绍长城", "长城是……")]),
+    }
+    asked = serve(monkeypatch, files)
+    counts = prepare.prepare("alignbench", None, tmp_path)
+    assert sorted(asked) == sorted(files)
+    assert counts["heldout_by_category"] == {"Mathematics": 1, "Writing": 1}
+    assert counts["train"] == 2 and counts["train_in_heldout"] == 1 and counts["train_by_category"] == {"alignbench": 2}
+    recipe = load_recipe(["recipe=alignbench", f"train_file={tmp_path}/alignbench/train.jsonl",
+                          f"heldout_file={tmp_path}/alignbench/heldout.jsonl"])
+    train, heldout, notices = data_files(recipe)
+    assert (train, heldout, notices) == (tmp_path / "alignbench/train.jsonl", tmp_path / "alignbench/heldout.jsonl", [])
+
+
+def test_leak_keys_ignore_the_prompt_ending_and_whitespace():
+    held = prepare.row("zh-en", "Translate the sentence into English:\n你好 世界", "Hello world")
+    same_direction = prepare.row("zh-en", "Translate the sentence into English.\n你好  世界", "Hi, world")
+    other_direction = prepare.row("en-zh", "Translate the sentence into Chinese.\nHello world", "你好，世界")
+    unrelated = prepare.row("zh-en", "Translate the sentence into English.\n再见", "Goodbye")
+    keys = prepare.leak_keys("translation", held)
+    assert prepare.leak_keys("translation", same_direction) & keys
+    assert prepare.leak_keys("translation", other_direction) & keys
+    assert not prepare.leak_keys("translation", unrelated) & keys
+    document = prepare.SUMMARIZATION_PROMPT.format(content="A  document.\n")
+    assert prepare.leak_keys("summarization", prepare.row("xsum", document, "s")) == {"A document."}
+    assert prepare.leak_keys("blog", prepare.row("blog", " 写 文案 ", "x")) == {"写 文案"}

@@ -117,10 +117,22 @@ def test_overrides_nested_and_precedence():
 def test_unknown_key_names_it_and_lists_valid_keys():
     with pytest.raises(RecipeError, match=r"unknown key 'learning_rat'.*Valid keys: .*learning_rate"):
         load_recipe(["recipe=blog", "learning_rat=1e-4"])
-    with pytest.raises(RecipeError, match=r"unknown key 'lora.rank'. Valid keys in lora: enabled, r, alpha, dropout, target_modules"):
+    with pytest.raises(RecipeError, match=r"unknown key 'lora.rank' \(did you mean 'lora.r'\?\). Valid keys in lora: enabled, r, alpha, dropout, target_modules"):
         load_recipe(["recipe=blog", "lora.rank=8"])
     with pytest.raises(RecipeError, match=r"unknown key 'probdiff.dleta'.*Valid keys in probdiff: delta"):
         load_recipe(["recipe=blog", "probdiff.dleta=0"])
+
+
+def test_unknown_key_suggests_the_closest_valid_one():
+    with pytest.raises(RecipeError, match=r"unknown key 'lerning_rate' \(did you mean 'learning_rate'\?\)"):
+        load_recipe(["recipe=blog", "lerning_rate=1e-4"])
+    with pytest.raises(RecipeError, match=r"unknown key 'delta' \(did you mean 'probdiff.delta'\?\)"):
+        load_recipe(["recipe=blog", "delta=-0.02"])
+    with pytest.raises(RecipeError, match=r"unknown key 'callback.n_querys' \(did you mean 'callback.n_queries'\?\)"):
+        load_recipe(["recipe=blog", "callback.n_querys=3"])
+    with pytest.raises(RecipeError) as info:
+        load_recipe(["recipe=blog", "zzzz=1"])
+    assert "did you mean" not in str(info.value)
 
 
 def test_wrong_type_names_key_and_expected_type():
@@ -128,6 +140,11 @@ def test_wrong_type_names_key_and_expected_type():
         load_recipe(["recipe=blog", "learning_rate=fast"])
     with pytest.raises(RecipeError, match=r"wrong type for 'callback.n_queries'"):
         load_recipe(["recipe=blog", "callback.n_queries=many"])
+    with pytest.raises(RecipeError) as info:
+        load_recipe(["recipe=blog", "probdiff.delta=abc"])
+    message = str(info.value)
+    assert message == "command line: wrong type for 'probdiff.delta': got 'abc', expected float"
+    assert "full_key" not in message and "object_type" not in message
 
 
 def test_missing_and_misspelled_recipe_list_the_recipes():
@@ -177,7 +194,8 @@ def test_missing_prepared_data_falls_back_to_samples_with_a_notice(tmp_path):
 
 def test_missing_alignbench_training_file_stops_with_a_message(tmp_path):
     recipe = load_recipe(["recipe=alignbench", f"train_file={tmp_path}/mine.jsonl"])
-    with pytest.raises(RecipeError, match=r"AlignBench training data not found at .*mine.jsonl.*not public.*--train FILE"):
+    expected = r"AlignBench training data not found at .*mine.jsonl: run `python data/prepare.py alignbench`, which "
+    with pytest.raises(RecipeError, match=expected + r"downloads .*gpt_generate_train.json.*--train FILE"):
         data_files(recipe)
     tiny = load_recipe(["recipe=alignbench", "model=tiny", f"train_file={tmp_path}/mine.jsonl"])
     train, _, notices = data_files(tiny)

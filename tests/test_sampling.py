@@ -135,3 +135,26 @@ def test_largest_equals_topk(width, k):
     assert torch.equal(values, expected)
     assert torch.equal(x[rows].gather(1, ids), values), "ids point at the values"
     assert all(len(set(r)) == k for r in ids.tolist()), "no id twice"
+
+
+def test_top_p_one_is_the_full_softmax_in_a_mixed_batch_and_skips_ids_without_text():
+    """top_p = 1 (the reference code's setting) inverts the CDF over the whole vocabulary, no sort;
+    rows with a nucleus in the same batch keep theirs."""
+    torch.manual_seed(1)
+    logits = torch.randn(64) * 1.5
+    n = 40_000
+    rows = logits.expand(2 * n, -1).clone()
+    top_ps = torch.tensor([1.0] * n + [0.8] * n, dtype=torch.float64)
+    uniforms = counter_uniforms([row_seed(11, i) for i in range(2 * n)], step=0)
+    temperatures = torch.full((2 * n,), 0.9, dtype=torch.float64)
+    tokens = sample_tokens(rows, temperatures, top_ps, uniforms, n_valid_ids=48).numpy()
+    valid = logits.clone()
+    valid[48:] = float("-inf")
+    full, nucleus = np.bincount(tokens[:n], minlength=64), np.bincount(tokens[n:], minlength=64)
+    assert full[48:].sum() == 0 and nucleus[48:].sum() == 0
+    expected_full = nucleus_distribution(valid, 0.9, 1.0)
+    assert chisquare(full[:48], expected_full[:48] * n).pvalue > 1e-3
+    expected_nucleus = nucleus_distribution(valid, 0.9, 0.8)
+    support = expected_nucleus > 0
+    assert nucleus[~support].sum() == 0 and support.sum() < 48
+    assert chisquare(nucleus[support], expected_nucleus[support] * n).pvalue > 1e-3

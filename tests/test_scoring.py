@@ -92,3 +92,71 @@ def test_log_probs_over_a_152k_vocabulary_match_fp64():
             handle.remove()
     assert (tiled.double() - exact).abs().max() < 1e-5
     assert (whole.double() - exact).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    """A bf16 model whose logits reach |16|, where bf16 logits are spaced 0.125 apart."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(std=0.6)
+    return model.to(torch.bfloat16)
+
+
+def bf16_hidden_and_targets(model):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 4096, (3, 40), generator=g)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state[:, :-1].reshape(-1, 64)
+    return hidden, ids[:, 1:].reshape(-1)
+
+
+def fp64_logprobs(hidden, targets, weight):
+    return torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(1, targets[:, None]).squeeze(1)
+
+
+def test_bf16_model_scores_within_1e_3_of_fp64_per_token(bf16_model):
+    """The same bf16 hidden states and weights: fp32 products give per-token log-probs within 1e-3
+    of an fp64 computation, by vocabulary tiles and through the module (hooks, as ZeRO-3's)."""
+    head = bf16_model.get_output_embeddings()
+    hidden, targets = bf16_hidden_and_targets(bf16_model)
+    exact = fp64_logprobs(hidden, targets, head.weight)
+    with torch.no_grad():
+        logits_bf16 = head(hidden)
+        assert logits_bf16.float().abs().max() > 16, "the test needs logits where bf16 is coarse"
+        old_way = torch.log_softmax(logits_bf16.float(), -1).gather(1, targets[:, None]).squeeze(1)
+        assert (old_way.double() - exact).abs().max() > 1e-2, "bf16 logits cast afterwards must be visibly off"
+        tiled = token_logprobs_chunked(hidden, targets, head, chunk_size=32)
+        handle = head.register_forward_hook(lambda *args: None)
+        try:
+            through_module = token_logprobs_chunked(hidden, targets, head, chunk_size=32)
+        finally:
+            handle.remove()
+    assert (tiled.double() - exact).abs().max() < 1e-3
+    assert (through_module.double() - exact).abs().max() < 1e-3
+
+
+def test_lora_head_scores_from_fp32_products(bf16_model):
+    """A LoRA-wrapped LM head (PEFT) runs as a module: base and adapter products both in fp32."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(bf16_model), LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"]))
+    head = model.get_base_model().get_output_embeddings()
+    adapter_a, adapter_b = head.lora_A["default"].weight, head.lora_B["default"].weight
+    with torch.no_grad():
+        adapter_b.normal_(std=0.3)  # PEFT starts B at zero: give the adapter a visible effect
+        hidden, targets = bf16_hidden_and_targets(bf16_model)
+        effective = head.base_layer.weight.double() + head.scaling["default"] * adapter_b.double() @ adapter_a.double()
+        exact = fp64_logprobs(hidden, targets, effective)
+        scored = token_logprobs_chunked(hidden, targets, head, chunk_size=32)
+    assert (scored.double() - exact).abs().max() < 1e-3
+    without_adapter = fp64_logprobs(hidden, targets, head.base_layer.weight)
+    assert (without_adapter - exact).abs().max() > 1e-2, "the adapter must matter"

@@ -41,7 +41,7 @@ def write_run(run: Path, steps: dict[int, list[float] | None], *, checkpoints: t
             records = records_for(ds)
             write_jsonl(history.step_records_path(run, step), records)
             row["records"] = f"step-{step}/records.jsonl"
-            row["summary"] = json.loads(json.dumps(summarize(records, DELTA, [0.0, -0.1], 200, 0)))
+            row["summary"] = json.loads(json.dumps(summarize(records, DELTA, [0.0, -0.1])))
         history.upsert_history_row(history.history_path(run), row)
 
 

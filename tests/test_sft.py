@@ -77,7 +77,15 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
     assert "step" in out and "eval loss" in out and "95% CI" in out and "mean d" in out
     table = out[out.index("ProbDiff over training"):]
     assert len([line for line in table.splitlines() if line.strip().startswith(("0 ", "1 ", "2 "))]) >= 3
+    # how many answers/revisions hit the cap (8 new tokens cut most of the tiny model's answers)
+    assert "capped: answers/revisions that hit max_new_tokens=8" in table
+    for row in rows:
+        line = next(line for line in table.splitlines() if line.strip().startswith(f"{row['global_step']} "))
+        assert line.rstrip().endswith(f"{row['summary']['n_capped']}/{row['summary']['n_revision_capped']}")
+    assert any(row["summary"]["n_capped"] > 0 for row in rows)
     assert "offline samples" in out and "Best checkpoint: step" in out and f"{run_dir.name}/best" in out
+    card = (run_dir / "README.md").read_text()
+    assert "[None]" not in card and "`probdiff tiny`" in card and 'model="None"' not in card
 
 
 def test_checkpoint_loads_for_probdiff_eval(blog_run):
@@ -164,4 +172,9 @@ def test_entry_point_errors(tmp_path):
     assert result.returncode == 2 and all(name in result.stderr for name in TASKS)
     result = run_sft(["recipe=alignbench", f"train_file={tmp_path}/missing.jsonl", "report_to=none"], tmp_path)
     assert result.returncode == 2 and "AlignBench training data not found" in result.stderr and "--train FILE" in result.stderr
-    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("checkpoint-*"))
+    assert not (tmp_path / "runs").exists()  # a run that stops on its config or data leaves no directory behind
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
+    result = run_sft(["recipe=blog", "model=tiny", f"heldout_file={bad}", "report_to=none"], tmp_path)
+    assert result.returncode == 2 and f"{bad}:2" in result.stderr
+    assert not (tmp_path / "runs").exists()

@@ -48,31 +48,35 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as err:
         fail(str(err))
     threads, why = configure_threads(recipe.threads)
-    args = training_arguments(recipe, run_dir)
     say(f"recipe {recipe.recipe}: model {recipe.model}, run directory {run_dir}; {threads} CPU threads per process ({why})")
+
+    # 2. Data: conversations for the loss, held-out queries for ProbDiff (a bad file stops before anything is written)
+    train_rows, eval_rows, queries = load_data(recipe)
+
+    # 3. Model files: built or unpacked on first use (the `tiny` preset) before any distributed or DeepSpeed
+    #    context exists; every rank waits for the one complete copy
+    prepare_model_files(recipe.model)
+    args = training_arguments(recipe, run_dir)
     if is_main_process():
         run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved_config(recipe, run_dir / "recipe.yaml")
 
-    # 2. Data: conversations for the loss, held-out queries for ProbDiff
-    train_rows, eval_rows, queries = load_data(recipe)
-
-    # 3. Model and tokenizer
+    # 4. Model and tokenizer
     model, tokenizer = load_model(recipe)
     report_truncation(tokenizer, train_rows, eval_rows, recipe.max_seq_length)
 
-    # 4. LoRA (or all weights)
+    # 5. LoRA (or all weights)
     peft_config = lora_config(recipe)
 
-    # 5. Trainer with the ProbDiff callback
+    # 6. Trainer with the ProbDiff callback
     trainer = build_trainer(recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries)
 
-    # 6. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start)
+    # 7. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start)
     if "wandb" in report_to_list(recipe) and is_main_process():
         wandb_sync = start_wandb(recipe, run_dir, resume_from, args.run_name) or wandb_sync
     trainer.train(resume_from_checkpoint=resume_from)
 
-    # 7. Save the final weights, select and name the best checkpoint, say where everything is
+    # 8. Save the final weights, select and name the best checkpoint, say where everything is
     final_dir = run_dir / "final"
     trainer.save_model(str(final_dir))
     if trainer.is_world_process_zero():
@@ -112,6 +116,15 @@ def save_resolved_config(recipe: Recipe, path: Path) -> None:
     from omegaconf import OmegaConf
 
     path.write_text(f"# resolved recipe: python train/sft.py recipe={recipe.recipe} ... (all layers applied)\n" + OmegaConf.to_yaml(recipe.to_dict()), encoding="utf-8")
+
+
+def prepare_model_files(name: str) -> None:
+    from probdiff_callback.models import resolve_model_path
+
+    try:
+        resolve_model_path(name)
+    except (FileNotFoundError, ValueError) as err:
+        fail(f"model={name}: {err}")
 
 
 def training_arguments(recipe: Recipe, run_dir: Path):
@@ -232,19 +245,19 @@ def lora_config(recipe: Recipe):
 
 def build_trainer(recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):
     from datasets import Dataset
-    from trl import SFTTrainer
 
     from probdiff_callback.callback import ProbDiffCallback
+    from probdiff_callback.models import peft_without_deprecated_alias_warning
 
-    trainer_class = SFTTrainer if not args.use_cpu else plain_loss_trainer_class()
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list([{"messages": r["messages"]} for r in train_rows]),
-        eval_dataset=Dataset.from_list([{"messages": r["messages"]} for r in eval_rows]),
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
+    with peft_without_deprecated_alias_warning():
+        trainer = trainer_class(plain_loss=args.use_cpu, base_model=resolved_model_name(recipe.model))(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list([{"messages": r["messages"]} for r in train_rows]),
+            eval_dataset=Dataset.from_list([{"messages": r["messages"]} for r in eval_rows]),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
     if peft_config is not None and trainer.is_world_process_zero():
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         say(f"LoRA r={recipe.lora.r} on {', '.join(recipe.lora.target_modules)}: {trainable / 1e6:,.2f}M trainable parameters")
@@ -269,21 +282,49 @@ def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, run_name
     return None
 
 
-def plain_loss_trainer_class():
-    """SFTTrainer with the model's own cross-entropy instead of trl's fused, tiled LM head. Without Triton
-    (on the CPU) trl runs that head as many small torch ops over every position (with entropy and top-1
-    side outputs): measured 4x slower per step than the plain loss on the tiny model's 152,064-row head.
-    The loss is the same (assistant tokens only, through the same labels); trl's entropy and token-accuracy
-    logs are left out."""
+def trainer_class(plain_loss: bool, base_model: str):
+    """SFTTrainer whose model card names the base model, and, with `plain_loss`, the model's own cross-entropy.
+
+    trl writes "a fine-tuned version of [None](https://huggingface.co/None)" for a base model loaded from a
+    local directory (the `tiny` preset, a converted checkpoint); the card names it instead.
+
+    Without Triton (on the CPU) trl runs its fused, tiled LM-head loss as many small torch ops over every
+    position (with entropy and top-1 side outputs), several times slower per step than the plain loss on the
+    tiny model's 152,064-row head. The loss is the same (assistant tokens only, through the same labels);
+    trl's entropy and token-accuracy logs are left out.
+    """
     from transformers import Trainer
     from trl import SFTTrainer
 
-    class PlainLossSFTTrainer(SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            inputs["use_cache"] = False
-            return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    class RecipeSFTTrainer(SFTTrainer):
+        def create_model_card(self, *args, **kwargs):
+            super().create_model_card(*args, **kwargs)
+            card = Path(self.args.output_dir) / "README.md"
+            if self.is_world_process_zero() and card.is_file():
+                card.write_text(name_local_base_model(card.read_text(encoding="utf-8"), base_model), encoding="utf-8")
 
-    return PlainLossSFTTrainer
+        if plain_loss:
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                inputs["use_cache"] = False
+                return Trainer.compute_loss(
+                    self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+
+    return RecipeSFTTrainer
+
+
+def resolved_model_name(model: str) -> str:
+    """The hub id of a preset, `probdiff tiny` for the embedded model, else the directory or id as given."""
+    from probdiff_callback.models import PRESET_HUB_IDS
+
+    return PRESET_HUB_IDS.get(model, "probdiff tiny" if model == "tiny" else model)
+
+
+def name_local_base_model(card: str, base_model: str) -> str:
+    """trl's model card with `[None](https://huggingface.co/None)` replaced by the base model's name."""
+    named = f"[{base_model}](https://huggingface.co/{base_model})" if base_model.count("/") == 1 else f"`{base_model}`"
+    return card.replace("[None](https://huggingface.co/None)", named).replace('model="None"', 'model="<this directory>"')
 
 
 def save_inference_files(directory: Path, tokenizer, generation_config) -> None:
@@ -348,13 +389,16 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
             str(row["global_step"]), row["kind"], last("loss", row["global_step"]) if row["global_step"] else "-",
             last("eval_loss", row["global_step"]), pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]",
             "n/a" if d_mean is None or not math.isfinite(d_mean) else f"{d_mean:+.4f}", str(s["n"]),
+            # histories written before the cap was counted have no n_capped
+            f"{s['n_capped']}/{s['n_revision_capped']}" if "n_capped" in s else "-",
             versus_base.format_win_tie_lose(row.get("vs_base")), versus_base.format_p(row.get("vs_base")),
             *[reference_cell((s.get("reference") or {}).get("overall", {}).get(name)) for name in references],
         ])
     print(f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "
-          "vs base: win/tie/lose against the base model on the same queries, with the Wilcoxon p)")
-    print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "vs base", "p",
-                        *[METRIC_LABELS[name] for name in references]], table))
+          f"capped: answers/revisions that hit max_new_tokens={recipe.probdiff.max_new_tokens} without an end-of-turn "
+          "token; vs base: win/tie/lose against the base model on the same queries, with the Wilcoxon p)")
+    print(format_table(["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "capped", "vs base",
+                        "p", *[METRIC_LABELS[name] for name in references]], table))
     if rows and not references:
         print("(no reference metric for these queries: blog and AlignBench answers have none)")
     try:

@@ -1,0 +1,63 @@
+"""The package as a user installs it: a wheel in a fresh environment outside the checkout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(command: list[str], cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    # No build isolation: the installed setuptools builds it, so the test needs no network.
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(out),
+         str(ROOT)], cwd=out)
+    (path,) = out.glob("probdiff-*.whl")
+    return path
+
+
+def test_wheel_carries_what_the_library_needs_at_run_time(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "probdiff_callback/assets/tiny.safetensors" in names
+    assert "probdiff_callback/prompts.py" in names and "probdiff_callback/tokenizer.py" in names  # prompts, template
+    assert not any(name.startswith(("tests/", "data/", "train/", "bench/")) for name in names)
+
+
+def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, tmp_path):
+    # The fresh environment sees the machine's torch/transformers (--system-site-packages) but takes this
+    # package only from the wheel; a fresh cache makes it unpack `tiny` from the installed package data.
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp_path)
+    python = venv / "bin" / "python"
+    run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)], cwd=tmp_path)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    queries = work / "queries.jsonl"
+    queries.write_text("\n".join(json.dumps({"id": f"q{i}", "query": q}) for i, q in
+                                 enumerate(["Write a haiku about tea.", "Translate the sentence into English:\nGuten Tag."])))
+    env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    where = run([str(python), "-c", "import probdiff_callback, sys; print(probdiff_callback.__file__)"], cwd=work, env=env)
+    assert where.stdout.strip().startswith(str(venv))  # the wheel's copy, not the checkout's
+    run([str(python), "-c", "from probdiff_callback import ProbDiffCallback, ProbDiffConfig, evaluate, load_queries"],
+        cwd=work, env=env)
+    done = run([str(venv / "bin" / "probdiff"), "eval", "--model", "tiny", "--queries", str(queries), "--out", "out",
+                "max_new_tokens=8"], cwd=work, env=env)
+    assert "Unpacking the `tiny` model" in done.stdout + done.stderr
+    summary = json.loads((work / "out" / "summary.json").read_text())
+    assert summary["n"] == 2
+    records = [json.loads(line) for line in (work / "out" / "records.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["q0", "q1"] and all(r["response"] for r in records)
