@@ -151,16 +151,18 @@ def sample_tokens(
         best_block = block_max[alone].argmax(dim=-1)
         result[alone] = best_block * block + blocks[alone, best_block].argmax(dim=-1)
     pending = (result < 0).nonzero().squeeze(-1)
-    # top_p = 1 (the reference code's setting): the nucleus is the whole vocabulary, in any
-    # order, so invert the CDF in id order; no sort (on CPU 9 ms for 16 x 152k rows, against
-    # 390 ms for the sort). fp64: an fp32 running sum over 152k weights drifts by ~1e-5.
+    # top_p = 1 (the reference code's setting): the whole vocabulary, drawn by an exponential race, no
+    # sort. Id i wins (has the largest w_i / E_i, E_i ~ Exp(1)) with probability w_i / total. Inverting a
+    # CDF over 152k ids instead would let the rounding of every weight before the drawn id move the
+    # boundary, so a row's text would change with the batch it is decoded in; the race's winner moves
+    # only when two ratios tie to within rounding. Each row's race is seeded by its own uniform.
     whole = pending[top_p[pending] >= 1.0]
-    if whole.numel():
-        cdf = torch.cumsum(weights[whole], dim=-1, dtype=torch.float64)
-        # right=True: the first id whose CDF passes u * total, never a zero-weight id
-        target = u[whole].to(cdf.dtype)[:, None] * cdf[:, -1:]
-        result[whole] = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=vocab - 1)
-        pending = pending[top_p[pending] < 1.0]
+    for row in whole.tolist():
+        generator = torch.Generator(device=weights.device).manual_seed(int(u[row].item() * 2.0**53))
+        # fp64: an fp32 draw rounds to exactly 0 (an infinite ratio) about once per 150 rows of 152k ids
+        race = torch.empty(vocab, dtype=torch.float64, device=weights.device).exponential_(generator=generator)
+        result[row] = torch.argmax(weights[row].double() / race)
+    pending = pending[top_p[pending] < 1.0]
     # Otherwise widen the candidate set only for rows that need it: when the k heaviest
     # tokens hold top_p of the mass, the nucleus lies among them. Flat rows (an untrained
     # model) end in a sort of the whole vocabulary.
