@@ -6,15 +6,14 @@ RMSNorm, rotary embeddings over the full head, q/k/v with bias, o_proj without b
 and an untied LM head. Past that length v1 switches on dynamic NTK rotary scaling and logn attention
 scaling, which Qwen2 does not have, so the two models diverge beyond 2,048 tokens (prompt + generated).
 
-Two ways in:
-  * `convert_qwen_checkpoint(src, dst)` writes a plain Qwen2 checkpoint, one shard at a time;
-  * `load_qwen_v1(path)` converts while loading, through transformers' own load-time weight
-    conversion (the same table drives both, see `_V1_TOP_LEVEL`/`_V1_PER_LAYER`/`_V1_FUSED_QKV`).
+Two ways in, both reading the one weight table `V1_TO_QWEN2`:
+  * `convert_qwen_checkpoint(src, dst)` writes a plain Qwen2 checkpoint, one input shard at a time, so that
+    converting a checkpoint needs about one shard of memory, not the whole model;
+  * `load_qwen_v1(path)` hands the converted, still memory-mapped tensors to `Qwen2ForCausalLM.from_pretrained`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -44,36 +43,34 @@ QWEN_V1_STOP_IDS = [IM_END_ID, IM_START_ID, ENDOFTEXT_ID]
 V1_TRAINED_CONTEXT = 2048
 
 QWEN2_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# --- the one weight table -----------------------------------------------------------------
+# Every v1 weight and its Qwen2 name(s); `{i}` stands for the layer index. A weight with several Qwen2
+# names is split into that many equal row blocks, in order (v1's c_attn rows are q | k | v).
+# Both ways in (`convert_qwen_checkpoint` and `load_qwen_v1`) read this table and nothing else.
+V1_TO_QWEN2: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("transformer.wte.weight", ("model.embed_tokens.weight",)),
+    ("transformer.ln_f.weight", ("model.norm.weight",)),
+    ("lm_head.weight", ("lm_head.weight",)),
+    ("transformer.h.{i}.ln_1.weight", ("model.layers.{i}.input_layernorm.weight",)),
+    ("transformer.h.{i}.ln_2.weight", ("model.layers.{i}.post_attention_layernorm.weight",)),
+    ("transformer.h.{i}.attn.c_attn.weight", tuple(f"model.layers.{{i}}.self_attn.{x}_proj.weight" for x in "qkv")),
+    ("transformer.h.{i}.attn.c_attn.bias", tuple(f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv")),
+    ("transformer.h.{i}.attn.c_proj.weight", ("model.layers.{i}.self_attn.o_proj.weight",)),
+    # v1 computes c_proj(w1(x) * silu(w2(x))): w2 is the gated branch.
+    ("transformer.h.{i}.mlp.w2.weight", ("model.layers.{i}.mlp.gate_proj.weight",)),
+    ("transformer.h.{i}.mlp.w1.weight", ("model.layers.{i}.mlp.up_proj.weight",)),
+    ("transformer.h.{i}.mlp.c_proj.weight", ("model.layers.{i}.mlp.down_proj.weight",)),
+)
+_V1_TABLE = dict(V1_TO_QWEN2)
+_V1_LAYER_INDEX = re.compile(r"^transformer\.h\.(\d+)\.")
 # v1 fuses q/k/v into one `c_attn`, and uses the name `c_proj` twice (attn.c_proj and mlp.c_proj).
 QWEN2_TO_V1_MODULE_NAMES = {
-    "q_proj": "c_attn",
-    "k_proj": "c_attn",
-    "v_proj": "c_attn",
-    "o_proj": "c_proj",
-    "gate_proj": "w2",
-    "up_proj": "w1",
-    "down_proj": "c_proj",
+    qwen2.split(".")[-2]: v1.split(".")[-2]
+    for v1, names in V1_TO_QWEN2
+    for qwen2 in names
+    if qwen2.split(".")[-2] in QWEN2_LORA_TARGET_MODULES
 }
-
-# --- the one weight-name table ------------------------------------------------------------
-_V1_TOP_LEVEL = {
-    "transformer.wte": "model.embed_tokens",
-    "transformer.ln_f": "model.norm",
-    "lm_head": "lm_head",
-}
-_V1_LAYER_PREFIX = "transformer.h"
-_QWEN2_LAYER_PREFIX = "model.layers"
-_V1_PER_LAYER = {
-    "ln_1": "input_layernorm",
-    "ln_2": "post_attention_layernorm",
-    "attn.c_proj": "self_attn.o_proj",
-    # v1 computes c_proj(w1(x) * silu(w2(x))): w2 is the gated branch.
-    "mlp.w2": "mlp.gate_proj",
-    "mlp.w1": "mlp.up_proj",
-    "mlp.c_proj": "mlp.down_proj",
-}
-_V1_FUSED_QKV = ("attn.c_attn", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
-_V1_LAYER_KEYS = [f"{name}.weight" for name in _V1_PER_LAYER] + [f"{_V1_FUSED_QKV[0]}.weight", f"{_V1_FUSED_QKV[0]}.bias"]
 # Recomputed from the config by Qwen2; some exports carry it as a buffer.
 _V1_DROPPABLE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # GPTQ/AWQ/bitsandbytes/int8 artefacts: these weights are not plain matrices and cannot be renamed.
@@ -131,7 +128,9 @@ def qwen2_config_from_v1(v1_config: Mapping[str, Any]) -> Qwen2Config:
         raise ValueError(f"Qwen v1 config lacks {', '.join(missing)}")
     rotary_pct = float(v1_config.get("rotary_pct", 1.0))
     if rotary_pct != 1.0:
-        raise ValueError(f"rotary_pct is {rotary_pct}: Qwen2 applies rotary embeddings to the whole head (rotary_pct 1.0)")
+        raise ValueError(
+            f"rotary_pct is {rotary_pct}: Qwen2 applies rotary embeddings to the whole head (rotary_pct 1.0)"
+        )
     hidden, heads = int(v1_config["hidden_size"]), int(v1_config["num_attention_heads"])
     if hidden % heads:
         raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
@@ -203,7 +202,7 @@ def qwen2_generation_config(v1_generation_config: Mapping[str, Any] | None, voca
     kept = {key: (v1_generation_config or {})[key] for key in _V1_SAMPLING_KEYS if key in (v1_generation_config or {})}
     if not kept.get("do_sample", False):
         # Sampling knobs without sampling only earn a warning from GenerationConfig.validate.
-        kept = {key: value for key, value in kept.items() if key in ("do_sample", "repetition_penalty", "max_new_tokens")}
+        kept = {key: kept[key] for key in ("do_sample", "repetition_penalty", "max_new_tokens") if key in kept}
     return GenerationConfig(
         **kept,
         eos_token_id=list(QWEN_V1_STOP_IDS),
@@ -214,15 +213,6 @@ def qwen2_generation_config(v1_generation_config: Mapping[str, Any] | None, voca
 
 
 # --- the weight mapping -------------------------------------------------------------------
-def _v1_layer_split(key: str) -> tuple[str, str] | None:
-    """`transformer.h.{i}.rest` -> (`{i}`, `rest`); None for a key outside the layers."""
-    prefix = _V1_LAYER_PREFIX + "."
-    if not key.startswith(prefix):
-        return None
-    index, _, rest = key[len(prefix) :].partition(".")
-    return (index, rest) if index.isdigit() and rest else None
-
-
 def _refuse_quantized_key(key: str) -> None:
     if _QUANTIZED_NAME.search(key):
         raise ValueError(
@@ -230,63 +220,52 @@ def _refuse_quantized_key(key: str) -> None:
         )
 
 
-def _split_qkv(key: str, fused: Any) -> list[torch.Tensor]:
-    """q, k, v rows of a c_attn weight or bias: a tensor, or a safetensors slice read part by part."""
-    rows = fused.shape[0] if hasattr(fused, "shape") else fused.get_shape()[0]
-    if rows % 3:
-        raise ValueError(f"{key} has {rows} rows; q, k and v need a multiple of 3")
-    step = rows // 3
-    parts = [fused[i * step : (i + 1) * step] for i in range(3)]
-    # A tensor's row blocks are views of one storage, which safetensors refuses to save
-    # and which would keep the whole fused tensor alive: copy them apart.
-    return [part.clone() for part in parts] if hasattr(fused, "shape") else parts
+def qwen2_names(key: str) -> tuple[str, ...]:
+    """The Qwen2 name(s) of v1 weight `key`, from `V1_TO_QWEN2`: none for a dropped buffer."""
+    _refuse_quantized_key(key)
+    if _V1_DROPPABLE.search(key):
+        return ()
+    layer = _V1_LAYER_INDEX.match(key)
+    names = _V1_TABLE.get(_V1_LAYER_INDEX.sub("transformer.h.{i}.", key, count=1))
+    if names is None:
+        raise ValueError(f"{key}: not a Qwen v1 weight name this converter knows (Qwen v1 with no_bias=true expected)")
+    return tuple(name.format(i=layer.group(1) if layer else None) for name in names)
 
 
 def convert_v1_tensor(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """One v1 tensor -> its Qwen2 tensor(s). `c_attn.weight`/`.bias` become three; a dropped buffer none.
 
     Each tensor converts on its own, so a shard (or a c_attn weight and bias in different shards)
-    needs nothing from elsewhere. For c_attn, `tensor` may also be a safetensors slice
-    (`safe_open(...).get_slice(key)`): q, k and v are then read separately, never the fused tensor.
+    needs nothing from elsewhere. Split blocks are views of `tensor`: a memory-mapped tensor is
+    not read here, only by whoever uses the blocks (safetensors saves disjoint views as they are).
     """
-    _refuse_quantized_key(key)
-    if _V1_DROPPABLE.search(key):
-        return []
-    stem, _, param = key.rpartition(".")
-    if stem in _V1_TOP_LEVEL and param == "weight":
-        return [(f"{_V1_TOP_LEVEL[stem]}.weight", tensor)]
-    split = _v1_layer_split(key)
-    if split is not None:
-        index, rest = split
-        module, _, param = rest.rpartition(".")
-        prefix = f"{_QWEN2_LAYER_PREFIX}.{index}."
-        if module in _V1_PER_LAYER and param == "weight":
-            return [(prefix + f"{_V1_PER_LAYER[module]}.weight", tensor)]
-        if module == _V1_FUSED_QKV[0] and param in ("weight", "bias"):
-            parts = _split_qkv(key, tensor)
-            return [(prefix + f"{name}.{param}", part) for name, part in zip(_V1_FUSED_QKV[1], parts)]
-    raise ValueError(f"{key}: not a Qwen v1 weight name this converter knows (Qwen v1 with no_bias=true expected)")
+    names = qwen2_names(key)
+    if len(names) < 2:
+        return [(name, tensor) for name in names]
+    if tensor.shape[0] % len(names):
+        raise ValueError(f"{key} has {tensor.shape[0]} rows; q, k and v need a multiple of {len(names)}")
+    return list(zip(names, tensor.chunk(len(names))))
 
 
-def convert_v1_state_dict(tensors: Mapping[str, torch.Tensor], hidden_size: int | None = None) -> dict[str, torch.Tensor]:
+def convert_v1_state_dict(
+    tensors: Mapping[str, torch.Tensor], hidden_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """Rename/split a v1 state dict (or any part of one, e.g. one shard) into Qwen2 names.
 
     `hidden_size`, when given, checks that each c_attn splits into three `hidden_size`-row blocks.
     """
     converted: dict[str, torch.Tensor] = {}
+    expected = (3 * hidden_size, hidden_size) if hidden_size is not None else None
     for key, tensor in tensors.items():
-        if hidden_size is not None and key.endswith(f"{_V1_FUSED_QKV[0]}.weight"):
-            if tuple(tensor.shape) != (3 * hidden_size, hidden_size):
-                raise ValueError(f"{key} has shape {tuple(tensor.shape)}, expected {(3 * hidden_size, hidden_size)}")
+        if expected and key.endswith("attn.c_attn.weight") and tuple(tensor.shape) != expected:
+            raise ValueError(f"{key} has shape {tuple(tensor.shape)}, expected {expected}")
         converted.update(convert_v1_tensor(key, tensor))
     return converted
 
 
 def expected_v1_keys(num_hidden_layers: int) -> set[str]:
-    """Every weight a v1 checkpoint with `num_hidden_layers` layers must hold."""
-    keys = {f"{stem}.weight" for stem in _V1_TOP_LEVEL}
-    keys.update(f"{_V1_LAYER_PREFIX}.{i}.{name}" for i in range(num_hidden_layers) for name in _V1_LAYER_KEYS)
-    return keys
+    """Every weight a v1 checkpoint with `num_hidden_layers` layers must hold: the table's names, per layer."""
+    return {v1.format(i=i) for v1, _ in V1_TO_QWEN2 for i in (range(num_hidden_layers) if "{i}" in v1 else [None])}
 
 
 def check_v1_keys(keys: Iterable[str], num_hidden_layers: int) -> None:
@@ -303,28 +282,6 @@ def check_v1_keys(keys: Iterable[str], num_hidden_layers: int) -> None:
     if unknown:
         shown = ", ".join(sorted(unknown)[:5])
         raise ValueError(f"the checkpoint holds weights a Qwen2 model has no place for: {shown}")
-
-
-def _v1_weight_transforms() -> list:
-    """The weight-name table as transformers load-time conversions (renamings + a Chunk for c_attn)."""
-    from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
-
-    transforms: list = [
-        WeightRenaming(rf"^{re.escape(v1)}\.", f"{qwen2}.") for v1, qwen2 in _V1_TOP_LEVEL.items() if v1 != qwen2
-    ]
-    transforms.append(WeightRenaming(rf"^{re.escape(_V1_LAYER_PREFIX)}\.", f"{_QWEN2_LAYER_PREFIX}."))
-    transforms += [WeightRenaming(rf"\.{re.escape(v1)}\.", f".{qwen2}.") for v1, qwen2 in _V1_PER_LAYER.items()]
-    fused, parts = _V1_FUSED_QKV
-    for param in ("weight", "bias"):
-        # The source keeps no leading dot: the loader swaps exactly the matched text for the first target.
-        transforms.append(
-            WeightConverter(
-                source_patterns=rf"{re.escape(fused)}\.{param}",
-                target_patterns=[f"{part}.{param}" for part in parts],
-                operations=[Chunk(dim=0)],
-            )
-        )
-    return transforms
 
 
 # --- reading a v1 checkpoint --------------------------------------------------------------
@@ -372,16 +329,15 @@ def _file_keys(path: Path) -> list[str]:
     return list(_load_bin(path).keys())
 
 
-def _iter_file_tensors(path: Path) -> Iterator[tuple[str, Any]]:
-    """Tensors of one weight file, one at a time (safetensors; c_attn as a lazy slice) or
-    file-backed (.bin via mmap)."""
+def _iter_file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of one weight file, one at a time, memory-mapped (safetensors' `get_tensor`, and
+    `torch.load(mmap=True)` for .bin): a tensor's bytes are read from disk only when something uses them."""
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        fused = f".{_V1_FUSED_QKV[0]}."
         with safe_open(path, framework="pt") as handle:
             for key in handle.keys():
-                yield key, (handle.get_slice(key) if fused in key else handle.get_tensor(key))
+                yield key, handle.get_tensor(key)
     else:
         state_dict = _load_bin(path)
         for key in list(state_dict):
@@ -501,22 +457,13 @@ def convert_qwen_checkpoint(
 
 
 # --- in-memory conversion -----------------------------------------------------------------
-_LOADER_CLASS_NAME = "QwenV1CheckpointAsQwen2ForCausalLM"
-
-
-@functools.cache
-def _v1_loader_class() -> type:
-    """A `Qwen2ForCausalLM` subclass whose `from_pretrained` reads v1 weight names.
-
-    transformers looks load-time conversions up by class name before model_type, so keying ours on
-    a private subclass leaves every other Qwen2 load untouched.
-    """
-    from transformers import Qwen2ForCausalLM
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-
-    loader = type(_LOADER_CLASS_NAME, (Qwen2ForCausalLM,), {"__module__": __name__})
-    register_checkpoint_conversion_mapping(_LOADER_CLASS_NAME, _v1_weight_transforms(), overwrite=True)
-    return loader
+def _qwen2_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The whole checkpoint under Qwen2 names, as memory-mapped views: nothing is read or copied here."""
+    state_dict: dict[str, torch.Tensor] = {}
+    for path in files:
+        for key, tensor in _iter_file_tensors(path):
+            state_dict.update(convert_v1_tensor(key, tensor))
+    return state_dict
 
 
 def _resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> Path:
@@ -524,7 +471,9 @@ def _resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     if os.path.exists(path_or_hub_id) or str(path_or_hub_id).count("/") != 1:
-        raise FileNotFoundError(f"{path_or_hub_id} is neither a checkpoint directory nor a hub id like Qwen/Qwen-14B-Chat")
+        raise FileNotFoundError(
+            f"{path_or_hub_id} is neither a checkpoint directory nor a hub id like Qwen/Qwen-14B-Chat"
+        )
     from huggingface_hub import list_repo_files, snapshot_download
 
     weights = ["*.safetensors", "model.safetensors.index.json"]
@@ -557,22 +506,28 @@ def load_qwen_v1(
     path = _resolve_checkpoint(path_or_hub_id)
     if not is_qwen_v1_checkpoint(path):
         raise ValueError(f"{path} is not a Qwen v1 checkpoint (config.json model_type is not 'qwen')")
-    _, config, _ = _v1_source(path)
+    _, config, files = _v1_source(path)
     print(
         f"Qwen v1 checkpoint detected at {path}: converting to Qwen2ForCausalLM in memory "
         f"(exact within {V1_TRAINED_CONTEXT:,} tokens)"
     )
-    model, info = _v1_loader_class().from_pretrained(
-        path, config=config, dtype=dtype, device_map=device_map, output_loading_info=True, **kwargs
+    # Tensors handed over under Qwen2 names: transformers then records no load-time conversion, which
+    # `save_pretrained` would otherwise undo into v1 names.
+    model, info = Qwen2ForCausalLM.from_pretrained(
+        None,
+        config=config,
+        state_dict=_qwen2_state_dict(files),
+        dtype=dtype,
+        device_map=device_map,
+        output_loading_info=True,
+        **kwargs,
     )
     problems = {name: sorted(info.get(name) or []) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     problems = {name: keys for name, keys in problems.items() if keys}
     if problems:
         raise ValueError(f"converting {path} in memory left weights unmatched: {problems}")
-    # From here on it is an ordinary Qwen2 model: PEFT, save_pretrained and the conversion lookup
-    # all go by class name, and saving must not "restore" the v1 names.
-    model.__class__ = Qwen2ForCausalLM
-    model._weight_conversions = None
+    # from_pretrained recorded the None it was given; PEFT's adapter_config and model cards name the base from this.
+    model.name_or_path = model.config.name_or_path = str(path)
     model.generation_config = qwen2_generation_config(_v1_generation_config(path), config.vocab_size)
     return model, load_qwen_v1_tokenizer(path)
 
@@ -660,6 +615,7 @@ __all__ = [
     "QWEN2_LORA_TARGET_MODULES",
     "QWEN2_TO_V1_MODULE_NAMES",
     "QWEN_V1_STOP_IDS",
+    "V1_TO_QWEN2",
     "V1_TRAINED_CONTEXT",
     "check_v1_keys",
     "convert_qwen_checkpoint",
@@ -672,4 +628,5 @@ __all__ = [
     "merge_adapter",
     "qwen2_config_from_v1",
     "qwen2_generation_config",
+    "qwen2_names",
 ]
