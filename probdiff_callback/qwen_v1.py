@@ -10,6 +10,7 @@ Two ways in, both reading the one weight table `V1_TO_QWEN2`:
   * `convert_qwen_checkpoint(src, dst)` writes a plain Qwen2 checkpoint, one input shard at a time, so that
     converting a checkpoint needs about one shard of memory, not the whole model;
   * `load_qwen_v1(path)` hands the converted, still memory-mapped tensors to `Qwen2ForCausalLM.from_pretrained`.
+The config mapping lives in `qwen_v1_config`, the adapter merge in `qwen_v1_merge`; this module re-exports both.
 """
 
 from __future__ import annotations
@@ -22,24 +23,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from probdiff_callback.tokenizer import (
-    QWEN_VOCAB_WITH_TEXT,
-    SPECIAL_START_ID,
-    bundled_tiktoken_file,
-    convert_qwen_tiktoken,
-    load_qwen_tokenizer,
-)
+from probdiff_callback.qwen_v1_config import QWEN_V1_STOP_IDS, qwen2_config_from_v1, qwen2_generation_config
+from probdiff_callback.qwen_v1_merge import merge_adapter
+from probdiff_callback.tokenizer import bundled_tiktoken_file, convert_qwen_tiktoken, load_qwen_tokenizer
 
 if TYPE_CHECKING:
     import torch
-    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
 
-ENDOFTEXT_ID = SPECIAL_START_ID  # 151643
-IM_START_ID = SPECIAL_START_ID + 1  # 151644
-IM_END_ID = SPECIAL_START_ID + 2  # 151645
-# v1's `chat()` stops on <|im_end|> and <|im_start|> (its stop_words_ids) and on <|endoftext|>
-# (its generation_config eos); a plain `generate` must stop on all three to behave the same.
-QWEN_V1_STOP_IDS = [IM_END_ID, IM_START_ID, ENDOFTEXT_ID]
 V1_TRAINED_CONTEXT = 2048
 
 QWEN2_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -76,21 +67,8 @@ _V1_DROPPABLE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # GPTQ/AWQ/bitsandbytes/int8 artefacts: these weights are not plain matrices and cannot be renamed.
 _QUANTIZED_NAME = re.compile(r"\.(qweight|qzeros|scales|g_idx|SCB|weight_format|absmax|quant_map|quant_state\S*)$")
 
-_V1_REQUIRED_CONFIG_KEYS = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "intermediate_size",
-    "vocab_size",
-    "layer_norm_epsilon",
-    "rotary_emb_base",
-    "seq_length",
-)
-# What a converted checkpoint keeps from v1's generation_config.json: its chat sampling defaults.
-_V1_SAMPLING_KEYS = ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "max_new_tokens")
 
-
-# --- detection and config -----------------------------------------------------------------
+# --- detection ----------------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
@@ -105,111 +83,6 @@ def is_qwen_v1_checkpoint(path: str | os.PathLike) -> bool:
         return _read_json(config_file).get("model_type") == "qwen"
     except (OSError, ValueError):
         return False
-
-
-def qwen2_config_from_v1(v1_config: Mapping[str, Any]) -> Qwen2Config:
-    """The `Qwen2Config` that computes what a v1 config computes within its trained context.
-
-    Raises `ValueError` naming the key for anything Qwen2 cannot express.
-    """
-    from transformers import Qwen2Config
-
-    if v1_config.get("model_type") != "qwen":
-        raise ValueError(f"model_type is {v1_config.get('model_type')!r}, not 'qwen': this is not a Qwen v1 config")
-    if v1_config.get("quantization_config"):
-        quantization = v1_config["quantization_config"]
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
-        raise ValueError(
-            f"quantization_config ({method}) found: quantized Qwen v1 checkpoints (e.g. Qwen-14B-Chat-Int4) "
-            "cannot be converted; convert the unquantized checkpoint and quantize afterwards."
-        )
-    missing = [key for key in _V1_REQUIRED_CONFIG_KEYS if key not in v1_config]
-    if missing:
-        raise ValueError(f"Qwen v1 config lacks {', '.join(missing)}")
-    rotary_pct = float(v1_config.get("rotary_pct", 1.0))
-    if rotary_pct != 1.0:
-        raise ValueError(
-            f"rotary_pct is {rotary_pct}: Qwen2 applies rotary embeddings to the whole head (rotary_pct 1.0)"
-        )
-    hidden, heads = int(v1_config["hidden_size"]), int(v1_config["num_attention_heads"])
-    if hidden % heads:
-        raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-    if "kv_channels" in v1_config and int(v1_config["kv_channels"]) != hidden // heads:
-        raise ValueError(
-            f"kv_channels is {v1_config['kv_channels']}, but Qwen2's head size is "
-            f"hidden_size / num_attention_heads = {hidden // heads}"
-        )
-    if int(v1_config["intermediate_size"]) % 2:
-        raise ValueError(f"intermediate_size {v1_config['intermediate_size']} is odd; v1 stores twice the MLP width")
-    # These change the computation in ways Qwen2 has no switch for.
-    if v1_config.get("no_bias") is False:
-        raise ValueError("no_bias is false: Qwen2's o_proj and MLP have no bias")
-    if v1_config.get("scale_attn_weights") is False:
-        raise ValueError("scale_attn_weights is false: Qwen2 always scales attention by 1/sqrt(head_dim)")
-    vocab = int(v1_config["vocab_size"])
-    if vocab < QWEN_VOCAB_WITH_TEXT:
-        raise ValueError(f"vocab_size {vocab} is smaller than the {QWEN_VOCAB_WITH_TEXT} ids of the Qwen v1 tokenizer")
-
-    n_layers = int(v1_config["num_hidden_layers"])
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        # v1's `intermediate_size` counts w1 and w2 together.
-        intermediate_size=int(v1_config["intermediate_size"]) // 2,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        hidden_act="silu",
-        max_position_embeddings=int(v1_config["seq_length"]),
-        initializer_range=float(v1_config.get("initializer_range", 0.02)),
-        rms_norm_eps=float(v1_config["layer_norm_epsilon"]),
-        use_cache=bool(v1_config.get("use_cache", True)),
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": float(v1_config["rotary_emb_base"])},
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=n_layers,
-        attention_dropout=float(v1_config.get("attn_dropout_prob", 0.0)),
-        bos_token_id=None,
-        eos_token_id=IM_END_ID,
-        # Not <|endoftext|>: Qwen2 would make it the embedding's padding_idx and freeze that row,
-        # which v1 trained as its document separator. Padding lives in the tokenizer and generation config.
-        pad_token_id=None,
-        architectures=["Qwen2ForCausalLM"],
-        dtype=_v1_dtype(v1_config),
-    )
-
-
-def _v1_dtype(v1_config: Mapping[str, Any]) -> str | None:
-    if v1_config.get("torch_dtype"):
-        return str(v1_config["torch_dtype"]).removeprefix("torch.")
-    # Older v1 configs only carry these switches.
-    for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
-        if v1_config.get(flag) is True:
-            return dtype
-    return None
-
-
-def qwen2_generation_config(v1_generation_config: Mapping[str, Any] | None, vocab_size: int) -> GenerationConfig:
-    """Generation defaults for the converted model.
-
-    Keeps v1's chat sampling settings, stops where v1's `chat()` stops, and suppresses the padded
-    embedding rows (ids `QWEN_VOCAB_WITH_TEXT`..`vocab_size-1`): they have no text, were never
-    trained, and a plain `generate` would otherwise sample them now and then.
-    """
-    from transformers import GenerationConfig
-
-    kept = {key: (v1_generation_config or {})[key] for key in _V1_SAMPLING_KEYS if key in (v1_generation_config or {})}
-    if not kept.get("do_sample", False):
-        # Sampling knobs without sampling only earn a warning from GenerationConfig.validate.
-        kept = {key: kept[key] for key in ("do_sample", "repetition_penalty", "max_new_tokens") if key in kept}
-    return GenerationConfig(
-        **kept,
-        eos_token_id=list(QWEN_V1_STOP_IDS),
-        pad_token_id=ENDOFTEXT_ID,
-        bos_token_id=None,
-        suppress_tokens=list(range(QWEN_VOCAB_WITH_TEXT, vocab_size)) or None,
-    )
 
 
 # --- the weight mapping -------------------------------------------------------------------
@@ -552,63 +425,6 @@ def load_qwen_v1_tokenizer(path_or_hub_id: str | os.PathLike) -> PreTrainedToken
             "using the bundled Qwen v1 vocabulary"
         )
     return load_qwen_tokenizer(tiktoken_file)
-
-
-# --- adapters -----------------------------------------------------------------------------
-_WRITTEN_BY_SAVE_PRETRAINED = {
-    "config.json",
-    "generation_config.json",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-}
-
-
-def merge_adapter(
-    base_path: str | os.PathLike,
-    adapter_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    dtype: torch.dtype | str = "auto",
-) -> Path:
-    """Merge a PEFT (LoRA) adapter trained on the Qwen2 form into its base and save the result.
-
-    `base_path` is a converted checkpoint (or a v1 one, converted in memory). The output holds the
-    merged weights, the tokenizer and the generation config, loadable without PEFT.
-    """
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from probdiff_callback.models import peft_without_deprecated_alias_warning
-
-    base_path, adapter_dir, out_dir = Path(base_path), Path(adapter_dir), Path(out_dir)
-    adapter_config = _read_json(adapter_dir / "adapter_config.json")
-    targets = adapter_config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    v1_names = sorted({t for t in targets if t.split(".")[-1] in {"c_attn", "c_proj", "w1", "w2"}})
-    if v1_names:
-        raise ValueError(
-            f"adapter target_modules {v1_names} name Qwen v1 modules; this merge expects an adapter trained on the "
-            f"converted (Qwen2) model, whose targets are {QWEN2_LORA_TARGET_MODULES}"
-        )
-    if out_dir.resolve() == base_path.resolve():
-        raise ValueError("out_dir must differ from base_path: merging would overwrite the base weights")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if is_qwen_v1_checkpoint(base_path):
-        base, tokenizer = load_qwen_v1(base_path, torch_dtype=None if dtype == "auto" else dtype)
-        tokenizer.save_pretrained(out_dir)
-        _copy_licence(base_path, out_dir)
-    else:
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
-        # Tokenizer files, chat template and licence are copied as they are: re-serialising the
-        # 150k-entry tokenizer would only cost time.
-        for path in base_path.iterdir():
-            weights = path.suffix in (".safetensors", ".bin")
-            if path.is_file() and not weights and path.name not in _WRITTEN_BY_SAVE_PRETRAINED:
-                shutil.copy2(path, out_dir / path.name)
-    with peft_without_deprecated_alias_warning():
-        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    # save_pretrained also writes the base's generation_config (stop ids, suppressed rows).
-    merged.save_pretrained(out_dir)
-    return out_dir
 
 
 __all__ = [
