@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 from pathlib import Path
 
@@ -48,10 +47,9 @@ def resolve_model_path(name: str) -> str:
 
 
 def is_qwen_v1(path_or_id: str) -> bool:
-    if path_or_id in QWEN_V1_HUB_IDS:
-        return True
-    config = Path(path_or_id) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen"
+    from probdiff_callback.qwen_v1 import is_qwen_v1_checkpoint
+
+    return path_or_id in QWEN_V1_HUB_IDS or is_qwen_v1_checkpoint(path_or_id)
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:

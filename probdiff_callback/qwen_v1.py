@@ -6,94 +6,46 @@ RMSNorm, rotary embeddings over the full head, q/k/v with bias, o_proj without b
 and an untied LM head. Past that length v1 switches on dynamic NTK rotary scaling and logn attention
 scaling, which Qwen2 does not have, so the two models diverge beyond 2,048 tokens (prompt + generated).
 
-Two ways in:
-  * `convert_qwen_checkpoint(src, dst)` writes a plain Qwen2 checkpoint, one shard at a time;
-  * `load_qwen_v1(path)` converts while loading, through transformers' own load-time weight
-    conversion (the same table drives both, see `_V1_TOP_LEVEL`/`_V1_PER_LAYER`/`_V1_FUSED_QKV`).
+Two ways in, both converting each tensor by the one weight table `V1_TO_QWEN2` (in `qwen_v1_weights`):
+  * `convert_qwen_checkpoint(src, dst)` writes a plain Qwen2 checkpoint, one input shard at a time, so that
+    converting a checkpoint needs about one shard of memory, not the whole model;
+  * `load_qwen_v1(path)` hands the converted, still memory-mapped tensors to `Qwen2ForCausalLM.from_pretrained`.
+The config mapping lives in `qwen_v1_config`, the adapter merge in `qwen_v1_merge`; this module re-exports both.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import re
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from probdiff_callback.tokenizer import (
-    QWEN_VOCAB_WITH_TEXT,
-    SPECIAL_START_ID,
-    bundled_tiktoken_file,
-    convert_qwen_tiktoken,
-    load_qwen_tokenizer,
+from probdiff_callback.qwen_v1_config import QWEN_V1_STOP_IDS, qwen2_config_from_v1, qwen2_generation_config
+from probdiff_callback.qwen_v1_merge import merge_adapter
+from probdiff_callback.qwen_v1_weights import (
+    QWEN2_LORA_TARGET_MODULES,
+    QWEN2_TO_V1_MODULE_NAMES,
+    V1_TO_QWEN2,
+    _file_keys,
+    _iter_file_tensors,
+    _v1_weight_files,
+    check_v1_keys,
+    convert_v1_state_dict,
+    convert_v1_tensor,
+    expected_v1_keys,
+    qwen2_names,
 )
+from probdiff_callback.tokenizer import bundled_tiktoken_file, convert_qwen_tiktoken, load_qwen_tokenizer
 
 if TYPE_CHECKING:
     import torch
-    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config
 
-ENDOFTEXT_ID = SPECIAL_START_ID  # 151643
-IM_START_ID = SPECIAL_START_ID + 1  # 151644
-IM_END_ID = SPECIAL_START_ID + 2  # 151645
-# v1's `chat()` stops on <|im_end|> and <|im_start|> (its stop_words_ids) and on <|endoftext|>
-# (its generation_config eos); a plain `generate` must stop on all three to behave the same.
-QWEN_V1_STOP_IDS = [IM_END_ID, IM_START_ID, ENDOFTEXT_ID]
 V1_TRAINED_CONTEXT = 2048
 
-QWEN2_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# v1 fuses q/k/v into one `c_attn`, and uses the name `c_proj` twice (attn.c_proj and mlp.c_proj).
-QWEN2_TO_V1_MODULE_NAMES = {
-    "q_proj": "c_attn",
-    "k_proj": "c_attn",
-    "v_proj": "c_attn",
-    "o_proj": "c_proj",
-    "gate_proj": "w2",
-    "up_proj": "w1",
-    "down_proj": "c_proj",
-}
 
-# --- the one weight-name table ------------------------------------------------------------
-_V1_TOP_LEVEL = {
-    "transformer.wte": "model.embed_tokens",
-    "transformer.ln_f": "model.norm",
-    "lm_head": "lm_head",
-}
-_V1_LAYER_PREFIX = "transformer.h"
-_QWEN2_LAYER_PREFIX = "model.layers"
-_V1_PER_LAYER = {
-    "ln_1": "input_layernorm",
-    "ln_2": "post_attention_layernorm",
-    "attn.c_proj": "self_attn.o_proj",
-    # v1 computes c_proj(w1(x) * silu(w2(x))): w2 is the gated branch.
-    "mlp.w2": "mlp.gate_proj",
-    "mlp.w1": "mlp.up_proj",
-    "mlp.c_proj": "mlp.down_proj",
-}
-_V1_FUSED_QKV = ("attn.c_attn", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
-_V1_LAYER_KEYS = [f"{name}.weight" for name in _V1_PER_LAYER] + [f"{_V1_FUSED_QKV[0]}.weight", f"{_V1_FUSED_QKV[0]}.bias"]
-# Recomputed from the config by Qwen2; some exports carry it as a buffer.
-_V1_DROPPABLE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-# GPTQ/AWQ/bitsandbytes/int8 artefacts: these weights are not plain matrices and cannot be renamed.
-_QUANTIZED_NAME = re.compile(r"\.(qweight|qzeros|scales|g_idx|SCB|weight_format|absmax|quant_map|quant_state\S*)$")
-
-_V1_REQUIRED_CONFIG_KEYS = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "intermediate_size",
-    "vocab_size",
-    "layer_norm_epsilon",
-    "rotary_emb_base",
-    "seq_length",
-)
-# What a converted checkpoint keeps from v1's generation_config.json: its chat sampling defaults.
-_V1_SAMPLING_KEYS = ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty", "max_new_tokens")
-
-
-# --- detection and config -----------------------------------------------------------------
+# --- detection ----------------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
@@ -110,284 +62,7 @@ def is_qwen_v1_checkpoint(path: str | os.PathLike) -> bool:
         return False
 
 
-def qwen2_config_from_v1(v1_config: Mapping[str, Any]) -> Qwen2Config:
-    """The `Qwen2Config` that computes what a v1 config computes within its trained context.
-
-    Raises `ValueError` naming the key for anything Qwen2 cannot express.
-    """
-    from transformers import Qwen2Config
-
-    if v1_config.get("model_type") != "qwen":
-        raise ValueError(f"model_type is {v1_config.get('model_type')!r}, not 'qwen': this is not a Qwen v1 config")
-    if v1_config.get("quantization_config"):
-        quantization = v1_config["quantization_config"]
-        method = quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
-        raise ValueError(
-            f"quantization_config ({method}) found: quantized Qwen v1 checkpoints (e.g. Qwen-14B-Chat-Int4) "
-            "cannot be converted; convert the unquantized checkpoint and quantize afterwards."
-        )
-    missing = [key for key in _V1_REQUIRED_CONFIG_KEYS if key not in v1_config]
-    if missing:
-        raise ValueError(f"Qwen v1 config lacks {', '.join(missing)}")
-    rotary_pct = float(v1_config.get("rotary_pct", 1.0))
-    if rotary_pct != 1.0:
-        raise ValueError(f"rotary_pct is {rotary_pct}: Qwen2 applies rotary embeddings to the whole head (rotary_pct 1.0)")
-    hidden, heads = int(v1_config["hidden_size"]), int(v1_config["num_attention_heads"])
-    if hidden % heads:
-        raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-    if "kv_channels" in v1_config and int(v1_config["kv_channels"]) != hidden // heads:
-        raise ValueError(
-            f"kv_channels is {v1_config['kv_channels']}, but Qwen2's head size is "
-            f"hidden_size / num_attention_heads = {hidden // heads}"
-        )
-    if int(v1_config["intermediate_size"]) % 2:
-        raise ValueError(f"intermediate_size {v1_config['intermediate_size']} is odd; v1 stores twice the MLP width")
-    # These change the computation in ways Qwen2 has no switch for.
-    if v1_config.get("no_bias") is False:
-        raise ValueError("no_bias is false: Qwen2's o_proj and MLP have no bias")
-    if v1_config.get("scale_attn_weights") is False:
-        raise ValueError("scale_attn_weights is false: Qwen2 always scales attention by 1/sqrt(head_dim)")
-    vocab = int(v1_config["vocab_size"])
-    if vocab < QWEN_VOCAB_WITH_TEXT:
-        raise ValueError(f"vocab_size {vocab} is smaller than the {QWEN_VOCAB_WITH_TEXT} ids of the Qwen v1 tokenizer")
-
-    n_layers = int(v1_config["num_hidden_layers"])
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        # v1's `intermediate_size` counts w1 and w2 together.
-        intermediate_size=int(v1_config["intermediate_size"]) // 2,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        hidden_act="silu",
-        max_position_embeddings=int(v1_config["seq_length"]),
-        initializer_range=float(v1_config.get("initializer_range", 0.02)),
-        rms_norm_eps=float(v1_config["layer_norm_epsilon"]),
-        use_cache=bool(v1_config.get("use_cache", True)),
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": float(v1_config["rotary_emb_base"])},
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=n_layers,
-        attention_dropout=float(v1_config.get("attn_dropout_prob", 0.0)),
-        bos_token_id=None,
-        eos_token_id=IM_END_ID,
-        # Not <|endoftext|>: Qwen2 would make it the embedding's padding_idx and freeze that row,
-        # which v1 trained as its document separator. Padding lives in the tokenizer and generation config.
-        pad_token_id=None,
-        architectures=["Qwen2ForCausalLM"],
-        dtype=_v1_dtype(v1_config),
-    )
-
-
-def _v1_dtype(v1_config: Mapping[str, Any]) -> str | None:
-    if v1_config.get("torch_dtype"):
-        return str(v1_config["torch_dtype"]).removeprefix("torch.")
-    # Older v1 configs only carry these switches.
-    for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
-        if v1_config.get(flag) is True:
-            return dtype
-    return None
-
-
-def qwen2_generation_config(v1_generation_config: Mapping[str, Any] | None, vocab_size: int) -> GenerationConfig:
-    """Generation defaults for the converted model.
-
-    Keeps v1's chat sampling settings, stops where v1's `chat()` stops, and suppresses the padded
-    embedding rows (ids `QWEN_VOCAB_WITH_TEXT`..`vocab_size-1`): they have no text, were never
-    trained, and a plain `generate` would otherwise sample them now and then.
-    """
-    from transformers import GenerationConfig
-
-    kept = {key: (v1_generation_config or {})[key] for key in _V1_SAMPLING_KEYS if key in (v1_generation_config or {})}
-    if not kept.get("do_sample", False):
-        # Sampling knobs without sampling only earn a warning from GenerationConfig.validate.
-        kept = {key: value for key, value in kept.items() if key in ("do_sample", "repetition_penalty", "max_new_tokens")}
-    return GenerationConfig(
-        **kept,
-        eos_token_id=list(QWEN_V1_STOP_IDS),
-        pad_token_id=ENDOFTEXT_ID,
-        bos_token_id=None,
-        suppress_tokens=list(range(QWEN_VOCAB_WITH_TEXT, vocab_size)) or None,
-    )
-
-
-# --- the weight mapping -------------------------------------------------------------------
-def _v1_layer_split(key: str) -> tuple[str, str] | None:
-    """`transformer.h.{i}.rest` -> (`{i}`, `rest`); None for a key outside the layers."""
-    prefix = _V1_LAYER_PREFIX + "."
-    if not key.startswith(prefix):
-        return None
-    index, _, rest = key[len(prefix) :].partition(".")
-    return (index, rest) if index.isdigit() and rest else None
-
-
-def _refuse_quantized_key(key: str) -> None:
-    if _QUANTIZED_NAME.search(key):
-        raise ValueError(
-            f"{key}: quantized (GPTQ/int4/int8) weights cannot be converted; convert the unquantized checkpoint"
-        )
-
-
-def _split_qkv(key: str, fused: Any) -> list[torch.Tensor]:
-    """q, k, v rows of a c_attn weight or bias: a tensor, or a safetensors slice read part by part."""
-    rows = fused.shape[0] if hasattr(fused, "shape") else fused.get_shape()[0]
-    if rows % 3:
-        raise ValueError(f"{key} has {rows} rows; q, k and v need a multiple of 3")
-    step = rows // 3
-    parts = [fused[i * step : (i + 1) * step] for i in range(3)]
-    # A tensor's row blocks are views of one storage, which safetensors refuses to save
-    # and which would keep the whole fused tensor alive: copy them apart.
-    return [part.clone() for part in parts] if hasattr(fused, "shape") else parts
-
-
-def convert_v1_tensor(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """One v1 tensor -> its Qwen2 tensor(s). `c_attn.weight`/`.bias` become three; a dropped buffer none.
-
-    Each tensor converts on its own, so a shard (or a c_attn weight and bias in different shards)
-    needs nothing from elsewhere. For c_attn, `tensor` may also be a safetensors slice
-    (`safe_open(...).get_slice(key)`): q, k and v are then read separately, never the fused tensor.
-    """
-    _refuse_quantized_key(key)
-    if _V1_DROPPABLE.search(key):
-        return []
-    stem, _, param = key.rpartition(".")
-    if stem in _V1_TOP_LEVEL and param == "weight":
-        return [(f"{_V1_TOP_LEVEL[stem]}.weight", tensor)]
-    split = _v1_layer_split(key)
-    if split is not None:
-        index, rest = split
-        module, _, param = rest.rpartition(".")
-        prefix = f"{_QWEN2_LAYER_PREFIX}.{index}."
-        if module in _V1_PER_LAYER and param == "weight":
-            return [(prefix + f"{_V1_PER_LAYER[module]}.weight", tensor)]
-        if module == _V1_FUSED_QKV[0] and param in ("weight", "bias"):
-            parts = _split_qkv(key, tensor)
-            return [(prefix + f"{name}.{param}", part) for name, part in zip(_V1_FUSED_QKV[1], parts)]
-    raise ValueError(f"{key}: not a Qwen v1 weight name this converter knows (Qwen v1 with no_bias=true expected)")
-
-
-def convert_v1_state_dict(tensors: Mapping[str, torch.Tensor], hidden_size: int | None = None) -> dict[str, torch.Tensor]:
-    """Rename/split a v1 state dict (or any part of one, e.g. one shard) into Qwen2 names.
-
-    `hidden_size`, when given, checks that each c_attn splits into three `hidden_size`-row blocks.
-    """
-    converted: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        if hidden_size is not None and key.endswith(f"{_V1_FUSED_QKV[0]}.weight"):
-            if tuple(tensor.shape) != (3 * hidden_size, hidden_size):
-                raise ValueError(f"{key} has shape {tuple(tensor.shape)}, expected {(3 * hidden_size, hidden_size)}")
-        converted.update(convert_v1_tensor(key, tensor))
-    return converted
-
-
-def expected_v1_keys(num_hidden_layers: int) -> set[str]:
-    """Every weight a v1 checkpoint with `num_hidden_layers` layers must hold."""
-    keys = {f"{stem}.weight" for stem in _V1_TOP_LEVEL}
-    keys.update(f"{_V1_LAYER_PREFIX}.{i}.{name}" for i in range(num_hidden_layers) for name in _V1_LAYER_KEYS)
-    return keys
-
-
-def check_v1_keys(keys: Iterable[str], num_hidden_layers: int) -> None:
-    """Refuse, before anything is read or written, a key set that would not convert completely."""
-    keys = set(keys)
-    for key in sorted(keys):
-        _refuse_quantized_key(key)
-    missing = expected_v1_keys(num_hidden_layers) - keys
-    if missing:
-        shown = ", ".join(sorted(missing)[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"the checkpoint lacks expected Qwen v1 weights: {shown}")
-    unknown = keys - expected_v1_keys(num_hidden_layers)
-    unknown = {key for key in unknown if not _V1_DROPPABLE.search(key)}
-    if unknown:
-        shown = ", ".join(sorted(unknown)[:5])
-        raise ValueError(f"the checkpoint holds weights a Qwen2 model has no place for: {shown}")
-
-
-def _v1_weight_transforms() -> list:
-    """The weight-name table as transformers load-time conversions (renamings + a Chunk for c_attn)."""
-    from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
-
-    transforms: list = [
-        WeightRenaming(rf"^{re.escape(v1)}\.", f"{qwen2}.") for v1, qwen2 in _V1_TOP_LEVEL.items() if v1 != qwen2
-    ]
-    transforms.append(WeightRenaming(rf"^{re.escape(_V1_LAYER_PREFIX)}\.", f"{_QWEN2_LAYER_PREFIX}."))
-    transforms += [WeightRenaming(rf"\.{re.escape(v1)}\.", f".{qwen2}.") for v1, qwen2 in _V1_PER_LAYER.items()]
-    fused, parts = _V1_FUSED_QKV
-    for param in ("weight", "bias"):
-        # The source keeps no leading dot: the loader swaps exactly the matched text for the first target.
-        transforms.append(
-            WeightConverter(
-                source_patterns=rf"{re.escape(fused)}\.{param}",
-                target_patterns=[f"{part}.{param}" for part in parts],
-                operations=[Chunk(dim=0)],
-            )
-        )
-    return transforms
-
-
-# --- reading a v1 checkpoint --------------------------------------------------------------
-def _v1_weight_files(src: Path) -> tuple[list[Path], list[str] | None]:
-    """The checkpoint's weight files in index order (safetensors preferred when both exist), and the
-    weight names its index lists (None without an index)."""
-    for index_name, single_name in (
-        ("model.safetensors.index.json", "model.safetensors"),
-        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
-    ):
-        index_file = src / index_name
-        if index_file.is_file():
-            weight_map = _read_json(index_file)["weight_map"]
-            files = list(dict.fromkeys(weight_map.values()))
-            absent = [name for name in files if not (src / name).is_file()]
-            if absent:
-                raise FileNotFoundError(f"{index_file} names shards that are not there: {', '.join(absent)}")
-            return [src / name for name in files], list(weight_map)
-        if (src / single_name).is_file():
-            return [src / single_name], None
-    raise FileNotFoundError(
-        f"{src} holds no model.safetensors(.index.json) or pytorch_model.bin(.index.json); is the download complete?"
-    )
-
-
-def _load_bin(path: Path) -> dict[str, torch.Tensor]:
-    import torch
-
-    try:
-        # mmap: tensors stay file-backed, so a shard is not copied into memory before conversion.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as err:
-        if "mmap" not in str(err):
-            raise
-        # Files written before torch 1.6's zip format cannot be mapped.
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _file_keys(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as handle:
-            return list(handle.keys())
-    return list(_load_bin(path).keys())
-
-
-def _iter_file_tensors(path: Path) -> Iterator[tuple[str, Any]]:
-    """Tensors of one weight file, one at a time (safetensors; c_attn as a lazy slice) or
-    file-backed (.bin via mmap)."""
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        fused = f".{_V1_FUSED_QKV[0]}."
-        with safe_open(path, framework="pt") as handle:
-            for key in handle.keys():
-                yield key, (handle.get_slice(key) if fused in key else handle.get_tensor(key))
-    else:
-        state_dict = _load_bin(path)
-        for key in list(state_dict):
-            yield key, state_dict.pop(key)
-
-
+# --- a v1 checkpoint directory ------------------------------------------------------------
 def _v1_source(src: Path) -> tuple[dict[str, Any], Qwen2Config, list[Path]]:
     """Read and check a v1 checkpoint directory: (v1 config, Qwen2 config, weight files)."""
     if not (src / "config.json").is_file():
@@ -501,22 +176,13 @@ def convert_qwen_checkpoint(
 
 
 # --- in-memory conversion -----------------------------------------------------------------
-_LOADER_CLASS_NAME = "QwenV1CheckpointAsQwen2ForCausalLM"
-
-
-@functools.cache
-def _v1_loader_class() -> type:
-    """A `Qwen2ForCausalLM` subclass whose `from_pretrained` reads v1 weight names.
-
-    transformers looks load-time conversions up by class name before model_type, so keying ours on
-    a private subclass leaves every other Qwen2 load untouched.
-    """
-    from transformers import Qwen2ForCausalLM
-    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-
-    loader = type(_LOADER_CLASS_NAME, (Qwen2ForCausalLM,), {"__module__": __name__})
-    register_checkpoint_conversion_mapping(_LOADER_CLASS_NAME, _v1_weight_transforms(), overwrite=True)
-    return loader
+def _qwen2_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The whole checkpoint under Qwen2 names, as views of the memory-mapped files: nothing is read here."""
+    state_dict: dict[str, torch.Tensor] = {}
+    for path in files:
+        for key, tensor in _iter_file_tensors(path):
+            state_dict.update(convert_v1_tensor(key, tensor))
+    return state_dict
 
 
 def _resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> Path:
@@ -524,7 +190,9 @@ def _resolve_checkpoint(path_or_hub_id: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     if os.path.exists(path_or_hub_id) or str(path_or_hub_id).count("/") != 1:
-        raise FileNotFoundError(f"{path_or_hub_id} is neither a checkpoint directory nor a hub id like Qwen/Qwen-14B-Chat")
+        raise FileNotFoundError(
+            f"{path_or_hub_id} is neither a checkpoint directory nor a hub id like Qwen/Qwen-14B-Chat"
+        )
     from huggingface_hub import list_repo_files, snapshot_download
 
     weights = ["*.safetensors", "model.safetensors.index.json"]
@@ -557,22 +225,28 @@ def load_qwen_v1(
     path = _resolve_checkpoint(path_or_hub_id)
     if not is_qwen_v1_checkpoint(path):
         raise ValueError(f"{path} is not a Qwen v1 checkpoint (config.json model_type is not 'qwen')")
-    _, config, _ = _v1_source(path)
+    _, config, files = _v1_source(path)
     print(
         f"Qwen v1 checkpoint detected at {path}: converting to Qwen2ForCausalLM in memory "
         f"(exact within {V1_TRAINED_CONTEXT:,} tokens)"
     )
-    model, info = _v1_loader_class().from_pretrained(
-        path, config=config, dtype=dtype, device_map=device_map, output_loading_info=True, **kwargs
+    # Tensors handed over under Qwen2 names: transformers then records no load-time conversion, which
+    # `save_pretrained` would otherwise undo into v1 names.
+    model, info = Qwen2ForCausalLM.from_pretrained(
+        None,
+        config=config,
+        state_dict=_qwen2_state_dict(files),
+        dtype=dtype,
+        device_map=device_map,
+        output_loading_info=True,
+        **kwargs,
     )
     problems = {name: sorted(info.get(name) or []) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     problems = {name: keys for name, keys in problems.items() if keys}
     if problems:
         raise ValueError(f"converting {path} in memory left weights unmatched: {problems}")
-    # From here on it is an ordinary Qwen2 model: PEFT, save_pretrained and the conversion lookup
-    # all go by class name, and saving must not "restore" the v1 names.
-    model.__class__ = Qwen2ForCausalLM
-    model._weight_conversions = None
+    # from_pretrained recorded the None it was given; PEFT's adapter_config and model cards name the base from this.
+    model.name_or_path = model.config.name_or_path = str(path)
     model.generation_config = qwen2_generation_config(_v1_generation_config(path), config.vocab_size)
     return model, load_qwen_v1_tokenizer(path)
 
@@ -599,67 +273,11 @@ def load_qwen_v1_tokenizer(path_or_hub_id: str | os.PathLike) -> PreTrainedToken
     return load_qwen_tokenizer(tiktoken_file)
 
 
-# --- adapters -----------------------------------------------------------------------------
-_WRITTEN_BY_SAVE_PRETRAINED = {
-    "config.json",
-    "generation_config.json",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-}
-
-
-def merge_adapter(
-    base_path: str | os.PathLike,
-    adapter_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    dtype: torch.dtype | str = "auto",
-) -> Path:
-    """Merge a PEFT (LoRA) adapter trained on the Qwen2 form into its base and save the result.
-
-    `base_path` is a converted checkpoint (or a v1 one, converted in memory). The output holds the
-    merged weights, the tokenizer and the generation config, loadable without PEFT.
-    """
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from probdiff_callback.models import peft_without_deprecated_alias_warning
-
-    base_path, adapter_dir, out_dir = Path(base_path), Path(adapter_dir), Path(out_dir)
-    adapter_config = _read_json(adapter_dir / "adapter_config.json")
-    targets = adapter_config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    v1_names = sorted({t for t in targets if t.split(".")[-1] in {"c_attn", "c_proj", "w1", "w2"}})
-    if v1_names:
-        raise ValueError(
-            f"adapter target_modules {v1_names} name Qwen v1 modules; this merge expects an adapter trained on the "
-            f"converted (Qwen2) model, whose targets are {QWEN2_LORA_TARGET_MODULES}"
-        )
-    if out_dir.resolve() == base_path.resolve():
-        raise ValueError("out_dir must differ from base_path: merging would overwrite the base weights")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if is_qwen_v1_checkpoint(base_path):
-        base, tokenizer = load_qwen_v1(base_path, torch_dtype=None if dtype == "auto" else dtype)
-        tokenizer.save_pretrained(out_dir)
-        _copy_licence(base_path, out_dir)
-    else:
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
-        # Tokenizer files, chat template and licence are copied as they are: re-serialising the
-        # 150k-entry tokenizer would only cost time.
-        for path in base_path.iterdir():
-            weights = path.suffix in (".safetensors", ".bin")
-            if path.is_file() and not weights and path.name not in _WRITTEN_BY_SAVE_PRETRAINED:
-                shutil.copy2(path, out_dir / path.name)
-    with peft_without_deprecated_alias_warning():
-        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    # save_pretrained also writes the base's generation_config (stop ids, suppressed rows).
-    merged.save_pretrained(out_dir)
-    return out_dir
-
-
 __all__ = [
     "QWEN2_LORA_TARGET_MODULES",
     "QWEN2_TO_V1_MODULE_NAMES",
     "QWEN_V1_STOP_IDS",
+    "V1_TO_QWEN2",
     "V1_TRAINED_CONTEXT",
     "check_v1_keys",
     "convert_qwen_checkpoint",
@@ -672,4 +290,5 @@ __all__ = [
     "merge_adapter",
     "qwen2_config_from_v1",
     "qwen2_generation_config",
+    "qwen2_names",
 ]
