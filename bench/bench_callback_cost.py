@@ -67,7 +67,7 @@ def main() -> int:
             args=SFTConfig(
                 output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch_size, max_length=args.max_length,
                 learning_rate=2e-3, logging_steps=10, save_strategy="no", eval_strategy="no", report_to="none",
-                use_cpu=True, bf16=False, disable_tqdm=True, seed=0,
+                use_cpu=True, bf16=False, disable_tqdm=True, seed=0, activation_checkpointing=True,
             ),
             train_dataset=Dataset.from_list([{"messages": row["messages"]} for row in rows]),
             processing_class=tokenizer,

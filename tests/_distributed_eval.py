@@ -106,7 +106,8 @@ def build_trainer(
     dataset = chat_dataset(n_train_rows)
     return SFTTrainer(
         model=model,
-        args=SFTConfig(max_length=64, packing=False, dataset_num_proc=None, **settings),
+        # trl's default (gradient checkpointing on) under its transformers 5 name: the old one warns
+        args=SFTConfig(max_length=64, packing=False, dataset_num_proc=None, activation_checkpointing=True, **settings),
         train_dataset=dataset,
         eval_dataset=dataset.select(range(2)),
         processing_class=tokenizer,
