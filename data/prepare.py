@@ -49,7 +49,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from probdiff_callback.categories import ALIGNBENCH, canonical_category, is_alignbench
-from probdiff_callback.io import DataFileError, read_rows, write_jsonl
+from probdiff_callback.io import DataFileError, chat_messages, read_rows, write_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "data" / "processed"
@@ -165,27 +165,6 @@ class Fetcher:
             raise DataFileError(f"{message} (expected {expected})") from None
 
 
-def turns_to_messages(turns: object, where: str) -> list[dict]:
-    """`conversations` ({from, value}) or `messages` ({role, content}) as chat messages."""
-    roles = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
-    if not isinstance(turns, list) or not turns:
-        raise DataFileError(f"{where}: expected a non-empty list of turns")
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise DataFileError(f"{where}: a turn is {type(turn).__name__}, expected an object")
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        if role not in roles:
-            raise DataFileError(f"{where}: unknown role {role!r}; expected one of {', '.join(roles)}")
-        if not isinstance(content, str) or not content.strip():
-            raise DataFileError(f"{where}: a {role} turn has no text")
-        messages.append({"role": roles[role], "content": content})
-    if not any(m["role"] == "user" for m in messages) or messages[-1]["role"] != "assistant":
-        raise DataFileError(f"{where}: a conversation needs a user turn and must end with an assistant turn")
-    return messages
-
-
 def conversation_rows(path: Path, rows: list[tuple[int, dict]] | None = None) -> list[tuple[str, list[dict], dict]]:
     """(where, messages, row) for each row of a conversation file (`rows`: its rows, if already read)."""
     out = []
@@ -197,7 +176,7 @@ def conversation_rows(path: Path, rows: list[tuple[int, dict]] | None = None) ->
             raise DataFileError(
                 f"{path}:{line}: expected `messages`, `conversations` or `user` + `assistant` (keys here: {', '.join(row) or 'none'})"
             )
-        out.append((f"{path}:{line}", turns_to_messages(turns, f"{path}:{line}"), row))
+        out.append((f"{path}:{line}", chat_messages(turns, f"{path}:{line}"), row))
     return out
 
 

@@ -19,7 +19,7 @@ _PUBLIC = {
     "load_queries": "probdiff_callback.io",
     "load_model_and_tokenizer": "probdiff_callback.models",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = ["ProbDiffCallback", "ProbDiffConfig", "evaluate", "load_model_and_tokenizer", "load_queries"]
 
 if TYPE_CHECKING:
     from probdiff_callback.callback import ProbDiffCallback

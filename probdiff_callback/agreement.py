@@ -27,6 +27,7 @@ from pathlib import Path
 from probdiff_callback import history
 from probdiff_callback.io import read_jsonl
 from probdiff_callback.reference_metrics import METRIC_LABELS
+from probdiff_callback.formatting import fmt, is_finite
 
 PROBDIFF_MEASURES = {"confidence": "confidence", "d_mean": "mean d"}
 LOSS = "eval_loss"
@@ -59,7 +60,7 @@ def rank_correlation(xs: Sequence[float | None], ys: Sequence[float | None]) -> 
     t approximation beyond; Kendall's is scipy's (exact for small samples without ties)."""
     from scipy.stats import kendalltau, spearmanr
 
-    pairs = [(float(x), float(y)) for x, y in zip(xs, ys) if _finite(x) and _finite(y)]
+    pairs = [(float(x), float(y)) for x, y in zip(xs, ys) if is_finite(x) and is_finite(y)]
     result = {"n": len(pairs), "spearman": math.nan, "spearman_p": math.nan, "kendall": math.nan, "kendall_p": math.nan}
     if len(pairs) < 3 or len({x for x, _ in pairs}) < 2 or len({y for _, y in pairs}) < 2:
         return result
@@ -73,10 +74,6 @@ def rank_correlation(xs: Sequence[float | None], ys: Sequence[float | None]) -> 
         spearman=float(rho.statistic), spearman_p=spearman_p, kendall=float(tau.statistic), kendall_p=float(tau.pvalue)
     )
     return result
-
-
-def _finite(value) -> bool:
-    return value is not None and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 # --- the steps ---------------------------------------------------------------------------------
@@ -116,7 +113,7 @@ def across_steps(steps: Sequence[Mapping]) -> list[dict]:
     for ours in PROBDIFF_MEASURES:
         for measure in metrics + [LOSS]:
             values = [s["metrics"].get(measure) if measure != LOSS else s[LOSS] for s in steps]
-            if not any(_finite(v) for v in values):
+            if not any(is_finite(v) for v in values):
                 continue
             rows.append(
                 {
@@ -223,14 +220,6 @@ def crosscheck(rows: Sequence[dict], records_by_step: Mapping[int, Sequence[dict
 
 
 # --- output ------------------------------------------------------------------------------------
-def _num(value: float, digits: int = 2) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:+.{digits}f}"
-
-
-def _p(value: float) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:.2g}"
-
-
 def format_crosscheck(report: Mapping) -> str:
     steps = report["steps"]
     span = f"steps {steps[0]['step']}-{steps[-1]['step']}" if steps else "no steps"
@@ -245,8 +234,8 @@ def format_crosscheck(report: Mapping) -> str:
         agrees_if = "ρ > 0" if row["agrees_if"] == "positive" else "ρ < 0"
         lines.append(
             f"  {LABELS[row['probdiff']]:<11} {LABELS[row['measure']]:<9} {agrees_if:<9} {row['n']:>3}  "
-            f"{_num(row['spearman']):>10} {_p(row['spearman_p']):>7}  "
-            f"{_num(row['kendall']):>9} {_p(row['kendall_p']):>7}"
+            f"{fmt(row['spearman'], '+.2f'):>10} {fmt(row['spearman_p'], '.2g'):>7}  "
+            f"{fmt(row['kendall'], '+.2f'):>9} {fmt(row['kendall_p'], '.2g'):>7}"
         )
     if not report["across_steps"]:
         lines.append("  (no reference metric or eval loss in the history)")
@@ -258,7 +247,7 @@ def format_crosscheck(report: Mapping) -> str:
         for row in report["per_query"]:
             k = row["n_steps_with_rho"]
             lines.append(
-                f"  {LABELS[row['metric']]:<9} {row['n_steps']:>5}  {_num(row['median_spearman']):>8}  "
+                f"  {LABELS[row['metric']]:<9} {row['n_steps']:>5}  {fmt(row['median_spearman'], '+.2f'):>8}  "
                 f"{row['n_positive']:>2}/{k:<3}  {row['n_significant_positive']:>7}/{k:<3}  "
                 f"{row['n_significant_negative']:>7}/{k:<3}"
             )
@@ -270,12 +259,12 @@ def one_line(report: Mapping) -> str:
     parts = []
     for row in report["across_steps"]:
         if row["probdiff"] == "confidence":
-            parts.append(f"{LABELS[row['measure']]} ρ {_num(row['spearman'])} (p {_p(row['spearman_p'])})")
+            parts.append(f"{LABELS[row['measure']]} ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')})")
     text = f"Cross-check over {report['n_steps']} steps, confidence vs " + (
         ", ".join(parts) if parts else "nothing (no reference metric or eval loss)"
     )
     for row in report["per_query"][:1]:
-        text += f"; per query d vs {LABELS[row['metric']]}: median ρ {_num(row['median_spearman'])}"
+        text += f"; per query d vs {LABELS[row['metric']]}: median ρ {fmt(row['median_spearman'], '+.2f')}"
     return text
 
 
@@ -304,7 +293,7 @@ def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
                 continue
             measure = measures[j]
             points = [(s["metrics"].get(measure) if measure != LOSS else s[LOSS], s[ours], s["step"]) for s in steps]
-            points = [(x, y, step) for x, y, step in points if _finite(x) and _finite(y)]
+            points = [(x, y, step) for x, y, step in points if is_finite(x) and is_finite(y)]
             scale = 100 if ours == "confidence" else 1
             scatter = axis.scatter(
                 [x for x, _, _ in points],
@@ -319,7 +308,7 @@ def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
             row = correlations.get((ours, measure))
             if row is not None:
                 axis.set_title(
-                    f"ρ {_num(row['spearman'])} (p {_p(row['spearman_p'])}), τ {_num(row['kendall'])}, n {row['n']}",
+                    f"ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')}), τ {fmt(row['kendall'], '+.2f')}, n {row['n']}",
                     fontsize=9,
                 )
             axis.set_xlabel(LABELS[measure] + (" (lower is better)" if measure == LOSS else ""))

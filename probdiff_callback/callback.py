@@ -27,13 +27,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    EarlyStoppingCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from probdiff_callback import history, reference_metrics, versus_base
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.io import Query, read_jsonl
+from probdiff_callback.io import Query, queries_from, read_jsonl
 from probdiff_callback.metric import delta_key, summarize
 
 logger = logging.getLogger(__name__)
@@ -42,30 +48,6 @@ METRIC_PREFIX = "eval_probdiff_"
 WANDB_HISTOGRAM_KEY = "eval/probdiff_d"
 WANDB_TABLE_KEY = "eval/probdiff_records"
 WANDB_TABLE_COLUMNS = ["step", "id", "category", "query", "response", "revision", "logp_response", "logp_revised", "d"]
-
-
-@dataclass
-class ProbDiffCallbackArgs:
-    n_queries: int | None = 64  # held-out queries evaluated each time (a fixed subset); None: all
-    every: int = 1  # evaluate at every N-th evaluation (or checkpoint save when the run has no evaluation)
-    baseline: bool = True  # evaluate before the first step (a PEFT model with its adapters disabled)
-    at_end: bool = True  # evaluate the last step if it would not be evaluated otherwise
-    gather_params: bool = True  # ZeRO-3: gather the whole model once per evaluation (False: keep it sharded)
-    fail_on_error: bool = False  # re-raise an evaluation failure instead of recording it and training on
-    wandb_table_rows: int = 8  # records per evaluated step added to the W&B table
-    output_subdir: str = history.DEFAULT_SUBDIR
-    progress: bool = False  # the core's progress bar on the main process
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.n_queries is not None and self.n_queries < 1:
-            problems.append(f"n_queries={self.n_queries}: must be positive (or None for all)")
-        if self.every < 1:
-            problems.append(f"every={self.every}: must be at least 1")
-        if self.wandb_table_rows < 0:
-            problems.append(f"wandb_table_rows={self.wandb_table_rows}: must be >= 0")
-        if problems:
-            raise ValueError("Invalid ProbDiffCallback options: " + "; ".join(problems))
 
 
 @dataclass
@@ -255,27 +237,16 @@ class ProbDiffCallback(TrainerCallback):
     works too: the callback moves itself before early stopping when training begins.
     """
 
-    def __init__(
-        self,
-        trainer,
-        queries: Sequence[Query],
-        config: ProbDiffConfig | None = None,
-        *,
-        tokenizer=None,
-        options: ProbDiffCallbackArgs | None = None,
-        **option_overrides: Any,
-    ) -> None:
-        if options is not None and option_overrides:
-            raise ValueError("give either `options` or keyword options, not both")
+    def __init__(self, trainer, queries: Any = None, config: ProbDiffConfig | None = None, *, tokenizer=None) -> None:
         self.trainer = trainer
         self.config = config if config is not None else ProbDiffConfig()
-        self.options = options if options is not None else ProbDiffCallbackArgs(**option_overrides)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(trainer, "processing_class", None)
         self.tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)  # a processor wraps the tokenizer
         if self.tokenizer is None or not callable(getattr(self.tokenizer, "apply_chat_template", None)):
             raise ValueError("ProbDiffCallback needs the chat tokenizer: give `tokenizer=` or build the trainer with processing_class")
-        self.config.check_categories(q.category for q in queries)  # all of them: the subset may miss a category
-        self.queries = select_queries(queries, self.options.n_queries, self.config.seed)
+        all_queries = queries_from(trainer.eval_dataset if queries is None else queries)
+        self.config.check_categories(q.category for q in all_queries)  # all of them: the subset may miss a category
+        self.queries = select_queries(all_queries, self.config.n_queries, self.config.seed)
         self.categories = sorted({q.category for q in self.queries if q.category is not None})
         self.reference_plan = reference_metrics.plan_references(self.queries)
         self.evaluated: dict[int, dict[str, float]] = {}  # global step -> its metrics
@@ -290,14 +261,6 @@ class ProbDiffCallback(TrainerCallback):
         self._train_start_step = 0
         self._cost_reported = False
 
-    @classmethod
-    def attach(cls, trainer, queries: Sequence[Query], config: ProbDiffConfig | None = None, **options: Any) -> "ProbDiffCallback":
-        """Build the callback and add it to `trainer`, before any EarlyStoppingCallback."""
-        callback = cls(trainer, queries, config, **options)
-        trainer.add_callback(callback)
-        callback._place_before_early_stopping()
-        return callback
-
     # ---- paths ----
     @property
     def _output_dir(self) -> str:
@@ -305,7 +268,7 @@ class ProbDiffCallback(TrainerCallback):
 
     @property
     def _history_path(self):
-        return history.history_path(self._output_dir, self.options.output_subdir)
+        return history.history_path(self._output_dir, self.config.output_subdir)
 
     def _is_main(self) -> bool:
         return self.trainer.state.is_world_process_zero
@@ -331,7 +294,7 @@ class ProbDiffCallback(TrainerCallback):
                 )
         kept, self._baseline_records = self._broadcast((kept, baseline_records))
         self.evaluated = {row["global_step"]: self._metrics(row["summary"], row.get("vs_base")) for row in kept}
-        if self.options.baseline and state.global_step == 0 and 0 not in self.evaluated:
+        if self.config.baseline and state.global_step == 0 and 0 not in self.evaluated:
             self._run(state, kind="baseline", base_model=True)
             self._report_planned_cost(args, state)
         self._train_started_at = time.perf_counter()
@@ -342,7 +305,7 @@ class ProbDiffCallback(TrainerCallback):
         # The Trainer loads the best model before on_train_end, so the last step's weights are
         # evaluated here, when DefaultFlowCallback (which runs first) has decided this is the end.
         if (
-            self.options.at_end
+            self.config.at_end
             and control.should_training_stop
             and state.global_step not in self.evaluated
             and not control.should_evaluate
@@ -359,7 +322,7 @@ class ProbDiffCallback(TrainerCallback):
         if step not in self.evaluated:
             self._triggers += 1
             final = control.should_training_stop or state.global_step >= state.max_steps > 0
-            if self._triggers % self.options.every != 0 and not (final and self.options.at_end):
+            if self._triggers % self.config.every != 0 and not (final and self.config.at_end):
                 return
             self._run(state, kind="evaluate")
         metrics.update(self.evaluated[step])
@@ -372,7 +335,7 @@ class ProbDiffCallback(TrainerCallback):
         if step not in self.evaluated and args.eval_strategy == "no":
             self._triggers += 1
             final = control.should_training_stop or step >= state.max_steps > 0
-            if self._triggers % self.options.every == 0 or (final and self.options.at_end):
+            if self._triggers % self.config.every == 0 or (final and self.config.at_end):
                 self._run(state, kind="save", checkpoint=checkpoint)
                 return
         if step in self.evaluated and self._is_main() and os.path.isdir(checkpoint):
@@ -382,7 +345,7 @@ class ProbDiffCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         # Only when the loaded weights are still the last step's (see on_step_end).
-        if self.options.at_end and not args.load_best_model_at_end and state.global_step not in self.evaluated:
+        if self.config.at_end and not args.load_best_model_at_end and state.global_step not in self.evaluated:
             self._run(state, kind="end")
 
     # ---- setup checks ----
@@ -403,9 +366,9 @@ class ProbDiffCallback(TrainerCallback):
     def _check_selection_setup(self, args: TrainingArguments) -> None:
         metric = args.metric_for_best_model or ""
         if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and args.eval_strategy != "no":
-            if self.options.every != 1:
+            if self.config.every != 1:
                 raise ValueError(
-                    f"metric_for_best_model={metric!r} needs ProbDiff at every evaluation, but every={self.options.every}: "
+                    f"metric_for_best_model={metric!r} needs ProbDiff at every evaluation, but every={self.config.every}: "
                     "set every=1 and space evaluations with eval_steps instead"
                 )
 
@@ -430,7 +393,7 @@ class ProbDiffCallback(TrainerCallback):
         self._log(state, outcome)
         if self._is_main():
             self._persist(state, kind, base_model, checkpoint, outcome, vs_base)
-        if outcome.error is not None and self.options.fail_on_error:
+        if outcome.error is not None and self.config.fail_on_error:
             raise RuntimeError(f"ProbDiff evaluation at step {step} failed (fail_on_error=True):\n{outcome.error}")
         return outcome
 
@@ -440,13 +403,13 @@ class ProbDiffCallback(TrainerCallback):
         trainer = self.trainer
         accelerator = trainer.accelerator
         n_ranks = accelerator.num_processes
-        sharded = is_zero3(accelerator) and not self.options.gather_params
+        sharded = is_zero3(accelerator) and not self.config.gather_params
         started = time.perf_counter()
         records: list[dict] = []
         error = None
         try:
             with preserved_rng_state(), preserved_padding_side(self.tokenizer), unwrapped_for_evaluation(
-                trainer.model_wrapped, accelerator, self.options.gather_params, trainer.args
+                trainer.model_wrapped, accelerator, self.config.gather_params, trainer.args
             ) as model:
                 adapters_off = model.disable_adapter() if base_model and hasattr(model, "disable_adapter") else contextlib.nullcontext()
                 with adapters_off:
@@ -455,7 +418,7 @@ class ProbDiffCallback(TrainerCallback):
                         self.tokenizer,
                         pad_to_equal_shards(self.queries, n_ranks)[accelerator.process_index],
                         self.config,
-                        progress=self.options.progress and accelerator.is_main_process,
+                        progress=self.config.progress and accelerator.is_main_process,
                         synced_gpus=sharded,
                         sync_n_chunks=_max_over_ranks(accelerator.device) if sharded else None,
                     )
@@ -494,7 +457,7 @@ class ProbDiffCallback(TrainerCallback):
         metrics = metrics_from_summary(summary, self.config.sweep, self.categories)
         reference = None if summary is None else summary.get("reference")
         metrics.update(reference_metrics.trainer_metrics(reference, self.reference_plan))
-        if self.options.baseline:
+        if self.config.baseline:
             metrics.update(versus_base.trainer_metrics(vs_base))
         return metrics
 
@@ -502,7 +465,7 @@ class ProbDiffCallback(TrainerCallback):
         row = next((r for r in rows if r.get("kind") == "baseline" and r.get("records")), None)
         if row is None:
             return None
-        path = history.probdiff_dir(self._output_dir, self.options.output_subdir) / row["records"]
+        path = history.probdiff_dir(self._output_dir, self.config.output_subdir) / row["records"]
         return read_jsonl(path) if path.is_file() else None
 
     def _show_reference_notice(self) -> None:
@@ -541,10 +504,10 @@ class ProbDiffCallback(TrainerCallback):
         ds = [r["d"] for r in outcome.records if r["d"] is not None and math.isfinite(r["d"])]
         if ds:  # wandb.Histogram raises on NaN; the invalid ones are counted in eval/probdiff_n_invalid
             payload[WANDB_HISTOGRAM_KEY] = wandb.Histogram(ds)
-        if self.options.wandb_table_rows and outcome.records:
+        if self.config.wandb_table_rows and outcome.records:
             if self._wandb_table is None:
                 self._wandb_table = wandb.Table(columns=WANDB_TABLE_COLUMNS, log_mode="INCREMENTAL")
-            for record in outcome.records[: self.options.wandb_table_rows]:
+            for record in outcome.records[: self.config.wandb_table_rows]:
                 self._wandb_table.add_data(
                     step, record["id"], record["category"], record["query"], record["response"],
                     record["revisions"][-1] if record["revisions"] else "", record["logp_response"], record["logp_revised"], record["d"],
@@ -563,7 +526,7 @@ class ProbDiffCallback(TrainerCallback):
         vs_base: dict | None,
     ) -> None:
         step = state.global_step
-        records_path = history.step_records_path(self._output_dir, step, self.options.output_subdir)
+        records_path = history.step_records_path(self._output_dir, step, self.config.output_subdir)
         if outcome.error is None:
             history.write_step_records(records_path, outcome.records)
         if checkpoint is not None and not os.path.isdir(checkpoint):
@@ -574,7 +537,7 @@ class ProbDiffCallback(TrainerCallback):
             "kind": kind,
             "base_model": base_model,
             "checkpoint": checkpoint,
-            "records": str(records_path.relative_to(history.probdiff_dir(self._output_dir, self.options.output_subdir)))
+            "records": str(records_path.relative_to(history.probdiff_dir(self._output_dir, self.config.output_subdir)))
             if outcome.error is None
             else None,
             "summary": outcome.summary,
@@ -590,7 +553,7 @@ class ProbDiffCallback(TrainerCallback):
     def _report_planned_cost(self, args: TrainingArguments, state: TrainerState) -> None:
         if not self._is_main() or self._evaluation_seconds is None:
             return
-        planned = planned_evaluations(args, state, self.options.every, self.options.at_end)
+        planned = planned_evaluations(args, state, self.config.every, self.config.at_end)
         print(
             f"ProbDiff: one evaluation ({len(self.queries)} queries, max_new_tokens={self.config.max_new_tokens}) "
             f"took {self._evaluation_seconds:.1f}s; about {planned} more planned, "
@@ -610,7 +573,7 @@ class ProbDiffCallback(TrainerCallback):
         train_seconds = time.perf_counter() - self._train_started_at - self._seconds_evaluating_in_training
         per_step = max(train_seconds, 0.0) / done
         planned_training = per_step * remaining
-        planned = planned_evaluations(args, state, self.options.every, self.options.at_end)
+        planned = planned_evaluations(args, state, self.config.every, self.config.at_end)
         evaluation_total = planned * self._evaluation_seconds
         added = f"{100 * evaluation_total / planned_training:.0f}% of the training time" if planned_training > 0 else "all of the run's time"
         print(

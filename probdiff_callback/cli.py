@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
+from probdiff_callback.formatting import pct
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -146,9 +147,6 @@ def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra:
 
 
 def format_summary(summary: dict) -> str:
-    def pct(x):
-        return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
-
     low, high = summary["confidence_ci"]
     lines = [
         f"queries            {summary['n']}  (invalid {summary['n_invalid']}, truncated {summary['n_truncated']})",
@@ -279,7 +277,11 @@ def cmd_convert(args) -> int:
 
 
 def cmd_select(args) -> int:
-    from probdiff_callback.selection import format_selection, point_best, select_checkpoints
+    from probdiff_callback.selection import (
+        format_selection,
+        point_best,
+        select_checkpoints,
+    )
 
     selection = select_checkpoints(args.run_dir, args.subdir)
     print(format_selection(selection))
@@ -299,7 +301,13 @@ def cmd_plot(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
-    from probdiff_callback.agreement import check_verdicts, crosscheck, format_crosscheck, load_run, plot_crosscheck
+    from probdiff_callback.agreement import (
+        check_verdicts,
+        crosscheck,
+        format_crosscheck,
+        load_run,
+        plot_crosscheck,
+    )
     from probdiff_callback.history import probdiff_dir
     from probdiff_callback.io import write_json
 

@@ -1,4 +1,5 @@
-"""The ProbDiff settings as one typed object, with `key=value` overrides that reject unknown keys."""
+"""The ProbDiff settings as one typed object (the metric, and when the callback runs it), with `key=value`
+overrides that reject unknown keys."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from probdiff_callback.categories import ALIGNBENCH, canonical_category, describe, unmatched_keys
+from probdiff_callback.categories import (
+    ALIGNBENCH,
+    canonical_category,
+    describe,
+    unmatched_keys,
+)
+from probdiff_callback.history import DEFAULT_SUBDIR
 from probdiff_callback.prompts import REFINEMENT_PROMPTS
 from probdiff_callback.tokenizer import DEFAULT_SYSTEM_PROMPT
 
@@ -36,6 +43,16 @@ class ProbDiffConfig:
     max_prompt_tokens: int = 2048  # longer queries are cut in the middle
     batch_size: int = 16
     score_chunk_tokens: int = 512  # positions per LM-head chunk when scoring
+    # --- during training (ProbDiffCallback) ---
+    n_queries: int | None = 64  # held-out queries evaluated each time (a fixed subset drawn with `seed`); None: all
+    every: int = 1  # evaluate at every N-th evaluation (or checkpoint save when the run has no evaluation)
+    baseline: bool = True  # evaluate before the first step (a PEFT model with its adapters disabled)
+    at_end: bool = True  # evaluate the last step if it would not be evaluated otherwise
+    gather_params: bool = True  # ZeRO-3: gather the whole model once per evaluation (False: keep it sharded)
+    fail_on_error: bool = False  # re-raise an evaluation failure instead of recording it and training on
+    wandb_table_rows: int = 8  # records per evaluated step added to the W&B table
+    output_subdir: str = DEFAULT_SUBDIR  # history and records under <output_dir>/<output_subdir>
+    progress: bool = False  # a progress bar on the main process
 
     def __post_init__(self) -> None:
         self.validate()
@@ -50,9 +67,13 @@ class ProbDiffConfig:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 problems.append(f"{name}={value}: must be in (0, 1]")
-        for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens"):
+        for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens", "every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)}: must be positive")
+        if self.n_queries is not None and self.n_queries < 1:
+            problems.append(f"n_queries={self.n_queries}: must be positive (or None for all)")
+        if self.wandb_table_rows < 0:
+            problems.append(f"wandb_table_rows={self.wandb_table_rows}: must be >= 0")
         if self.refinement_prompt not in REFINEMENT_PROMPTS and not (
             "{instruction}" in self.refinement_prompt and "{response}" in self.refinement_prompt
         ):
@@ -68,8 +89,7 @@ class ProbDiffConfig:
                     f"answer_temperature_by_category: {seen[canonical]!r} and {key!r} name the same category"
                 )
             seen[canonical] = key  # type: ignore[index]
-        if problems:
-            raise ValueError("Invalid ProbDiff config: " + "; ".join(problems))
+        raise_if_problems("Invalid ProbDiff config", problems)
 
     def answer_temperature_for(self, category: str | None) -> float:
         """The answer temperature of a query's category, matched under any of the category's names."""
@@ -94,6 +114,12 @@ class ProbDiffConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+
+def raise_if_problems(what: str, problems: list[str], error: type[Exception] = ValueError) -> None:
+    """One error listing every problem found by a validator (a user fixes them in one go), or nothing."""
+    if problems:
+        raise error(f"{what}: " + "; ".join(problems))
 
 
 def did_you_mean(key: str, candidates: list[str]) -> str:

@@ -8,17 +8,15 @@ decoding and forward calls (ZeRO-3 with sharded parameters needs that).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
 from tqdm.auto import tqdm
 
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.decoding import hit_cap, sample_continuations
 from probdiff_callback.io import Query
-from probdiff_callback.metric import discrepancy, is_confident
+from probdiff_callback.metric import discrepancy, finite_mean, is_confident
 from probdiff_callback.prompts import refinement_request, refinement_template
 from probdiff_callback.sampling import row_seed
 from probdiff_callback.scoring import score_batch
@@ -152,11 +150,6 @@ def _batches(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 
 
-def _mean_finite(values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan
-
-
 def build_record(
     prepared: PreparedQuery,
     responses: list[str],
@@ -178,15 +171,15 @@ def build_record(
     `revision_truncated`: a refinement request was cut to max_prompt_tokens.
     """
     d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
-    d = _mean_finite(d_samples)
+    d = finite_mean(d_samples)
     record = {
         "id": prepared.query.id,
         "category": prepared.query.category,
         "query": prepared.query.text,
         "response": responses[0],
         "revisions": revisions_by_sample[0],
-        "logp_response": _mean_finite([s[0] for s in scores_response]),
-        "logp_revised": _mean_finite([s[0] for s in scores_revised]),
+        "logp_response": finite_mean([s[0] for s in scores_response]),
+        "logp_revised": finite_mean([s[0] for s in scores_revised]),
         "d": d,
         "n_tokens_response": scores_response[0][1],
         "n_tokens_revised": scores_revised[0][1],

@@ -1,17 +1,24 @@
-"""Reading query and pair files, writing results (JSON with NaN as null, atomically)."""
+"""Reading queries (files, strings, chats, datasets) and pair files, writing results (JSON with NaN as null,
+atomically)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from probdiff_callback.categories import canonical_category
 
-QUERY_FIELDS = ("query", "instruction", "question", "user")
-TURN_FIELDS = ("conversations", "messages", "turns")
+QUERY_FIELDS = ("query", "instruction", "question", "user", "prompt")
+TURN_FIELDS = ("conversations", "messages", "turns", "prompt")  # trl's conversational `prompt` is a chat
+# `messages` ({role, content}) and ShareGPT `conversations` ({from, value}) name the same roles differently
+ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,17 +85,44 @@ def _check_objects(path: Path, rows: list[tuple[int, object]]) -> list[tuple[int
     return rows  # type: ignore[return-value]
 
 
-def _first_user_turn(turns: object) -> str | None:
+def chat_turn(turn: object) -> tuple[str | None, object]:
+    """(role as `user`/`assistant`/`system` or None when unknown, content) of one turn in either layout;
+    a bare string is a user turn (MT-Bench's `turns`)."""
+    if isinstance(turn, str):
+        return "user", turn
+    if not isinstance(turn, dict):
+        return None, None
+    return ROLES.get(turn.get("role", turn.get("from"))), turn.get("content", turn.get("value"))
+
+
+def chat_messages(turns: object, where: str) -> list[dict]:
+    """A conversation (`messages` or `conversations`) as `{role, content}` messages that end with the
+    assistant; anything else stops with `where` (file and line) in the message."""
     if not isinstance(turns, list) or not turns:
+        raise DataFileError(f"{where}: expected a non-empty list of turns")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise DataFileError(f"{where}: a turn is {type(turn).__name__}, expected an object")
+        role, content = chat_turn(turn)
+        if role is None:
+            found = turn.get("role", turn.get("from"))
+            raise DataFileError(f"{where}: unknown role {found!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str) or not content.strip():
+            raise DataFileError(f"{where}: a {role} turn has no text")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in messages) or messages[-1]["role"] != "assistant":
+        raise DataFileError(f"{where}: a conversation needs a user turn and must end with an assistant turn")
+    return messages
+
+
+def _first_user_turn(turns: object) -> str | None:
+    if not isinstance(turns, list):
         return None
     for turn in turns:
-        if isinstance(turn, str):  # MT-Bench: a list of user turns
-            return turn
-        if isinstance(turn, dict):
-            role = turn.get("role", turn.get("from"))
-            if role in ("user", "human"):
-                content = turn.get("content", turn.get("value"))
-                return content if isinstance(content, str) else None
+        role, content = chat_turn(turn)
+        if role == "user":
+            return content if isinstance(content, str) else None
     return None
 
 
@@ -100,22 +134,24 @@ def _first_assistant_reply(turns: object) -> str | None:
     for turn in turns:
         if not isinstance(turn, dict):
             return None
-        role = turn.get("role", turn.get("from"))
-        if role in ("user", "human"):
+        role, content = chat_turn(turn)
+        if role == "user":
             if seen_user:
                 return None
             seen_user = True
-        elif role in ("assistant", "gpt") and seen_user:
-            content = turn.get("content", turn.get("value"))
+        elif role == "assistant" and seen_user:
             return content if isinstance(content, str) and content.strip() else None
     return None
 
 
 def reference_text(row: dict) -> str | None:
-    """A row's reference answer: a string `reference`, else the assistant reply to the first user
-    turn of `conversations`/`messages` (the prepared held-out rows keep it there)."""
-    if isinstance(row.get("reference"), str) and row["reference"].strip():
-        return row["reference"]
+    """A row's reference answer: a string `reference` or `completion` (trl's prompt-completion rows), else the
+    assistant reply to the first user turn of `conversations`/`messages`/`completion`."""
+    for key in ("reference", "completion"):
+        if isinstance(row.get(key), str) and row[key].strip():
+            return row[key]
+    if isinstance(row.get("completion"), list):
+        return next((c for r, c in map(chat_turn, row["completion"]) if r == "assistant" and isinstance(c, str)), None)
     for key in ("conversations", "messages"):
         if key in row:
             return _first_assistant_reply(row[key])
@@ -140,24 +176,63 @@ def row_id(row: dict, index: int) -> str:
 
 
 def load_queries(path: str | os.PathLike) -> list[Query]:
-    """Queries from `query`, `instruction`, `question`, `user`, or the first user turn of
+    """Queries from `query`, `instruction`, `question`, `user`, `prompt`, or the first user turn of
     `conversations`/`messages`/`turns`; `id`/`question_id` and `category` are optional; a reference
     answer from `reference` or the assistant's reply in `conversations`/`messages` (see `reference_text`)."""
+    return queries_from_rows(read_rows(path), str(path), "line")
+
+
+def queries_from_rows(rows: Iterable[tuple[int, dict]], where: str, unit: str = "row") -> list[Query]:
+    """Queries of numbered rows (`where` names their source in errors, `unit` what the numbers count)."""
     queries, seen = [], {}
-    for index, (line, row) in enumerate(read_rows(path)):
+    for index, (number, row) in enumerate(rows):
         text = query_text(row)
         if text is None or not text.strip():
             raise DataFileError(
-                f"{path}:{line}: no query found; give a non-empty string in one of "
-                f"{', '.join(QUERY_FIELDS)}, or a user turn in {', '.join(TURN_FIELDS)} (keys here: {', '.join(row) or 'none'})"
+                f"{where}:{number}: no query found; give a non-empty string in one of {', '.join(QUERY_FIELDS)}, "
+                f"or a user turn in {', '.join(TURN_FIELDS)} (keys here: {', '.join(row) or 'none'})"
             )
         query_id = row_id(row, index)
         if query_id in seen:
-            raise DataFileError(f"{path}:{line}: id {query_id!r} repeats line {seen[query_id]}; ids must be unique")
-        seen[query_id] = line
+            raise DataFileError(f"{where}:{number}: id {query_id!r} repeats {unit} {seen[query_id]}; ids must be unique")
+        seen[query_id] = number
         category = row.get("category")
         queries.append(Query(query_id, text, None if category is None else str(category), reference_text(row)))
     return queries
+
+
+def queries_from(source: Any) -> list[Query]:
+    """Queries from a file path, a list of strings, a list of chats (each a list of `{role, content}`),
+    a list of rows or `Query` objects, or a `datasets.Dataset` whose rows hold a prompt (`prompt`,
+    `messages`, `query`, ...: see `load_queries`). Chats and rows may carry the reference answer."""
+    if isinstance(source, (str, os.PathLike)):
+        return load_queries(source)
+    if hasattr(source, "column_names") and hasattr(source, "num_rows"):  # a datasets.Dataset, without importing it
+        return queries_from_rows(enumerate(source), f"dataset with columns {source.column_names}")
+    if not isinstance(source, Sequence) or isinstance(source, (bytes, dict)):
+        raise TypeError(
+            f"queries: got {type(source).__name__}; give a file path, a list of strings or chats, or a datasets.Dataset"
+        )
+    if all(isinstance(item, Query) for item in source):
+        return list(source)
+    rows = []
+    for number, item in enumerate(source):
+        if isinstance(item, str):
+            item = {"query": item}
+        elif isinstance(item, list):
+            item = {"messages": item}
+        elif not isinstance(item, dict):
+            raise DataFileError(f"queries[{number}]: got {type(item).__name__}; expected a string, a chat or a row")
+        rows.append((number, item))
+    return queries_from_rows(rows, "queries")
+
+
+def fixed_subset(items: Sequence[T], n: int | None, seed: int) -> list[T]:
+    """`n` items drawn once with `seed`, kept in their order (without touching the global RNG, which drives
+    training); all of them when `n` is None or at least their number."""
+    if n is None or n >= len(items):
+        return list(items)
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), n))]
 
 
 def load_pairs(path: str | os.PathLike) -> list[tuple[Query, str, str]]:

@@ -101,13 +101,15 @@ def paired_difference_interval(win: int, lose: int, n: int, z: float = Z_95) -> 
     return [max(-1.0, difference - half), min(1.0, difference + half)]
 
 
-def _finite(values: Iterable[float | None]) -> np.ndarray:
+def finite_values(values: Iterable[float | None]) -> np.ndarray:
+    """The values that are numbers other than NaN and infinity (None counts as missing)."""
     array = np.array([math.nan if v is None else v for v in values], dtype=np.float64)
     return array[np.isfinite(array)]
 
 
-def _mean(values: Iterable[float | None]) -> float:
-    finite = _finite(values)
+def finite_mean(values: Iterable[float | None]) -> float:
+    """The mean of the finite values, NaN when there are none."""
+    finite = finite_values(values)
     return float(finite.mean()) if finite.size else math.nan
 
 
@@ -123,13 +125,13 @@ def length_changed_share(records: Sequence[dict]) -> float:
 def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> dict:
     """The summary of a set of records (see the README for each key)."""
     ds = [math.nan if r["d"] is None else r["d"] for r in records]
-    finite = _finite(ds)
+    finite = finite_values(ds)
     by_category: dict[str, dict] = {}
     # records written before categories were canonical may hold AlignBench's Chinese names
     record_categories = [canonical_category(r.get("category")) for r in records]
     for category in sorted({c for c in record_categories if c is not None}):
         cat_ds = [d for d, c in zip(ds, record_categories) if c == category]
-        by_category[category] = {"n": len(cat_ds), "confidence": confidence(cat_ds, delta), "d_mean": _mean(cat_ds)}
+        by_category[category] = {"n": len(cat_ds), "confidence": confidence(cat_ds, delta), "d_mean": finite_mean(cat_ds)}
     return {
         "n": len(records),
         "n_invalid": int(sum(math.isnan(d) for d in ds)),
@@ -146,11 +148,11 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> 
         "d_median": float(np.median(finite)) if finite.size else math.nan,
         "d_std": float(finite.std(ddof=1)) if finite.size > 1 else math.nan,
         "d_quantiles": {f"{q:g}": (float(np.quantile(finite, q)) if finite.size else math.nan) for q in QUANTILES},
-        "logp_response_mean": _mean(r["logp_response"] for r in records),
-        "logp_revised_mean": _mean(r["logp_revised"] for r in records),
+        "logp_response_mean": finite_mean(r["logp_response"] for r in records),
+        "logp_revised_mean": finite_mean(r["logp_revised"] for r in records),
         "by_category": by_category,
-        "len_response_mean": _mean(r["n_tokens_response"] for r in records),
-        "len_revised_mean": _mean(r["n_tokens_revised"] for r in records),
+        "len_response_mean": finite_mean(r["n_tokens_response"] for r in records),
+        "len_revised_mean": finite_mean(r["n_tokens_revised"] for r in records),
         "length_changed_share": length_changed_share(records),
     }
 
@@ -206,7 +208,7 @@ def compare(records_a: Sequence[dict], records_b: Sequence[dict], delta: float) 
         "difference_ci": paired_difference_interval(win, lose, n),
         "sign_p": sign_test_p(win, lose),
         "n_paired": len(pairs),
-        "d_mean_a": _mean(p[0] for p in pairs),
-        "d_mean_b": _mean(p[1] for p in pairs),
+        "d_mean_a": finite_mean(p[0] for p in pairs),
+        "d_mean_b": finite_mean(p[1] for p in pairs),
         "wilcoxon_p": p_value,
     }

@@ -15,11 +15,8 @@ from pathlib import Path
 
 from probdiff_callback import history
 from probdiff_callback.io import read_jsonl
+from probdiff_callback.metric import finite_values
 from probdiff_callback.reference_metrics import METRIC_LABELS
-
-
-def _finite(values) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, subdir: str = history.DEFAULT_SUBDIR) -> Path:
@@ -72,7 +69,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     distributions, positions, invalid = [], [], []
     for row in rows:
         path = directory / row["records"] if row.get("records") else None
-        ds = _finite(r["d"] for r in read_jsonl(path)) if path is not None and path.is_file() else []
+        ds = list(finite_values(r["d"] for r in read_jsonl(path))) if path is not None and path.is_file() else []
         if ds:
             distributions.append(ds)
             positions.append(row["global_step"])

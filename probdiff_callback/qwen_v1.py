@@ -21,7 +21,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from probdiff_callback.qwen_v1_config import QWEN_V1_STOP_IDS, qwen2_config_from_v1, qwen2_generation_config
+from probdiff_callback.qwen_v1_config import (
+    QWEN_V1_STOP_IDS,
+    qwen2_config_from_v1,
+    qwen2_generation_config,
+)
 from probdiff_callback.qwen_v1_merge import merge_adapter
 from probdiff_callback.qwen_v1_weights import (
     QWEN2_LORA_TARGET_MODULES,
@@ -36,7 +40,11 @@ from probdiff_callback.qwen_v1_weights import (
     expected_v1_keys,
     qwen2_names,
 )
-from probdiff_callback.tokenizer import bundled_tiktoken_file, convert_qwen_tiktoken, load_qwen_tokenizer
+from probdiff_callback.tokenizer import (
+    bundled_tiktoken_file,
+    convert_qwen_tiktoken,
+    load_qwen_tokenizer,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,10 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from probdiff_callback.qwen_v1_weights import QWEN2_LORA_TARGET_MODULES, QWEN2_TO_V1_MODULE_NAMES
+from probdiff_callback.qwen_v1_weights import (
+    QWEN2_LORA_TARGET_MODULES,
+    QWEN2_TO_V1_MODULE_NAMES,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +41,11 @@ def merge_adapter(
     from probdiff_callback.models import peft_without_deprecated_alias_warning
 
     # Imported here, not at the top: qwen_v1 re-exports this function.
-    from probdiff_callback.qwen_v1 import _copy_licence, is_qwen_v1_checkpoint, load_qwen_v1
+    from probdiff_callback.qwen_v1 import (
+        _copy_licence,
+        is_qwen_v1_checkpoint,
+        load_qwen_v1,
+    )
 
     base_path, adapter_dir, out_dir = Path(base_path), Path(adapter_dir), Path(out_dir)
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))

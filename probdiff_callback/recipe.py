@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from probdiff_callback.callback import ProbDiffCallbackArgs
-from probdiff_callback.config import ProbDiffConfig, did_you_mean, wrong_type_message
+from probdiff_callback.config import (
+    ProbDiffConfig,
+    did_you_mean,
+    raise_if_problems,
+    wrong_type_message,
+)
 from probdiff_callback.io import DataFileError, Query, load_queries, read_rows
 from probdiff_callback.models import PRESETS
 from probdiff_callback.qwen_v1 import QWEN2_LORA_TARGET_MODULES
@@ -99,8 +103,7 @@ class Recipe:
     dataloader_num_workers: int = 0
     threads: int | None = None  # torch CPU threads per process; null: the cores divided among local processes
     # --- ProbDiff ---
-    probdiff: ProbDiffConfig = field(default_factory=ProbDiffConfig)  # the metric (as `probdiff eval key=value`)
-    callback: ProbDiffCallbackArgs = field(default_factory=ProbDiffCallbackArgs)  # when and on how many queries
+    probdiff: ProbDiffConfig = field(default_factory=ProbDiffConfig)  # the metric, when and on how many queries
     metric_for_best_model: str = "probdiff_confidence"
     # --- run ---
     output_dir: str | None = None  # default runs/<recipe>/<run_name>
@@ -163,6 +166,8 @@ def _schema_keys(cls: type = Recipe, prefix: str = "") -> list[str]:
 
 def _key_error(full_key: str, where: str) -> RecipeError:
     parts = full_key.split(".")
+    if parts[-1] == "callback":  # the section before the callback's options joined ProbDiffConfig
+        return RecipeError(f"{where}: the `callback` section is now part of `probdiff`: write probdiff.<key> (e.g. probdiff.n_queries)")
     if parts and parts[0] == "presets" and len(parts) > 2:  # presets.<model>.<key>
         parts, prefix = parts[2:], ".".join(parts[:2]) + "."
     else:
@@ -280,16 +285,15 @@ def validate(recipe: Recipe) -> None:
     if not 0.0 <= recipe.warmup_ratio < 1.0:
         problems.append(f"warmup_ratio={recipe.warmup_ratio}: a share of the steps, in [0, 1)")
     metric = recipe.metric_for_best_model.removeprefix("eval_")
-    if metric.startswith(("probdiff_", "ref_")) and recipe.callback.every != 1:
-        problems.append(f"metric_for_best_model={recipe.metric_for_best_model} needs callback.every=1 (space evaluations with eval_steps)")
+    if metric.startswith(("probdiff_", "ref_")) and recipe.probdiff.every != 1:
+        problems.append(f"metric_for_best_model={recipe.metric_for_best_model} needs probdiff.every=1 (space evaluations with eval_steps)")
     reports = [r.strip() for r in recipe.report_to.split(",") if r.strip()]
     if not reports or ("none" in reports and len(reports) > 1):
         problems.append(f"report_to={recipe.report_to!r}: give `none` or integrations such as wandb, tensorboard")
     unknown_presets = sorted(set(recipe.presets) - set(PRESETS))
     if unknown_presets:
         problems.append(f"presets: {', '.join(unknown_presets)} are not model presets ({', '.join(PRESETS)})")
-    if problems:
-        raise RecipeError(f"recipe {recipe.recipe!r}: " + "; ".join(problems))
+    raise_if_problems(f"recipe {recipe.recipe!r}", problems, RecipeError)
 
 
 def report_to_list(recipe: Recipe) -> list[str]:

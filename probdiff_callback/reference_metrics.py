@@ -28,7 +28,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from probdiff_callback.formatting import fmt
 from probdiff_callback.io import Query
+from probdiff_callback.metric import finite_mean
 
 TRANSLATION = "translation"
 SUMMARIZATION = "summarization"
@@ -180,11 +182,6 @@ def pooled_bleu(groups: Sequence[tuple[Sequence[str], Sequence[str], str]]) -> f
     return float(BLEU.compute_bleu(correct, total, sys_len, ref_len, smooth_method="exp").score)
 
 
-def _mean(values: Iterable[float | None]) -> float:
-    kept = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(kept) / len(kept) if kept else math.nan
-
-
 def summarize_references(records: Sequence[dict]) -> dict | None:
     """The reference metrics of one evaluation, or None when no record carries a reference score.
 
@@ -209,7 +206,7 @@ def summarize_references(records: Sequence[dict]) -> dict | None:
             translation_groups.append((hypotheses, references, tokenize))
         else:
             for name in METRICS[SUMMARIZATION]:
-                entry[name] = _mean(r["ref"][name] for r in rows)
+                entry[name] = finite_mean(r["ref"][name] for r in rows)
             entry["n_unscored"] = sum(r["ref"]["rouge1"] is None for r in rows)
         by_category[category] = entry
     if translation_groups:
@@ -222,7 +219,7 @@ def summarize_references(records: Sequence[dict]) -> dict | None:
     summaries = [r for r in scored if metric_family(r["category"]) == SUMMARIZATION]
     if summaries:
         for name in METRICS[SUMMARIZATION]:
-            overall[name] = _mean(r["ref"][name] for r in summaries)
+            overall[name] = finite_mean(r["ref"][name] for r in summaries)
             n_scored[name] = sum(r["ref"][name] is not None for r in summaries)
     return {"overall": overall, "n_scored": n_scored, "by_category": by_category}
 
@@ -257,7 +254,7 @@ def format_reference(reference: Mapping) -> str:
     names = [n for n in METRIC_LABELS if n in reference["overall"]]
 
     def cells(values: Mapping) -> str:
-        return "  ".join(f"{METRIC_LABELS[n]} {_fmt(values.get(n))}" for n in names if n in values)
+        return "  ".join(f"{METRIC_LABELS[n]} {fmt(values.get(n), '.2f')}" for n in names if n in values)
 
     lines = [f"reference metrics  {cells(reference['overall'])}  (n {max(reference['n_scored'].values(), default=0)})"]
     for category, entry in reference["by_category"].items():
@@ -265,5 +262,3 @@ def format_reference(reference: Mapping) -> str:
     return "\n".join(lines)
 
 
-def _fmt(value) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:.2f}"

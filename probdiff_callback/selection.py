@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from probdiff_callback import history, versus_base
+from probdiff_callback.formatting import fmt, pct
 from probdiff_callback.io import read_jsonl
 from probdiff_callback.metric import compare
 
@@ -125,10 +126,6 @@ def select_checkpoints(run_dir: str | os.PathLike, subdir: str = history.DEFAULT
     return Selection(ranked=steps, baseline=baseline, best_checkpoint=best_checkpoint, failed_steps=failed, delta=delta)
 
 
-def _pct(value: float) -> str:
-    return "n/a" if not math.isfinite(value) else f"{100 * value:.1f}%"
-
-
 def format_selection(selection: Selection) -> str:
     header = (
         f"{'rank':>4}  {'step':>6}  {'confidence':>10}  {'95% CI':>15}  {'d mean':>8}  {'n':>4}  {'p vs best':>9}  "
@@ -142,10 +139,10 @@ def format_selection(selection: Selection) -> str:
 
     def line(step: RankedStep, rank: str) -> str:
         low, high = step.confidence_ci
-        p = "-" if step.rank == 1 else ("n/a" if not math.isfinite(step.p_vs_best) else f"{step.p_vs_best:.3g}")
+        p = "-" if step.rank == 1 else fmt(step.p_vs_best, ".3g")
         win_lose = "-" if step.rank == 1 else f"{step.win}/{step.lose}"
         return (
-            f"{rank:>4}  {step.global_step:>6}  {_pct(step.confidence):>10}  {'[' + _pct(low) + ', ' + _pct(high) + ']':>15}  "
+            f"{rank:>4}  {step.global_step:>6}  {pct(step.confidence):>10}  {'[' + pct(low) + ', ' + pct(high) + ']':>15}  "
             f"{step.d_mean:>8.4f}  {step.n:>4}  {p:>9}  {win_lose:>8}  "
             f"{versus_base.format_win_tie_lose(step.vs_base):>13}  {versus_base.format_p(step.vs_base):>9}  "
             f"{step.checkpoint or '-'}"
@@ -167,7 +164,7 @@ def format_selection(selection: Selection) -> str:
         lines.append("No evaluated step has a checkpoint on disk yet.")
     else:
         best = selection.best_checkpoint
-        lines.append(f"Best checkpoint: step {best.global_step}, {best.checkpoint} (confidence {_pct(best.confidence)}, d mean {best.d_mean:.4f})")
+        lines.append(f"Best checkpoint: step {best.global_step}, {best.checkpoint} (confidence {pct(best.confidence)}, d mean {best.d_mean:.4f})")
         if selection.ranked and selection.ranked[0] is not best:
             lines.append(f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved or was deleted)")
     return "\n".join(lines)

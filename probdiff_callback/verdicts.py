@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from probdiff_callback.formatting import fmt, pct
 from probdiff_callback.io import DataFileError, read_rows
 from probdiff_callback.metric import compare, is_confident
 
@@ -178,10 +179,6 @@ def conflict_degree(verdicts: VerdictFile, records: Sequence[dict]) -> dict:
     }
 
 
-def _pct(value: float) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{100 * value:.1f}%"
-
-
 def _one_side_line(result: Mapping) -> str | None:
     parts = []
     if result["n_only_verdicts"]:
@@ -200,13 +197,13 @@ def format_pairwise(result: Mapping, label_a: str, label_b: str) -> str:
         p = compared["wilcoxon_p"]
         lines.append(
             f"  ProbDiff (compare): A wins {compared['win']}, ties {compared['tie']}, loses {compared['lose']}"
-            f"  (Wilcoxon p {'n/a' if p is None or not math.isfinite(p) else f'{p:.3g}'})"
+            f"  (Wilcoxon p {fmt(p, '.3g')})"
         )
     judge = result["judge"]
     lines.append(f"  judge:              A better {judge['A']}, tie {judge['tie']}, B better {judge['B']}")
     lines.append(
-        f"  agreement {_pct(result['agreement'])} ({result['n_agreed']} of {result['n']}); "
-        f"on queries both call decisive {_pct(result['decisive_agreement'])} ({result['n_decisive']} queries)"
+        f"  agreement {pct(result['agreement'])} ({result['n_agreed']} of {result['n']}); "
+        f"on queries both call decisive {pct(result['decisive_agreement'])} ({result['n_decisive']} queries)"
     )
     corner = "ProbDiff \\ judge"
     lines.append(f"  {corner:<18}" + "".join(f"{o:>6}" for o in OUTCOMES))
@@ -220,7 +217,7 @@ def format_pairwise(result: Mapping, label_a: str, label_b: str) -> str:
 
 def format_conflict(result: Mapping, label: str) -> str:
     lines = [
-        f"Revision-vs-answer verdicts at {label}: conflict degree {_pct(result['conflict_degree'])} "
+        f"Revision-vs-answer verdicts at {label}: conflict degree {pct(result['conflict_degree'])} "
         f"({result['n_conflicts']} of {result['n']} queries: judged better while d < 0, or worse while d > 0)"
     ]
     lines.append(f"  {'':<8}" + "".join(f"{j:>8}" for j in ("better", "same", "worse")))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from probdiff_callback.formatting import fmt
 from probdiff_callback.metric import compare
 
 TRAINER_KEYS = ("win", "tie", "lose", "wilcoxon_p")
@@ -41,7 +42,7 @@ def format_p(result: Mapping | None) -> str:
     if result is None:
         return "-"
     p = result.get("wilcoxon_p")
-    return "n/a" if p is None or not math.isfinite(p) else f"{p:.3g}"
+    return fmt(p, ".3g")
 
 
 def _number(value) -> float:

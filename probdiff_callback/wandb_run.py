@@ -30,7 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from probdiff_callback.wandb_files import Segment, effective_history, last_step_at_or_before, read_segment
+from probdiff_callback.wandb_files import (
+    Segment,
+    effective_history,
+    last_step_at_or_before,
+    read_segment,
+)
 
 RUN_ID_FILE = "wandb_run_id"
 ID_ALPHABET = string.ascii_lowercase + string.digits

@@ -93,7 +93,7 @@ def test_compare_prints_win_tie_lose(eval_dirs, capsys):
 
 def test_bad_input_gives_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"query": "fine"}\n{"prompt": "wrong key"}\n')
+    bad.write_text('{"query": "fine"}\n{"promt": "wrong key"}\n')
     assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert f"{bad}:2: no query found" in capsys.readouterr().err
     assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta_typo=1"]) == 2

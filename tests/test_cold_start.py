@@ -14,7 +14,7 @@ from probdiff_callback.cache import is_complete
 
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = ["recipe=blog", "model=tiny", "report_to=none", "max_steps=1", "eval_steps=1", "save_steps=1",
-         "callback.n_queries=2", "probdiff.max_new_tokens=4", "max_eval_samples=2", "per_device_train_batch_size=1",
+         "probdiff.n_queries=2", "probdiff.max_new_tokens=4", "max_eval_samples=2", "per_device_train_batch_size=1",
          "per_device_eval_batch_size=1", "output_dir=run"]
 LAUNCHERS = {
     "ddp": ["--multi_gpu"],  # on CPU, --multi_gpu is what makes accelerate start 2 DDP processes (gloo)

@@ -45,7 +45,7 @@ def test_recipe_loads_for_every_preset(path: Path, preset: str):
     if preset == "tiny":
         assert recipe.dtype == "float32" and recipe.bf16 is False and recipe.max_steps > 0
         # enough evaluations for a curve: a baseline plus at least four checkpoints
-        assert recipe.max_steps // recipe.eval_steps >= 4 and recipe.callback.baseline
+        assert recipe.max_steps // recipe.eval_steps >= 4 and recipe.probdiff.baseline
     else:
         assert recipe.dtype == "bfloat16" and recipe.bf16 and recipe.gradient_checkpointing
         assert recipe.max_seq_length == 2048
@@ -108,8 +108,8 @@ def test_accelerate_configs_cover_the_setups():
 
 # --- overrides and errors ----------------------------------------------------------------------------
 def test_overrides_nested_and_precedence():
-    recipe = load_recipe(["recipe=blog", "model=tiny", "lora.r=8", "probdiff.delta=-0.02", "callback.n_queries=3", "max_steps=7"])
-    assert recipe.lora.r == 8 and recipe.probdiff.delta == -0.02 and recipe.callback.n_queries == 3
+    recipe = load_recipe(["recipe=blog", "model=tiny", "lora.r=8", "probdiff.delta=-0.02", "probdiff.n_queries=3", "max_steps=7"])
+    assert recipe.lora.r == 8 and recipe.probdiff.delta == -0.02 and recipe.probdiff.n_queries == 3
     assert recipe.max_steps == 7  # the command line beats presets.tiny
     assert recipe.lora.alpha == 128  # presets.tiny beats the YAML body
 
@@ -128,8 +128,10 @@ def test_unknown_key_suggests_the_closest_valid_one():
         load_recipe(["recipe=blog", "lerning_rate=1e-4"])
     with pytest.raises(RecipeError, match=r"unknown key 'delta' \(did you mean 'probdiff.delta'\?\)"):
         load_recipe(["recipe=blog", "delta=-0.02"])
-    with pytest.raises(RecipeError, match=r"unknown key 'callback.n_querys' \(did you mean 'callback.n_queries'\?\)"):
-        load_recipe(["recipe=blog", "callback.n_querys=3"])
+    with pytest.raises(RecipeError, match="the `callback` section is now part of `probdiff`"):
+        load_recipe(["recipe=blog", "callback.n_queries=5"])
+    with pytest.raises(RecipeError, match=r"unknown key 'probdiff.n_querys' \(did you mean 'probdiff.n_queries'\?\)"):
+        load_recipe(["recipe=blog", "probdiff.n_querys=3"])
     with pytest.raises(RecipeError) as info:
         load_recipe(["recipe=blog", "zzzz=1"])
     assert "did you mean" not in str(info.value)
@@ -138,8 +140,8 @@ def test_unknown_key_suggests_the_closest_valid_one():
 def test_wrong_type_names_key_and_expected_type():
     with pytest.raises(RecipeError, match=r"wrong type for 'learning_rate'.*'fast'.*expected float"):
         load_recipe(["recipe=blog", "learning_rate=fast"])
-    with pytest.raises(RecipeError, match=r"wrong type for 'callback.n_queries'"):
-        load_recipe(["recipe=blog", "callback.n_queries=many"])
+    with pytest.raises(RecipeError, match=r"wrong type for 'probdiff.n_queries'"):
+        load_recipe(["recipe=blog", "probdiff.n_queries=many"])
     with pytest.raises(RecipeError) as info:
         load_recipe(["recipe=blog", "probdiff.delta=abc"])
     message = str(info.value)
@@ -278,5 +280,5 @@ def test_schema_defaults_validate():
 def test_selecting_by_a_reference_metric_needs_every_evaluation():
     recipe = load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_chrf"])
     assert recipe.metric_for_best_model == "ref_chrf"
-    with pytest.raises(RecipeError, match="metric_for_best_model=ref_bleu needs callback.every=1"):
-        load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_bleu", "callback.every=2"])
+    with pytest.raises(RecipeError, match="metric_for_best_model=ref_bleu needs probdiff.every=1"):
+        load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_bleu", "probdiff.every=2"])

@@ -17,7 +17,7 @@ from probdiff_callback.recipe import TASKS, count_without_assistant_tokens
 ROOT = Path(__file__).resolve().parents[1]
 # A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
 CHEAP = ["model=tiny", "report_to=none", "max_steps=2", "eval_steps=1", "save_steps=1", "logging_steps=1",
-         "callback.n_queries=3", "probdiff.max_new_tokens=8", "max_eval_samples=2", "per_device_train_batch_size=2",
+         "probdiff.n_queries=3", "probdiff.max_new_tokens=8", "max_eval_samples=2", "per_device_train_batch_size=2",
          "per_device_eval_batch_size=2"]
 
 

@@ -4,7 +4,7 @@
     python train/sft.py recipe=blog model=tiny
 
 `recipe=NAME` reads recipes/NAME.yaml; `key=value` overrides any of its keys (nested with dots:
-`lora.r=8`, `probdiff.delta=-0.02`, `callback.n_queries=50`). See the README.
+`lora.r=8`, `probdiff.delta=-0.02`, `probdiff.n_queries=50`). See the README.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def load_data(recipe: Recipe):
         queries = heldout_queries(heldout_file)
     except (RecipeError, DataFileError) as err:
         fail(str(err))
-    n_probdiff = min(len(queries), recipe.callback.n_queries or len(queries))
+    n_probdiff = min(len(queries), recipe.probdiff.n_queries or len(queries))
     say(f"data: {len(train_rows)} training conversations ({train_file}), {len(eval_rows)} for the eval loss and "
         f"{n_probdiff} of {len(queries)} held-out queries for ProbDiff ({heldout_file})")
     return train_rows, eval_rows, queries
@@ -261,7 +261,7 @@ def build_trainer(recipe, args, model, tokenizer, train_rows, eval_rows, peft_co
     if peft_config is not None and trainer.is_world_process_zero():
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         say(f"LoRA r={recipe.lora.r} on {', '.join(recipe.lora.target_modules)}: {trainable / 1e6:,.2f}M trainable parameters")
-    ProbDiffCallback.attach(trainer, queries, recipe.probdiff, **dataclasses.asdict(recipe.callback))
+    trainer.add_callback(ProbDiffCallback(trainer, queries, recipe.probdiff))
     trainer.add_callback(SelfContainedCheckpoints(tokenizer, model.generation_config))
     trainer.add_callback(RecipeToWandb(recipe))
     return trainer
@@ -370,7 +370,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     from probdiff_callback.reference_metrics import METRIC_LABELS
     from probdiff_callback.selection import format_selection, point_best, select_checkpoints
 
-    subdir = recipe.callback.output_subdir
+    subdir = recipe.probdiff.output_subdir
     rows = [r for r in history.read_history(history.history_path(run_dir, subdir)) if r.get("summary") is not None]
     logs = trainer.state.log_history
     overall = [(r["summary"].get("reference") or {}).get("overall", {}) for r in rows]
