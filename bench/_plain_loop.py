@@ -29,15 +29,26 @@ stop = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_start|>
 
 
 def chat(text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def generate(text, temperature, top_p):
     ids = tokenizer(chat(text), return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**ids, do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
-                             eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, repetition_penalty=1.0)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        out = model.generate(
+            **ids,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=stop,
+            pad_token_id=tokenizer.pad_token_id,
+            repetition_penalty=1.0,
+        )
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def score(prompt_text, response):

@@ -65,13 +65,26 @@ def main() -> int:
         trainer = SFTTrainer(
             model=model,
             args=SFTConfig(
-                output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch_size, max_length=args.max_length,
-                learning_rate=2e-3, logging_steps=10, save_strategy="no", eval_strategy="no", report_to="none",
-                use_cpu=True, bf16=False, disable_tqdm=True, seed=0, activation_checkpointing=True,
+                output_dir=out,
+                max_steps=args.steps,
+                per_device_train_batch_size=args.batch_size,
+                max_length=args.max_length,
+                learning_rate=2e-3,
+                logging_steps=10,
+                save_strategy="no",
+                eval_strategy="no",
+                report_to="none",
+                use_cpu=True,
+                bf16=False,
+                disable_tqdm=True,
+                seed=0,
+                activation_checkpointing=True,
             ),
             train_dataset=Dataset.from_list([{"messages": row["messages"]} for row in rows]),
             processing_class=tokenizer,
-            peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"),
+            peft_config=LoraConfig(
+                r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
+            ),
         )
         callback = ProbDiffCallback(trainer, queries, config, n_queries=args.n_queries)
         started = time.perf_counter()
@@ -113,11 +126,14 @@ def main() -> int:
         "share_of_run": round(share, 3),
     }
     print(
-        f"demo run: {args.steps} LoRA steps (batch {args.batch_size} x {args.max_length} tokens) in {train_seconds:.1f}s, {per_step:.2f}s/step\n"
+        f"demo run: {args.steps} LoRA steps (batch {args.batch_size} x {args.max_length} tokens) "
+        f"in {train_seconds:.1f}s, {per_step:.2f}s/step\n"
         f"one evaluation: {n_queries} queries -> {generations} generations of <= {config.max_new_tokens} tokens "
-        f"({tokens} generated) in {figures['decoding_loops']} decoding loops + {figures['scoring_forwards']} scoring forwards: "
-        f"{warm.seconds:.1f}s warm ({first.seconds:.1f}s the first time) = {figures['evaluation_in_training_steps']} training steps\n"
-        f"evaluating every {args.every} steps plus the baseline ({evaluations} evaluations): {evaluations * warm.seconds:.0f}s, "
+        f"({tokens} generated) in {figures['decoding_loops']} decoding loops "
+        f"+ {figures['scoring_forwards']} scoring forwards: {warm.seconds:.1f}s warm ({first.seconds:.1f}s the first "
+        f"time) = {figures['evaluation_in_training_steps']} training steps\n"
+        f"evaluating every {args.every} steps plus the baseline ({evaluations} evaluations): "
+        f"{evaluations * warm.seconds:.0f}s, "
         f"{100 * share:.1f}% of the run's time"
     )
     if args.json:

@@ -144,7 +144,9 @@ def run_probe(mode: str, src: Path, dst: Path, warm: Path, work: Path) -> dict:
         dst.mkdir()
     result = subprocess.run(
         [sys.executable, "-c", PROBE, mode, str(src), str(dst), str(warm), str(work / "warm-dst")],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     if result.returncode:
         raise RuntimeError(result.stderr)
@@ -158,7 +160,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--ffn", type=int, default=1408, help="Qwen2 intermediate_size (v1 stores twice this)")
     parser.add_argument("--shard-mb", type=float, default=200)
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)"
+    )
     args = parser.parse_args()
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="qwen-v1-bench-"))

@@ -54,33 +54,83 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="alternating runs of each process [3]")
     args = parser.parse_args()
     # build (or find) the tiny model first, outside the timings
-    subprocess.run([sys.executable, "-c", "from probdiff_callback.tiny import tiny_model_dir; tiny_model_dir()"], cwd=ROOT, check=True)
+    subprocess.run(
+        [sys.executable, "-c", "from probdiff_callback.tiny import tiny_model_dir; tiny_model_dir()"],
+        cwd=ROOT,
+        check=True,
+    )
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         queries, source = queries_file(tmp)
         print(f"queries: {source}; max_new_tokens {MAX_NEW_TOKENS}, K = 1, model tiny (fp32, CPU)")
         ours_runs, plain_runs = [], []
         for _ in range(args.pairs):
-            ours_runs.append(timed(["probdiff", "eval", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--queries", str(queries),
-                                    "--limit", str(N_QUERIES), "--out", str(tmp / "ours"), f"max_new_tokens={MAX_NEW_TOKENS}", "batch_size=32"])[0])
-            plain_runs.append(timed([sys.executable, "bench/_plain_loop.py", str(queries), str(MAX_NEW_TOKENS), str(tmp / "plain.json"), str(N_QUERIES)])[0])
+            ours_runs.append(
+                timed(
+                    [
+                        "probdiff",
+                        "eval",
+                        "--model",
+                        "tiny",
+                        "--device",
+                        "cpu",
+                        "--dtype",
+                        "float32",
+                        "--queries",
+                        str(queries),
+                        "--limit",
+                        str(N_QUERIES),
+                        "--out",
+                        str(tmp / "ours"),
+                        f"max_new_tokens={MAX_NEW_TOKENS}",
+                        "batch_size=32",
+                    ]
+                )[0]
+            )
+            plain_runs.append(
+                timed(
+                    [
+                        sys.executable,
+                        "bench/_plain_loop.py",
+                        str(queries),
+                        str(MAX_NEW_TOKENS),
+                        str(tmp / "plain.json"),
+                        str(N_QUERIES),
+                    ]
+                )[0]
+            )
         ours_s, plain_s = statistics.median(ours_runs), statistics.median(plain_runs)
         summary = json.loads((tmp / "ours" / "summary.json").read_text())
         plain = json.loads((tmp / "plain.json").read_text())
-        print(f"end to end   probdiff eval {ours_s:7.1f} s   plain per-query loop {plain_s:7.1f} s   speed-up {plain_s / ours_s:5.1f}x"
-              f"   (medians of {args.pairs}; ours {', '.join(f'{t:.1f}' for t in ours_runs)} s, plain {', '.join(f'{t:.1f}' for t in plain_runs)} s)")
-        print(f"             (ours: n={summary['n']}, mean answer length {summary['len_response_mean']:.1f} tokens, "
-              f"revision {summary['len_revised_mean']:.1f}; plain loop: n={plain['n']})")
+        print(
+            f"end to end   probdiff eval {ours_s:7.1f} s   plain per-query loop {plain_s:7.1f} s   "
+            f"speed-up {plain_s / ours_s:5.1f}x   (medians of {args.pairs}; "
+            f"ours {', '.join(f'{t:.1f}' for t in ours_runs)} s, plain {', '.join(f'{t:.1f}' for t in plain_runs)} s)"
+        )
+        print(
+            f"             (ours: n={summary['n']}, mean answer length {summary['len_response_mean']:.1f} tokens, "
+            f"revision {summary['len_revised_mean']:.1f}; plain loop: n={plain['n']})"
+        )
 
     peaks = {}
     for mode in ("chunked", "plain", "fp64"):
         _, out = timed([sys.executable, "bench/_score_memory.py", mode])
         peaks[mode] = json.loads(out.strip().splitlines()[-1])
-    error = {mode: max(abs(a - b) for a, b in zip(peaks[mode]["scores"], peaks["fp64"]["scores"])) for mode in ("chunked", "plain")}
+    error = {
+        mode: max(abs(a - b) for a, b in zip(peaks[mode]["scores"], peaks["fp64"]["scores"]))
+        for mode in ("chunked", "plain")
+    }
     gib = 1024**3
-    print(f"scoring 8 x 1,024 tokens, vocabulary 152,064: peak memory chunked {peaks['chunked']['peak_bytes'] / gib:5.2f} GiB   "
-          f"plain {peaks['plain']['peak_bytes'] / gib:5.2f} GiB   ratio {peaks['chunked']['peak_bytes'] / peaks['plain']['peak_bytes']:.3f}x")
-    print(f"             mean log-prob per sequence against float64: chunked max |error| {error['chunked']:.1e}, plain {error['plain']:.1e}")
+    print(
+        f"scoring 8 x 1,024 tokens, vocabulary 152,064: "
+        f"peak memory chunked {peaks['chunked']['peak_bytes'] / gib:5.2f} GiB   "
+        f"plain {peaks['plain']['peak_bytes'] / gib:5.2f} GiB   "
+        f"ratio {peaks['chunked']['peak_bytes'] / peaks['plain']['peak_bytes']:.3f}x"
+    )
+    print(
+        f"             mean log-prob per sequence against float64: "
+        f"chunked max |error| {error['chunked']:.1e}, plain {error['plain']:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from transformers import LogitsProcessor
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # measure the library of this checkout, whatever else is installed
 
-from probdiff_callback import evaluator  # noqa: E402  (after the path above)
+from probdiff_callback import evaluator, prompts  # noqa: E402  (after the path above)
 from probdiff_callback.config import ProbDiffConfig  # noqa: E402
 from probdiff_callback.decoding import left_padded, sample_continuations  # noqa: E402
 from probdiff_callback.io import Query, load_queries  # noqa: E402
@@ -947,7 +947,7 @@ class ComputedBatch:
 
 
 def computed_batch(
-    tokenizer, batch: Sequence[evaluator.PreparedQuery], config: ProbDiffConfig, cost: ModelCost, hardware: Hardware
+    tokenizer, batch: Sequence[prompts.PreparedQuery], config: ProbDiffConfig, cost: ModelCost, hardware: Hardware
 ) -> ComputedBatch:
     """The floor of one evaluation batch if every row runs to the cap: answer prompts as the evaluator builds
     them, revision prompts holding a max_new_tokens answer, both texts scored under the answer prompt."""
@@ -955,7 +955,7 @@ def computed_batch(
     template = refinement_template(config.refinement_prompt)
     answer_prompts = [len(q.prompt_ids) for q in batch]
     revision_prompts = [
-        len(evaluator.chat_prompt_ids(tokenizer, config.system_prompt, refinement_request(template, q.text, ""))) + cap
+        len(prompts.chat_prompt_ids(tokenizer, config.system_prompt, refinement_request(template, q.text, ""))) + cap
         for q in batch
     ]
     steps = [cap] * len(batch)
@@ -976,7 +976,7 @@ def computed_floor_figures(
 ) -> list[Figure]:
     """The floor of one evaluation, and per query at each decode batch, from nominal bandwidth and FLOP/s."""
     config = probdiff_config(recipe, workload)
-    prepared = evaluator.prepare_queries(tokenizer, cycled_queries(workload.queries), config)
+    prepared = prompts.prepare_queries(tokenizer, cycled_queries(workload.queries), config)
     order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i].prompt_ids))  # as the evaluator batches
     batches = [
         computed_batch(
@@ -1029,7 +1029,7 @@ def computed_floor_figures(
             )
         )
     for size in workload.decode_batches:
-        queries = evaluator.prepare_queries(tokenizer, cycled_queries(size), config)
+        queries = prompts.prepare_queries(tokenizer, cycled_queries(size), config)
         batch = computed_batch(tokenizer, queries, config, cost, hardware)
         per_query = (batch.answer.total + batch.revision.total + batch.scoring) / size
         figures.append(

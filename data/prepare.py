@@ -174,7 +174,8 @@ def conversation_rows(path: Path, rows: list[tuple[int, dict]] | None = None) ->
             turns = [{"role": "user", "content": row["user"]}, {"role": "assistant", "content": row["assistant"]}]
         if turns is None:
             raise DataFileError(
-                f"{path}:{line}: expected `messages`, `conversations` or `user` + `assistant` (keys here: {', '.join(row) or 'none'})"
+                f"{path}:{line}: expected `messages`, `conversations` or `user` + `assistant` "
+                f"(keys here: {', '.join(row) or 'none'})"
             )
         out.append((f"{path}:{line}", chat_messages(turns, f"{path}:{line}"), row))
     return out
@@ -228,7 +229,7 @@ def leak_keys(task: str, item: dict) -> set[str]:
     prompt = user_prompt(item)
     if task == "translation":
         match = TRANSLATION_TARGET.match(prompt)
-        source = prompt[match.end():] if match is not None else prompt
+        source = prompt[match.end() :] if match is not None else prompt
         return {normalize(source), normalize(item["messages"][-1]["content"])}
     if task == "summarization":
         return {normalize(summarized_document(prompt))}
@@ -321,8 +322,8 @@ def split_directions(pairs: list[tuple[str, str]], pair: str, template: str) -> 
 CONVERSATIONS = "a JSON list of `conversations` [{from, value}]"
 TRANSLATION_EXPECTED = {
     "train": "a JSON list of `conversations` [{from, value}] whose user turn starts 'Translate the sentence into "
-             "<Language>.', or rows {\"<src>\": .., \"en\": ..}",
-    "test": "JSON lines {\"<src>\": .., \"en\": ..}, e.g. {\"zh\", \"en\"}",
+    '<Language>.\', or rows {"<src>": .., "en": ..}',
+    "test": 'JSON lines {"<src>": .., "en": ..}, e.g. {"zh", "en"}',
 }
 
 
@@ -345,8 +346,10 @@ def prepare_translation(source: str | None, seed: int, fetcher: Fetcher) -> tupl
     train, heldout = [], []
     for pair in WMT19_PAIRS:
         if source == HUB:
-            for split, size, bucket, template in (("train", n_train, train, TRANSLATION_TRAIN_PROMPT),
-                                                  ("validation", n_heldout, heldout, TRANSLATION_HELDOUT_PROMPT)):
+            for split, size, bucket, template in (
+                ("train", n_train, train, TRANSLATION_TRAIN_PROMPT),
+                ("validation", n_heldout, heldout, TRANSLATION_HELDOUT_PROMPT),
+            ):
                 hub = ((f"wmt/wmt19 {pair} {split}", r) for r in hub_rows("wmt/wmt19", pair, split, size, seed))
                 bucket += split_directions(translation_pairs(hub, pair), pair, template)
             fetcher.used.append((pair, "wmt/wmt19 train and validation (Hugging Face hub)"))
@@ -371,7 +374,13 @@ def summarization_rows(items: Iterable[tuple[str, dict]], name: str) -> list[dic
         document = item.get(document_key, item.get("document", item.get("article")))
         summary = item.get(summary_key, item.get("summary", item.get("highlights")))
         fields = {"document": document, "summary": summary}
-        out.append(row(name, SUMMARIZATION_PROMPT.format(content=text_field(fields, "document", where)), text_field(fields, "summary", where)))
+        out.append(
+            row(
+                name,
+                SUMMARIZATION_PROMPT.format(content=text_field(fields, "document", where)),
+                text_field(fields, "summary", where),
+            )
+        )
     return out
 
 
@@ -403,7 +412,10 @@ def prepare_summarization(source: str | None, seed: int, fetcher: Fetcher) -> tu
     n_train, n_heldout = SUMMARIZATION_SIZES
     train, heldout = [], []
     for name, (folders, hub_id, config, heldout_split, document_key, summary_key) in SUMMARIZATION_DATASETS.items():
-        for split, size, bucket, hub_split in (("train", n_train, train, "train"), ("test", n_heldout, heldout, heldout_split)):
+        for split, size, bucket, hub_split in (
+            ("train", n_train, train, "train"),
+            ("test", n_heldout, heldout, heldout_split),
+        ):
             if source == HUB:
                 hub = hub_rows(hub_id, config, hub_split, size, seed)
                 bucket += summarization_rows(((f"{hub_id} {hub_split}", r) for r in hub), name)
@@ -461,8 +473,16 @@ def prepare_alignbench(
                 raise DataFileError(f"{where}: unknown category {category!r}; AlignBench has {names}")
             question, reference = text_field(item, "question", where), text_field(item, "reference", where)
             extra = {"id": f"alignbench-{item['question_id']}"} if "question_id" in item else {}
-            heldout.append(row(canonical_category(category), question, reference, reference=reference,
-                               subcategory=item.get("subcategory"), **extra))
+            heldout.append(
+                row(
+                    canonical_category(category),
+                    question,
+                    reference,
+                    reference=reference,
+                    subcategory=item.get("subcategory"),
+                    **extra,
+                )
+            )
     if train_file is not None:
         train_path = Path(train_file)
         fetcher.used.append((ALIGNBENCH_TRAIN, f"{train_file} (--train)"))
@@ -484,7 +504,9 @@ LEAK_CHECKS = {
 }
 
 
-def prepare(task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed: int = 0, train_file: str | None = None) -> dict:
+def prepare(
+    task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed: int = 0, train_file: str | None = None
+) -> dict:
     """Write `<out>/<task>/{train,heldout}.jsonl`; returns counts and the sources used (`sources`)."""
     if task not in TASKS:
         raise SystemExit(f"error: unknown task {task!r}; tasks: {', '.join(TASKS)}")
@@ -519,14 +541,26 @@ def prepare(task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("task", choices=TASKS)
-    parser.add_argument("--source", default=None, help="a local directory/file, a URL prefix, or `hub` (translation, "
-                        "summarization) instead of the paper's repository")
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="a local directory/file, a URL prefix, or `hub` (translation, "
+        "summarization) instead of the paper's repository",
+    )
     parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"output root; files go to OUT/<task>/ [{DEFAULT_OUT}]")
     parser.add_argument("--seed", type=int, default=0, help="seed of subsets of the hub or of plain pairs [0]")
-    parser.add_argument("--train", dest="train_file", default=None,
-                        help="alignbench only: your conversations instead of the paper's gpt_generate_train.json")
+    parser.add_argument(
+        "--train",
+        dest="train_file",
+        default=None,
+        help="alignbench only: your conversations instead of the paper's gpt_generate_train.json",
+    )
     args = parser.parse_args(argv)
     try:
         counts = prepare(args.task, args.source, Path(args.out), args.seed, args.train_file)

@@ -12,7 +12,7 @@ way. Within a step the queries are independent draws; pooling the steps would co
 several times and mix the steps' shifts into the correlation, so the steps are kept apart.
 
 Pure functions over the history rows and step records; the CLI prints `format_crosscheck`, writes
-the report as JSON and a scatter plot (one point per step).
+the report as JSON and a scatter plot (`plotting.plot_crosscheck`, one point per step).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import os
 import statistics
 import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from probdiff_callback import history
+from probdiff_callback.formatting import fmt, is_finite
 from probdiff_callback.io import read_jsonl
 from probdiff_callback.reference_metrics import METRIC_LABELS
-from probdiff_callback.formatting import fmt, is_finite
 
 PROBDIFF_MEASURES = {"confidence": "confidence", "d_mean": "mean d"}
 LOSS = "eval_loss"
@@ -259,112 +258,12 @@ def one_line(report: Mapping) -> str:
     parts = []
     for row in report["across_steps"]:
         if row["probdiff"] == "confidence":
-            parts.append(f"{LABELS[row['measure']]} ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')})")
+            parts.append(
+                f"{LABELS[row['measure']]} ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')})"
+            )
     text = f"Cross-check over {report['n_steps']} steps, confidence vs " + (
         ", ".join(parts) if parts else "nothing (no reference metric or eval loss)"
     )
     for row in report["per_query"][:1]:
         text += f"; per query d vs {LABELS[row['metric']]}: median ρ {fmt(row['median_spearman'], '+.2f')}"
     return text
-
-
-def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
-    """Scatter plots, one point per step: each ProbDiff measure (rows) against each independent measure (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = report["steps"]
-    measures = list(dict.fromkeys(row["measure"] for row in report["across_steps"]))
-    out = Path(out)
-    columns = max(len(measures), 1)
-    figure, axes = plt.subplots(
-        len(PROBDIFF_MEASURES), columns, figsize=(4 * columns, 7), squeeze=False, constrained_layout=True
-    )
-    correlations = {(r["probdiff"], r["measure"]): r for r in report["across_steps"]}
-    for i, ours in enumerate(PROBDIFF_MEASURES):
-        for j in range(columns):
-            axis = axes[i][j]
-            if not measures:
-                axis.text(
-                    0.5, 0.5, "no reference metric or eval loss", ha="center", va="center", transform=axis.transAxes
-                )
-                continue
-            measure = measures[j]
-            points = [(s["metrics"].get(measure) if measure != LOSS else s[LOSS], s[ours], s["step"]) for s in steps]
-            points = [(x, y, step) for x, y, step in points if is_finite(x) and is_finite(y)]
-            scale = 100 if ours == "confidence" else 1
-            scatter = axis.scatter(
-                [x for x, _, _ in points],
-                [scale * y for _, y, _ in points],
-                c=[s for _, _, s in points],
-                cmap="viridis",
-                s=40,
-                zorder=3,
-            )
-            for x, y, step in points:
-                axis.annotate(str(step), (x, scale * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            row = correlations.get((ours, measure))
-            if row is not None:
-                axis.set_title(
-                    f"ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')}), τ {fmt(row['kendall'], '+.2f')}, n {row['n']}",
-                    fontsize=9,
-                )
-            axis.set_xlabel(LABELS[measure] + (" (lower is better)" if measure == LOSS else ""))
-            axis.set_ylabel("ProbDiff confidence (%)" if ours == "confidence" else "mean d")
-            axis.grid(alpha=0.3)
-            if i == 0 and j == columns - 1 and points:
-                figure.colorbar(scatter, ax=axis, label="global step")
-    figure.suptitle("ProbDiff against independent measures, one point per evaluated step")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
-
-
-# --- outside verdicts --------------------------------------------------------------------------
-def check_verdicts(
-    path: str | os.PathLike,
-    rows: Sequence[dict],
-    records_by_step: Mapping[int, Sequence[dict]],
-    step: int | None = None,
-    against: int | None = None,
-) -> tuple[dict, str]:
-    """(result, text) of a verdict file against the run's records: pairwise verdicts compare `step` (A, by
-    default the last evaluated step) with `against` (B, by default the baseline); revision-vs-answer
-    verdicts judge the records of `step`."""
-    from probdiff_callback.verdicts import (
-        PAIRWISE,
-        conflict_degree,
-        format_conflict,
-        format_pairwise,
-        pairwise_agreement,
-        read_verdicts,
-    )
-
-    verdicts = read_verdicts(path)
-    evaluated = sorted(records_by_step)
-    if not evaluated:
-        raise FileNotFoundError("no step records to set the verdicts beside")
-    chosen = evaluated[-1] if step is None else step
-    if chosen not in records_by_step:
-        raise ValueError(
-            f"--step {chosen}: no records of that step; evaluated steps with records: {', '.join(map(str, evaluated))}"
-        )
-    delta = next(r["summary"]["delta"] for r in rows if r["global_step"] == chosen)
-    if verdicts.kind != PAIRWISE:
-        result = conflict_degree(verdicts, records_by_step[chosen])
-        return {"file": str(path), "step": chosen, **result}, format_conflict(result, f"step {chosen}")
-    baseline = next((r["global_step"] for r in rows if r.get("kind") == "baseline"), None)
-    other = baseline if against is None else against
-    if other is None:
-        raise ValueError("pairwise verdicts need two steps: this run has no baseline row, so give --against STEP")
-    if other not in records_by_step:
-        steps = ", ".join(map(str, evaluated))
-        raise ValueError(f"--against {other}: no records of that step; evaluated steps with records: {steps}")
-    result = pairwise_agreement(verdicts, records_by_step[chosen], records_by_step[other], delta)
-    label_b = f"step {other}" + (" (base model)" if other == baseline else "")
-    return {"file": str(path), "step": chosen, "against": other, **result}, format_pairwise(
-        result, f"step {chosen}", label_b
-    )

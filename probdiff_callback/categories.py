@@ -28,9 +28,7 @@ ALIGNBENCH: dict[str, tuple[str, str, str]] = {
     "Open-ended": ("综合问答", "Open.", "Open-ended Questions"),
 }
 
-ALIASES: dict[str, str] = {
-    alias: canonical for canonical, names in ALIGNBENCH.items() for alias in (canonical, *names)
-}
+ALIASES: dict[str, str] = {alias: canonical for canonical, names in ALIGNBENCH.items() for alias in (canonical, *names)}
 
 
 def canonical_category(name: str | None) -> str | None:

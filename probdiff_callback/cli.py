@@ -5,29 +5,44 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
-from probdiff_callback.formatting import pct
+from probdiff_callback.reports import format_comparison, format_summary
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="preset (tiny, qwen-14b-chat, qwen1.5-14b-chat), local directory or hub id [tiny]")
-    parser.add_argument("--adapter", default=None, help="a PEFT adapter directory (e.g. a training checkpoint) to apply")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="preset (tiny, qwen-14b-chat, qwen1.5-14b-chat), local directory or hub id [tiny]",
+    )
+    parser.add_argument(
+        "--adapter", default=None, help="a PEFT adapter directory (e.g. a training checkpoint) to apply"
+    )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 [auto]")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... [cuda if available]")
     parser.add_argument("--out", required=True, help="output directory for records.jsonl and summary.json")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help=f"ProbDiff settings: {', '.join(ProbDiffConfig.field_names())}")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help=f"ProbDiff settings: {', '.join(ProbDiffConfig.field_names())}",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="probdiff", description="ProbDiff self-evaluation of chat LLMs (the model judges itself by its log-probabilities).")
+    parser = argparse.ArgumentParser(
+        prog="probdiff",
+        description="ProbDiff self-evaluation of chat LLMs (the model judges itself by its log-probabilities).",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    evaluate = commands.add_parser("eval", help="answer, revise and score queries; writes records.jsonl and summary.json")
+    evaluate = commands.add_parser(
+        "eval", help="answer, revise and score queries; writes records.jsonl and summary.json"
+    )
     _add_model_args(evaluate)
     evaluate.add_argument("--queries", required=True, help="JSON lines or a JSON list of queries")
     evaluate.add_argument("--limit", type=int, default=None, help="only the first N queries")
@@ -43,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("dir_b")
     compare.add_argument("--delta", type=float, default=None, help="threshold [the delta in DIR_A's summary]")
 
-    convert = commands.add_parser("convert-qwen", help="convert a Qwen v1 checkpoint (Qwen-14B-Chat) to a plain Qwen2ForCausalLM checkpoint")
+    convert = commands.add_parser(
+        "convert-qwen", help="convert a Qwen v1 checkpoint (Qwen-14B-Chat) to a plain Qwen2ForCausalLM checkpoint"
+    )
     convert.add_argument("src", help="directory with the v1 config.json, weights and qwen.tiktoken")
     convert.add_argument("dst", help="output directory")
     convert.add_argument("--max-shard-size", default="5GB")
@@ -55,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     select_target.add_argument("--link", action="store_true", help="make RUN_DIR/best a symlink to the best checkpoint")
     select_target.add_argument("--copy", action="store_true", help="copy the best checkpoint to RUN_DIR/best")
 
-    plot = commands.add_parser("plot", help="one PNG of ProbDiff over a training run: confidence and the distribution of d per step")
+    plot = commands.add_parser(
+        "plot", help="one PNG of ProbDiff over a training run: confidence and the distribution of d per step"
+    )
     plot.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
     plot.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
     plot.add_argument("--out", default=None, help="PNG path [RUN_DIR/probdiff/probdiff.png]")
@@ -69,11 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
     check.add_argument("--json", default=None, help="report path [RUN_DIR/probdiff/crosscheck.json]")
     check.add_argument("--plot", default=None, help="scatter plot path [RUN_DIR/probdiff/crosscheck.png]")
-    check.add_argument("--verdicts", default=None,
-                       help='JSON lines of outside verdicts by query id: {"id", "winner": "A"|"B"|"tie"} (pairwise) or '
-                            '{"id", "revision": "better"|"worse"|"same"} (revision vs answer); see docs/agreement.md')
-    check.add_argument("--step", type=int, default=None,
-                       help="the step the verdicts judge (pairwise: A) [the last evaluated step]")
+    check.add_argument(
+        "--verdicts",
+        default=None,
+        help='JSON lines of outside verdicts by query id: {"id", "winner": "A"|"B"|"tie"} (pairwise) or '
+        '{"id", "revision": "better"|"worse"|"same"} (revision vs answer); see docs/agreement.md',
+    )
+    check.add_argument(
+        "--step", type=int, default=None, help="the step the verdicts judge (pairwise: A) [the last evaluated step]"
+    )
     check.add_argument("--against", type=int, default=None, help="pairwise verdicts: step B [the baseline]")
     return parser
 
@@ -126,7 +149,10 @@ def _load(args):
         if _own_process:
             gc.freeze()
             gc.enable()
-    print(f"Loaded {args.model}{' + ' + args.adapter if args.adapter else ''} in {time.time() - started:.1f}s", file=sys.stderr)
+    print(
+        f"Loaded {args.model}{' + ' + args.adapter if args.adapter else ''} in {time.time() - started:.1f}s",
+        file=sys.stderr,
+    )
     return model, tokenizer
 
 
@@ -144,54 +170,6 @@ def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra:
     write_jsonl(Path(out) / "records.jsonl", records)
     write_json(Path(out) / "summary.json", summary)
     return summary
-
-
-def format_summary(summary: dict) -> str:
-    low, high = summary["confidence_ci"]
-    lines = [
-        f"queries            {summary['n']}  (invalid {summary['n_invalid']}, truncated {summary['n_truncated']})",
-        f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}  (scored as cut)",
-        f"confidence         {pct(summary['confidence'])}  at delta {summary['delta']:g}   "
-        f"95% CI [{pct(low)}, {pct(high)}] (Wilson)",
-        "sweep              " + "  ".join(f"{k}: {pct(v)}" for k, v in summary["confidence_sweep"].items()),
-        f"d mean / median    {summary['d_mean']:.4f} / {summary['d_median']:.4f}",
-        f"log p answer/rev.  {summary['logp_response_mean']:.4f} / {summary['logp_revised_mean']:.4f}",
-        f"length changed>50% {pct(summary['length_changed_share'])}",
-    ]
-    if len(summary["by_category"]) > 1:
-        lines.append("by category:")
-        for name, cat in summary["by_category"].items():
-            lines.append(f"  {name:<20} n={cat['n']:<4} confidence {pct(cat['confidence']):>6}  d_mean {cat['d_mean']:.4f}")
-    if summary.get("reference"):
-        from probdiff_callback.reference_metrics import format_reference
-
-        lines.append(format_reference(summary["reference"]))
-    return "\n".join(lines)
-
-
-def _p(value: float | None) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:.3g}"
-
-
-def format_comparison(result: dict, name_a: str, name_b: str) -> str:
-    """`probdiff compare`'s report: the counts, then each test with the question it answers."""
-    n = result["n"]
-    low, high = result["difference_ci"]
-    share = {key: f"{100 * result[key] / n:.1f}%" for key in ("win", "tie", "lose")}
-    return "\n".join([
-        f"A = {name_a}\nB = {name_b}\n{n} shared queries at delta {result['delta']:g}",
-        f"A wins {result['win']} ({share['win']})  ties {result['tie']} ({share['tie']})  "
-        f"loses {result['lose']} ({share['lose']})  "
-        "(each model thresholded on its own d: a model is confident on a query when its d >= delta)",
-        f"confidence on these queries: A {100 * result['confidence_a']:.1f}%  B {100 * result['confidence_b']:.1f}%  "
-        f"(win - lose)/n = {100 * result['difference']:+.1f} points, 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] "
-        "(Bonett-Price adjusted Wald for paired proportions)",
-        f"sign test p = {_p(result['sign_p'])}: exact binomial test of {result['win']} wins against "
-        f"{result['lose']} losses, ties left out; tests whether one model wins more queries than it loses",
-        f"Wilcoxon signed-rank p = {_p(result['wilcoxon_p'])} over {result['n_paired']} pairs of valid d "
-        f"(mean d: A {result['d_mean_a']:.4f}  B {result['d_mean_b']:.4f}); "
-        "tests whether d is shifted between the models, not the win/lose split",
-    ])
 
 
 def cmd_eval(args) -> int:
@@ -212,10 +190,23 @@ def cmd_eval(args) -> int:
     records = evaluate(model, tokenizer, queries, config)
     if plan.active:
         records = score_records(records, queries)
-    summary = _write_results(args.out, records, config, {"model": args.model, "adapter": args.adapter, "queries": args.queries, "seconds": round(time.time() - started, 2)})
+    summary = _write_results(
+        args.out,
+        records,
+        config,
+        {
+            "model": args.model,
+            "adapter": args.adapter,
+            "queries": args.queries,
+            "seconds": round(time.time() - started, 2),
+        },
+    )
     print(format_summary(summary))
     if summary["n_truncated"]:
-        print(f"note: {summary['n_truncated']} queries were longer than max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle (see `truncated` in records.jsonl)")
+        print(
+            f"note: {summary['n_truncated']} queries were longer than max_prompt_tokens={config.max_prompt_tokens} "
+            "and were cut in the middle (see `truncated` in records.jsonl)"
+        )
     if summary["n_revision_truncated"]:
         print(
             f"note: {summary['n_revision_truncated']} refinement requests (query + answer + prompt) were longer than "
@@ -242,7 +233,12 @@ def cmd_score(args) -> int:
     model, tokenizer = _load(args)
     started = time.time()
     records = score_pairs(model, tokenizer, pairs, config)
-    summary = _write_results(args.out, records, config, {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": round(time.time() - started, 2)})
+    summary = _write_results(
+        args.out,
+        records,
+        config,
+        {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": round(time.time() - started, 2)},
+    )
     print(format_summary(summary))
     print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
     return 0
@@ -256,7 +252,9 @@ def cmd_compare(args) -> int:
     for directory in (args.dir_a, args.dir_b):
         path = Path(directory) / "records.jsonl"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: not found; give directories written by `probdiff eval` or `probdiff score`")
+            raise FileNotFoundError(
+                f"{path}: not found; give directories written by `probdiff eval` or `probdiff score`"
+            )
         records.append(read_jsonl(path))
     delta = args.delta
     if delta is None:
@@ -301,15 +299,11 @@ def cmd_plot(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
-    from probdiff_callback.agreement import (
-        check_verdicts,
-        crosscheck,
-        format_crosscheck,
-        load_run,
-        plot_crosscheck,
-    )
+    from probdiff_callback.agreement import crosscheck, format_crosscheck, load_run
     from probdiff_callback.history import probdiff_dir
     from probdiff_callback.io import write_json
+    from probdiff_callback.plotting import plot_crosscheck
+    from probdiff_callback.verdicts import check_verdicts
 
     rows, records = load_run(args.run_dir, args.subdir)
     report = crosscheck(rows, records)
@@ -354,8 +348,15 @@ def entry_point() -> None:
 
 
 def _dispatch(args) -> int:
-    handler = {"eval": cmd_eval, "score": cmd_score, "compare": cmd_compare, "convert-qwen": cmd_convert,
-               "select": cmd_select, "plot": cmd_plot, "crosscheck": cmd_crosscheck}[args.command]
+    handler = {
+        "eval": cmd_eval,
+        "score": cmd_score,
+        "compare": cmd_compare,
+        "convert-qwen": cmd_convert,
+        "select": cmd_select,
+        "plot": cmd_plot,
+        "crosscheck": cmd_crosscheck,
+    }[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError, FileExistsError) as err:

@@ -24,7 +24,9 @@ class ProbDiffConfig:
     delta: float = -0.05  # confident when d >= delta
     sweep: list[float] = field(default_factory=lambda: [0.0, -0.02, -0.05, -0.1])
     n_revisions: int = 1  # K: revise the last revision K times
-    refinement_prompt: str = "rewriter"  # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
+    refinement_prompt: str = (
+        "rewriter"  # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
+    )
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     # --- sampling (the reference code's: generation_task/vllm_inference.py and vllm_modify.py) ---
     # Temperature only: the reference code samples with top_p 1 and top_k -1 (off), and its runs
@@ -159,7 +161,9 @@ def apply_overrides(base, overrides: list[str], where: str = "overrides"):
     except ConfigKeyError as err:
         key = str(getattr(err, "full_key", None) or err)
         valid = cls.field_names()
-        raise ValueError(f"{where}: unknown key {key!r}{did_you_mean(key, valid)}. Valid keys: {', '.join(valid)}") from None
+        raise ValueError(
+            f"{where}: unknown key {key!r}{did_you_mean(key, valid)}. Valid keys: {', '.join(valid)}"
+        ) from None
     except ValidationError as err:
         key = str(getattr(err, "full_key", "?"))
         expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(key.split(".")[0], "value")

@@ -61,12 +61,23 @@ class RoomyLayer(DynamicLayer):
         self.key_buffer[rows, :, offset : offset + keys.shape[2]] = keys
         self.value_buffer[rows, :, offset : offset + values.shape[2]] = values
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + key_states.shape[2]
         if end > self.key_buffer.shape[2]:  # more than planned: grow, as DynamicLayer would
             grow = end - self.key_buffer.shape[2]
-            self.key_buffer = torch.cat([self.key_buffer, self.key_buffer.new_zeros(_room_shape(self.key_buffer, len(self.key_buffer), grow))], 2)
-            self.value_buffer = torch.cat([self.value_buffer, self.value_buffer.new_zeros(_room_shape(self.value_buffer, len(self.value_buffer), grow))], 2)
+            self.key_buffer = torch.cat(
+                [self.key_buffer, self.key_buffer.new_zeros(_room_shape(self.key_buffer, len(self.key_buffer), grow))],
+                2,
+            )
+            self.value_buffer = torch.cat(
+                [
+                    self.value_buffer,
+                    self.value_buffer.new_zeros(_room_shape(self.value_buffer, len(self.value_buffer), grow)),
+                ],
+                2,
+            )
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
@@ -96,7 +107,11 @@ def prefill(
         cache = DynamicCache(config=decoder.config)
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
         ).last_hidden_state[:, -1]
         return cache, hidden, attention_mask
 
@@ -119,8 +134,11 @@ def prefill(
             hidden = out.new_empty((len(prompts), out.shape[-1]))
             # zeros, not empty: padded positions are masked, but 0 * NaN garbage would still be NaN
             layers = [
-                RoomyLayer(layer.keys.new_zeros(_room_shape(layer.keys, len(prompts), width + room)),
-                            layer.values.new_zeros(_room_shape(layer.values, len(prompts), width + room)), width)
+                RoomyLayer(
+                    layer.keys.new_zeros(_room_shape(layer.keys, len(prompts), width + room)),
+                    layer.values.new_zeros(_room_shape(layer.values, len(prompts), width + room)),
+                    width,
+                )
                 for layer in group_cache.layers
             ]
         hidden[rows] = out
@@ -184,7 +202,10 @@ def sample_continuations(
             rows = slot_row[live_slots]
             row_list = rows.tolist()
             tokens = sample_tokens(
-                logits, temperatures_t[rows], top_ps_t[rows], counter_uniforms([seeds[r] for r in row_list], step).to(device),
+                logits,
+                temperatures_t[rows],
+                top_ps_t[rows],
+                counter_uniforms([seeds[r] for r in row_list], step).to(device),
                 n_valid_ids=n_valid_ids,
             )
             finished = torch.isin(tokens, stops)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
@@ -17,89 +16,10 @@ from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.decoding import hit_cap, sample_continuations
 from probdiff_callback.io import Query
 from probdiff_callback.metric import discrepancy, finite_mean, is_confident
-from probdiff_callback.prompts import refinement_request, refinement_template
+from probdiff_callback.prompts import PreparedQuery, prepare_queries, refinement_prompt_ids, refinement_template
 from probdiff_callback.sampling import row_seed
 from probdiff_callback.scoring import score_batch
 from probdiff_callback.tokenizer import stop_token_ids
-
-ELLIPSIS = "\n...\n"
-
-
-@dataclass
-class PreparedQuery:
-    query: Query
-    text: str  # possibly cut in the middle
-    truncated: bool
-    prompt_ids: list[int]  # chat-formatted original query, the conditioning for scoring
-
-
-def chat_prompt_ids(tokenizer, system_prompt: str, user_text: str) -> list[int]:
-    if tokenizer.chat_template is None:
-        raise ValueError(
-            f"the tokenizer of {tokenizer.name_or_path!r} has no chat template; ProbDiff needs the model's chat format"
-        )
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_text}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def truncate_middle(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
-    """Cut `text` to at most `max_tokens` tokens by dropping its middle; keeps the head (where
-    instructions usually are) and the tail."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) <= max_tokens:
-        return text, False
-    marker = len(tokenizer(ELLIPSIS, add_special_tokens=False)["input_ids"])
-    keep = max(max_tokens - marker, 2)
-    head = tokenizer.decode(ids[: keep - keep // 2]).rstrip("\ufffd")
-    tail = tokenizer.decode(ids[len(ids) - keep // 2 :]).lstrip("\ufffd")
-    return head + ELLIPSIS + tail, True
-
-
-def _n_tokens(tokenizer, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def refinement_prompt_ids(
-    tokenizer, system_prompt: str, template: str, instruction: str, response: str, max_tokens: int
-) -> tuple[list[int], bool]:
-    """Chat ids of the refinement request for (instruction, response), cut to `max_tokens`, and
-    whether it was cut.
-
-    The request holds the query and the answer, so it outgrows the context where the query alone
-    did not (a CNN/DM article with its summary passes 2,048 tokens, where Qwen v1's conversion
-    stops being exact). It is cut as queries are, in the middle: the instruction first (it is
-    context; the response is what gets rewritten), keeping it at least a quarter of the room,
-    then the response. At most `max_tokens` unless the template alone is longer.
-    """
-    ids = chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, instruction, response))
-    if len(ids) <= max_tokens:
-        return ids, False
-    frame = len(chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, "", "")))
-    room = max(max_tokens - frame, 4)
-    response_budget = min(_n_tokens(tokenizer, response), room - min(_n_tokens(tokenizer, instruction), room // 4))
-    instruction_budget = room - response_budget
-    for _ in range(4):  # tokens can merge across the cut pieces' edges: shrink by the excess and retry
-        cut_instruction, _ = truncate_middle(tokenizer, instruction, max(instruction_budget, 2))
-        cut_response, _ = truncate_middle(tokenizer, response, max(response_budget, 2))
-        ids = chat_prompt_ids(tokenizer, system_prompt, refinement_request(template, cut_instruction, cut_response))
-        excess = len(ids) - max_tokens
-        if excess <= 0:
-            break
-        shrink_instruction = min(excess, max(instruction_budget - 2, 0))
-        instruction_budget -= shrink_instruction
-        response_budget -= excess - shrink_instruction
-    return ids, True
-
-
-def prepare_queries(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[PreparedQuery]:
-    overhead = len(chat_prompt_ids(tokenizer, config.system_prompt, ""))
-    budget = max(config.max_prompt_tokens - overhead, 16)
-    prepared = []
-    for query in queries:
-        text, truncated = truncate_middle(tokenizer, query.text, budget)
-        prepared.append(PreparedQuery(query, text, truncated, chat_prompt_ids(tokenizer, config.system_prompt, text)))
-    return prepared
 
 
 def generate_texts(
@@ -246,7 +166,11 @@ def evaluate(
                 last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
                 requests = [
                     refinement_prompt_ids(
-                        tokenizer, config.system_prompt, template, prepared[chains[c][0]].text, prev,
+                        tokenizer,
+                        config.system_prompt,
+                        template,
+                        prepared[chains[c][0]].text,
+                        prev,
                         config.max_prompt_tokens,
                     )
                     for c, prev in zip(batch, last)
@@ -257,7 +181,10 @@ def evaluate(
                     model,
                     tokenizer,
                     [ids for ids, _ in requests],
-                    [row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], f"revision-{round_}") for c in batch],
+                    [
+                        row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], f"revision-{round_}")
+                        for c in batch
+                    ],
                     [config.revision_temperature] * len(batch),
                     [config.revision_top_p] * len(batch),
                     config.max_new_tokens,
@@ -329,7 +256,12 @@ def score_pairs(
             for j, i in enumerate(chunk):
                 records.append(
                     build_record(
-                        prepared[i], [pairs[i][1]], [[pairs[i][2]]], [batch_scores[j]], [batch_scores[len(chunk) + j]], config.delta
+                        prepared[i],
+                        [pairs[i][1]],
+                        [[pairs[i][2]]],
+                        [batch_scores[j]],
+                        [batch_scores[len(chunk) + j]],
+                        config.delta,
                     )
                 )
     return records

@@ -72,7 +72,9 @@ def read_rows(path: str | os.PathLike) -> list[tuple[int, dict]]:
         try:
             rows.append((number, json.loads(line)))
         except json.JSONDecodeError as err:
-            raise DataFileError(f"{path}:{number}: not valid JSON ({err.msg}); expected one JSON object per line or a JSON list") from None
+            raise DataFileError(
+                f"{path}:{number}: not valid JSON ({err.msg}); expected one JSON object per line or a JSON list"
+            ) from None
     return _check_objects(path, rows)
 
 
@@ -194,7 +196,9 @@ def queries_from_rows(rows: Iterable[tuple[int, dict]], where: str, unit: str = 
             )
         query_id = row_id(row, index)
         if query_id in seen:
-            raise DataFileError(f"{where}:{number}: id {query_id!r} repeats {unit} {seen[query_id]}; ids must be unique")
+            raise DataFileError(
+                f"{where}:{number}: id {query_id!r} repeats {unit} {seen[query_id]}; ids must be unique"
+            )
         seen[query_id] = number
         category = row.get("category")
         queries.append(Query(query_id, text, None if category is None else str(category), reference_text(row)))
@@ -241,13 +245,21 @@ def load_pairs(path: str | os.PathLike) -> list[tuple[Query, str, str]]:
     for index, (line, row) in enumerate(read_rows(path)):
         missing = [k for k in ("query", "response", "revised") if not isinstance(row.get(k), str)]
         if missing:
-            raise DataFileError(f"{path}:{line}: missing or non-string {', '.join(missing)}; each row needs query, response and revised")
+            raise DataFileError(
+                f"{path}:{line}: missing or non-string {', '.join(missing)}; each row needs query, response and revised"
+            )
         query_id = row_id(row, index)
         if query_id in seen:
             raise DataFileError(f"{path}:{line}: id {query_id!r} repeats line {seen[query_id]}; ids must be unique")
         seen[query_id] = line
         category = row.get("category")
-        pairs.append((Query(query_id, row["query"], None if category is None else str(category)), row["response"], row["revised"]))
+        pairs.append(
+            (
+                Query(query_id, row["query"], None if category is None else str(category)),
+                row["response"],
+                row["revised"],
+            )
+        )
     return pairs
 
 

@@ -131,7 +131,11 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> 
     record_categories = [canonical_category(r.get("category")) for r in records]
     for category in sorted({c for c in record_categories if c is not None}):
         cat_ds = [d for d, c in zip(ds, record_categories) if c == category]
-        by_category[category] = {"n": len(cat_ds), "confidence": confidence(cat_ds, delta), "d_mean": finite_mean(cat_ds)}
+        by_category[category] = {
+            "n": len(cat_ds),
+            "confidence": confidence(cat_ds, delta),
+            "d_mean": finite_mean(cat_ds),
+        }
     return {
         "n": len(records),
         "n_invalid": int(sum(math.isnan(d) for d in ds)),

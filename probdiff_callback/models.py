@@ -55,8 +55,14 @@ def is_qwen_v1(path_or_id: str) -> bool:
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
     if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise ValueError(f"dtype={dtype!r}: use one of auto, {', '.join(table)}")
     return table[dtype]

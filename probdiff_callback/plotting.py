@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from probdiff_callback import history
+from probdiff_callback.agreement import LABELS, LOSS, PROBDIFF_MEASURES
+from probdiff_callback.formatting import fmt, is_finite
 from probdiff_callback.io import read_jsonl
 from probdiff_callback.metric import finite_values
 from probdiff_callback.reference_metrics import METRIC_LABELS
 
 
-def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, subdir: str = history.DEFAULT_SUBDIR) -> Path:
+def plot_run(
+    run_dir: str | os.PathLike, out: str | os.PathLike | None = None, subdir: str = history.DEFAULT_SUBDIR
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,9 +46,17 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     top = figure.add_subplot(grid[0, 0])
     side = figure.add_subplot(grid[0, 1], sharex=top)
     bottom = figure.add_subplot(grid[1, :], sharex=top)
-    confidence = [100 * (r["summary"]["confidence"] if r["summary"]["confidence"] is not None else math.nan) for r in rows]
-    low = [100 * (r["summary"]["confidence_ci"][0] if r["summary"]["confidence_ci"][0] is not None else math.nan) for r in rows]
-    high = [100 * (r["summary"]["confidence_ci"][1] if r["summary"]["confidence_ci"][1] is not None else math.nan) for r in rows]
+    confidence = [
+        100 * (r["summary"]["confidence"] if r["summary"]["confidence"] is not None else math.nan) for r in rows
+    ]
+    low = [
+        100 * (r["summary"]["confidence_ci"][0] if r["summary"]["confidence_ci"][0] is not None else math.nan)
+        for r in rows
+    ]
+    high = [
+        100 * (r["summary"]["confidence_ci"][1] if r["summary"]["confidence_ci"][1] is not None else math.nan)
+        for r in rows
+    ]
     top.fill_between(steps, low, high, color="tab:blue", alpha=0.2, label="95% Wilson interval")
     top.plot(steps, confidence, "o-", color="tab:blue", linewidth=2, label=f"confidence (d ≥ {delta:g})")
     categories = sorted({c for r in rows for c in r["summary"]["by_category"]})
@@ -53,7 +66,13 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
             top.plot(steps, values, ".--", linewidth=1, alpha=0.8, label=category)
     baseline = [r for r in rows if r.get("kind") == "baseline"]
     for row in baseline:
-        top.annotate("baseline", (row["global_step"], 100 * (row["summary"]["confidence"] or 0)), textcoords="offset points", xytext=(4, 6), fontsize=8)
+        top.annotate(
+            "baseline",
+            (row["global_step"], 100 * (row["summary"]["confidence"] or 0)),
+            textcoords="offset points",
+            xytext=(4, 6),
+            fontsize=8,
+        )
     for index, step in enumerate(failed_steps):
         top.axvline(step, color="tab:red", alpha=0.5, linestyle=":", label="failed evaluation" if index == 0 else None)
     top.set_ylabel("ProbDiff confidence (%)")
@@ -76,7 +95,9 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
         invalid.append(row["summary"]["n_invalid"])
     if distributions:
         spacing = min((b - a for a, b in zip(steps, steps[1:])), default=1) or 1
-        violins = bottom.violinplot(distributions, positions=positions, widths=0.8 * spacing, showmedians=True, showextrema=False)
+        violins = bottom.violinplot(
+            distributions, positions=positions, widths=0.8 * spacing, showmedians=True, showextrema=False
+        )
         for body in violins["bodies"]:
             body.set_alpha(0.5)
         violins["cmedians"].set_label("bar: median d of the step")
@@ -143,8 +164,14 @@ def _plot_independent_measures(axis, rows: list[dict]) -> None:
         more_handles, more_labels = loss_axis.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     if not series and not losses:
-        axis.text(0.5, 0.5, "no reference metric or eval loss in the history", ha="center", va="center",
-                  transform=axis.transAxes)
+        axis.text(
+            0.5,
+            0.5,
+            "no reference metric or eval loss in the history",
+            ha="center",
+            va="center",
+            transform=axis.transAxes,
+        )
     axis.set_title("independent measures: reference metrics and eval loss", fontsize=10)
     axis.grid(alpha=0.3)
     if handles:
@@ -154,3 +181,59 @@ def _plot_independent_measures(axis, rows: list[dict]) -> None:
 def _category_confidence(row: dict, category: str) -> float:
     value = row["summary"]["by_category"].get(category, {}).get("confidence")
     return math.nan if value is None else value
+
+
+def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
+    """Scatter plots, one point per step: each ProbDiff measure (rows) against each independent measure (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = report["steps"]
+    measures = list(dict.fromkeys(row["measure"] for row in report["across_steps"]))
+    out = Path(out)
+    columns = max(len(measures), 1)
+    figure, axes = plt.subplots(
+        len(PROBDIFF_MEASURES), columns, figsize=(4 * columns, 7), squeeze=False, constrained_layout=True
+    )
+    correlations = {(r["probdiff"], r["measure"]): r for r in report["across_steps"]}
+    for i, ours in enumerate(PROBDIFF_MEASURES):
+        for j in range(columns):
+            axis = axes[i][j]
+            if not measures:
+                axis.text(
+                    0.5, 0.5, "no reference metric or eval loss", ha="center", va="center", transform=axis.transAxes
+                )
+                continue
+            measure = measures[j]
+            points = [(s["metrics"].get(measure) if measure != LOSS else s[LOSS], s[ours], s["step"]) for s in steps]
+            points = [(x, y, step) for x, y, step in points if is_finite(x) and is_finite(y)]
+            scale = 100 if ours == "confidence" else 1
+            scatter = axis.scatter(
+                [x for x, _, _ in points],
+                [scale * y for _, y, _ in points],
+                c=[s for _, _, s in points],
+                cmap="viridis",
+                s=40,
+                zorder=3,
+            )
+            for x, y, step in points:
+                axis.annotate(str(step), (x, scale * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            row = correlations.get((ours, measure))
+            if row is not None:
+                axis.set_title(
+                    f"ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')}), "
+                    f"τ {fmt(row['kendall'], '+.2f')}, n {row['n']}",
+                    fontsize=9,
+                )
+            axis.set_xlabel(LABELS[measure] + (" (lower is better)" if measure == LOSS else ""))
+            axis.set_ylabel("ProbDiff confidence (%)" if ours == "confidence" else "mean d")
+            axis.grid(alpha=0.3)
+            if i == 0 and j == columns - 1 and points:
+                figure.colorbar(scatter, ax=axis, label="global step")
+    figure.suptitle("ProbDiff against independent measures, one point per evaluated step")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out

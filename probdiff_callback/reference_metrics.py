@@ -260,5 +260,3 @@ def format_reference(reference: Mapping) -> str:
     for category, entry in reference["by_category"].items():
         lines.append(f"  {category:<20} n={entry['n']:<4} {cells(entry)}")
     return "\n".join(lines)
-
-

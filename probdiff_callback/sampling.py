@@ -76,7 +76,11 @@ def block_size(width: int, k: int) -> int:
 
 
 def largest(
-    x: torch.Tensor, k: int, rows: torch.Tensor | None = None, block_max: torch.Tensor | None = None, block: int | None = None
+    x: torch.Tensor,
+    k: int,
+    rows: torch.Tensor | None = None,
+    block_max: torch.Tensor | None = None,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.topk(x[rows], k)` over the last dim (values descending, ids), 2-4x faster when k
     is small against the width.

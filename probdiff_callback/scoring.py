@@ -48,9 +48,16 @@ class Fp32Products(TorchFunctionMode):
     dtype of the base layer's output, which is then fp32 too).
     """
 
-    FUNCTIONS = frozenset({
-        torch.nn.functional.linear, torch.matmul, torch.mm, torch.addmm, torch.Tensor.matmul, torch.Tensor.__matmul__,
-    })
+    FUNCTIONS = frozenset(
+        {
+            torch.nn.functional.linear,
+            torch.matmul,
+            torch.mm,
+            torch.addmm,
+            torch.Tensor.matmul,
+            torch.Tensor.__matmul__,
+        }
+    )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,7 +97,9 @@ def token_logprobs_chunked(
         with Fp32Products():
             logits = lm_head(rows).float()
         # log-softmax at the targets only: one [chunk, vocabulary] tensor, not two
-        out[start : start + chunk_size] = logits.gather(1, chunk_targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        out[start : start + chunk_size] = logits.gather(1, chunk_targets[:, None]).squeeze(1) - torch.logsumexp(
+            logits, dim=-1
+        )
         del logits
     return out
 
@@ -153,15 +162,23 @@ def score_batch(
     for start in range(0, len(order), rows_per_forward):
         group = order[start : start + rows_per_forward]
         group_sums = _logprob_sums(
-            decoder, lm_head, device, [prompt_ids[i] for i in group], [response_ids[i] for i in group],
-            pad_token_id, chunk_size, sync_n_chunks,
+            decoder,
+            lm_head,
+            device,
+            [prompt_ids[i] for i in group],
+            [response_ids[i] for i in group],
+            pad_token_id,
+            chunk_size,
+            sync_n_chunks,
         )
         for i, total in zip(group, group_sums):
             sums[i] = total
     return [(sums[i] / len(r) if len(r) else math.nan, len(r)) for i, r in enumerate(response_ids)]
 
 
-def _logprob_sums(decoder, lm_head, device, prompt_ids, response_ids, pad_token_id, chunk_size, sync_n_chunks) -> list[float]:
+def _logprob_sums(
+    decoder, lm_head, device, prompt_ids, response_ids, pad_token_id, chunk_size, sync_n_chunks
+) -> list[float]:
     """Sum of log p(response token) for each pair, in one right-padded forward (positions intact)."""
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     width = max(lengths)
@@ -183,8 +200,8 @@ def _logprob_sums(decoder, lm_head, device, prompt_ids, response_ids, pad_token_
     long = dict(dtype=torch.long, device=device)
     selected = hidden[torch.tensor(rows, **long), torch.tensor(positions, **long)]
     del hidden
-    logprobs = token_logprobs_chunked(
-        selected, torch.tensor(targets, **long), lm_head, chunk_size, sync_n_chunks
-    ).cpu()
-    sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, torch.tensor(rows, dtype=torch.long), logprobs.double())
+    logprobs = token_logprobs_chunked(selected, torch.tensor(targets, **long), lm_head, chunk_size, sync_n_chunks).cpu()
+    sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(
+        0, torch.tensor(rows, dtype=torch.long), logprobs.double()
+    )
     return sums.tolist()

@@ -84,7 +84,9 @@ def select_checkpoints(run_dir: str | os.PathLike, subdir: str = history.DEFAULT
     directory = history.probdiff_dir(run_dir, subdir)
     rows = history.read_history(directory / history.HISTORY_FILE)
     if not rows:
-        raise FileNotFoundError(f"{directory / history.HISTORY_FILE}: no evaluations yet; was the run trained with ProbDiffCallback?")
+        raise FileNotFoundError(
+            f"{directory / history.HISTORY_FILE}: no evaluations yet; was the run trained with ProbDiffCallback?"
+        )
     failed = [row["global_step"] for row in rows if row.get("error") is not None or row.get("summary") is None]
     steps, baseline, records = [], None, {}
     delta = math.nan
@@ -142,7 +144,8 @@ def format_selection(selection: Selection) -> str:
         p = "-" if step.rank == 1 else fmt(step.p_vs_best, ".3g")
         win_lose = "-" if step.rank == 1 else f"{step.win}/{step.lose}"
         return (
-            f"{rank:>4}  {step.global_step:>6}  {pct(step.confidence):>10}  {'[' + pct(low) + ', ' + pct(high) + ']':>15}  "
+            f"{rank:>4}  {step.global_step:>6}  {pct(step.confidence):>10}  "
+            f"{'[' + pct(low) + ', ' + pct(high) + ']':>15}  "
             f"{step.d_mean:>8.4f}  {step.n:>4}  {p:>9}  {win_lose:>8}  "
             f"{versus_base.format_win_tie_lose(step.vs_base):>13}  {versus_base.format_p(step.vs_base):>9}  "
             f"{step.checkpoint or '-'}"
@@ -154,19 +157,26 @@ def format_selection(selection: Selection) -> str:
         label = "base model" if selection.baseline.base_model else "before training"
         lines.append(line(selection.baseline, "base") + f"  ({label})")
     if selection.failed_steps:
-        lines.append(f"failed evaluations (see `error` in the history): steps {', '.join(map(str, selection.failed_steps))}")
+        lines.append(
+            "failed evaluations (see `error` in the history): steps " + ", ".join(map(str, selection.failed_steps))
+        )
     if selection.baseline_beats_all:
         lines.append(
-            f"The baseline (step {selection.baseline.global_step}, before fine-tuning) beats every evaluated checkpoint: "
-            "fine-tuning has not improved ProbDiff confidence on these queries."
+            f"The baseline (step {selection.baseline.global_step}, before fine-tuning) beats every evaluated "
+            "checkpoint: fine-tuning has not improved ProbDiff confidence on these queries."
         )
     if selection.best_checkpoint is None:
         lines.append("No evaluated step has a checkpoint on disk yet.")
     else:
         best = selection.best_checkpoint
-        lines.append(f"Best checkpoint: step {best.global_step}, {best.checkpoint} (confidence {pct(best.confidence)}, d mean {best.d_mean:.4f})")
+        lines.append(
+            f"Best checkpoint: step {best.global_step}, {best.checkpoint} "
+            f"(confidence {pct(best.confidence)}, d mean {best.d_mean:.4f})"
+        )
         if selection.ranked and selection.ranked[0] is not best:
-            lines.append(f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved or was deleted)")
+            lines.append(
+                f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved or was deleted)"
+            )
     return "\n".join(lines)
 
 
@@ -178,7 +188,9 @@ def point_best(run_dir: str | os.PathLike, checkpoint: str, copy: bool = False) 
     if copy:
         shutil.copytree(checkpoint, staging, symlinks=True)
     else:
-        os.symlink(os.path.relpath(Path(checkpoint).resolve(), Path(run_dir).resolve()), staging, target_is_directory=True)
+        os.symlink(
+            os.path.relpath(Path(checkpoint).resolve(), Path(run_dir).resolve()), staging, target_is_directory=True
+        )
     if target.is_symlink() and copy:
         target.unlink()  # rename cannot put a directory over a symlink
     elif target.is_dir() and not target.is_symlink():

@@ -117,9 +117,13 @@ def unpack_tiny_model(directory: Path) -> None:
     state = expanded_state_dict(compact)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     tiny_config().to_json_file(directory / "config.json")
-    GenerationConfig(eos_token_id=[IM_END_ID, IM_START_ID], pad_token_id=ENDOFTEXT_ID).to_json_file(directory / "generation_config.json")
+    GenerationConfig(eos_token_id=[IM_END_ID, IM_START_ID], pad_token_id=ENDOFTEXT_ID).to_json_file(
+        directory / "generation_config.json"
+    )
     tokenizer.save_pretrained(directory)
     (directory / "probdiff_tiny.json").write_text(
-        json.dumps({"version": TINY_VERSION, "asset_sha256_16": asset_digest(), "weights_sha256": weights_digest(state)},
-                   indent=2)
+        json.dumps(
+            {"version": TINY_VERSION, "asset_sha256_16": asset_digest(), "weights_sha256": weights_digest(state)},
+            indent=2,
+        )
     )

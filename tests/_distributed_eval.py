@@ -25,10 +25,11 @@ N_QUERIES = 5  # odd, so two ranks need padding
 EVAL_SETTINGS = dict(max_new_tokens=8, batch_size=8, seed=3)
 
 
-def probdiff_config():
+def probdiff_config(**options):
+    """The tests' evaluation settings, with the callback's `options` (n_queries, every, ...)."""
     from probdiff_callback.config import ProbDiffConfig
 
-    return ProbDiffConfig(**EVAL_SETTINGS)
+    return ProbDiffConfig(**{**EVAL_SETTINGS, **options})
 
 
 def held_out_queries():
@@ -91,7 +92,9 @@ def build_trainer(
         encoded = [tokenizer(text, truncation=True, max_length=64) for text in texts]
         from datasets import Dataset
 
-        dataset = Dataset.from_list([{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in encoded])
+        dataset = Dataset.from_list(
+            [{"input_ids": e["input_ids"], "attention_mask": e["attention_mask"]} for e in encoded]
+        )
         return Trainer(
             model=model,
             args=TrainingArguments(**settings),
@@ -112,7 +115,9 @@ def build_trainer(
         eval_dataset=dataset.select(range(2)),
         processing_class=tokenizer,
         callbacks=callbacks,
-        peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        peft_config=LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        )
         if lora
         else None,
     )
@@ -141,19 +146,20 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
     trainer = build_trainer(args.model, Path(args.out) / "run", max_steps=2, save_steps=2, eval_strategy="no", **extra)
-    callback = ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, fail_on_error=True)
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, fail_on_error=True))
+    trainer.add_callback(callback)
     trainer.train()
     rank = trainer.accelerator.process_index
 
     seen: dict = {"rank": rank, "world_size": trainer.accelerator.num_processes, "history_metrics": callback.evaluated}
-    callback.options.gather_params = True
+    callback.config.gather_params = True
     gathered = callback.evaluate_model()
     seen["gathered"] = {"records": gathered.records, "summary": gathered.summary, "error": gathered.error}
     if args.mode == "zero3":
-        callback.options.gather_params = False
+        callback.config.gather_params = False
         sharded = callback.evaluate_model()
         seen["sharded"] = {"records": sharded.records, "summary": sharded.summary, "error": sharded.error}
-        callback.options.gather_params = True
+        callback.config.gather_params = True
 
     real_evaluate = callback_module.evaluate
 

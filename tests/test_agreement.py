@@ -12,7 +12,6 @@ import pytest
 from probdiff_callback import history
 from probdiff_callback.agreement import (
     across_steps,
-    check_verdicts,
     crosscheck,
     format_crosscheck,
     load_run,
@@ -24,6 +23,7 @@ from probdiff_callback.agreement import (
 from probdiff_callback.cli import main
 from probdiff_callback.io import DataFileError, write_jsonl
 from probdiff_callback.verdicts import (
+    check_verdicts,
     conflict_degree,
     format_conflict,
     format_pairwise,

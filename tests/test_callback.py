@@ -11,23 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from transformers import EarlyStoppingCallback
 
 import probdiff_callback.callback as callback_module
-from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
-from probdiff_callback import history
-from probdiff_callback.callback import (
-    ProbDiffCallback,
-    ProbDiffCallbackArgs,
-    metrics_from_summary,
-    pad_to_equal_shards,
-    preserved_rng_state,
-    select_queries,
-)
+from probdiff_callback import distributed, history
+from probdiff_callback.callback import ProbDiffCallback, select_queries
+from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.io import Query, read_jsonl
+from probdiff_callback.io import DataFileError, Query, read_jsonl
 from probdiff_callback.metric import compare, summarize
+from probdiff_callback.outputs import metrics_from_summary
 from probdiff_callback.selection import select_checkpoints
+from probdiff_callback.unwrap import preserved_rng_state
 from probdiff_callback.wandb_files import history_row
 from probdiff_callback.wandb_files import read_records as read_wandb_records
 
@@ -63,14 +59,44 @@ def assert_same_records(actual: list[dict], expected: list[dict]) -> None:
 
 # ---- helpers, no model ----
 
-def test_pad_to_equal_shards_pads_with_the_last_item_and_keeps_order():
-    shards = pad_to_equal_shards([0, 1, 2, 3, 4], 2)
-    assert shards == [[0, 1, 2], [3, 4, 4]]
-    assert [x for shard in shards for x in shard][:5] == [0, 1, 2, 3, 4]
-    assert pad_to_equal_shards([0, 1], 4) == [[0], [1], [1], [1]]
-    assert pad_to_equal_shards([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
-    with pytest.raises(ValueError):
-        pad_to_equal_shards([], 2)
+
+class OneRankOf:
+    """What `evaluate_sharded` needs of an accelerator, for one of `n` ranks (accelerate's own split)."""
+
+    def __init__(self, rank: int, n: int) -> None:
+        self.process_index, self.num_processes = rank, n
+
+    def split_between_processes(self, inputs, apply_padding=False):
+        from contextlib import contextmanager
+
+        from accelerate import PartialState
+
+        return contextmanager(PartialState.split_between_processes.__wrapped__)(self, inputs, apply_padding)
+
+
+@pytest.mark.parametrize("n_items, n_ranks", [(5, 2), (7, 3), (2, 4), (4, 2), (1, 1)])
+def test_sharded_evaluation_makes_equal_calls_and_gathers_in_order(monkeypatch, n_items, n_ranks):
+    monkeypatch.setattr(distributed, "gather_object", lambda values: values)  # each rank's part; joined below
+    items = [f"q{i}" for i in range(n_items)]
+    shares, gathered = [], []
+    for rank in range(n_ranks):
+        results, error = distributed.evaluate_sharded(
+            OneRankOf(rank, n_ranks), items, lambda share: shares.append(list(share)) or [s.upper() for s in share]
+        )
+        assert error is None
+        gathered += results
+    assert len({len(share) for share in shares}) == 1  # the same number of calls on every rank (ZeRO-3)
+    assert gathered == [item.upper() for item in items]
+
+
+def test_a_failure_on_one_rank_is_reported_with_its_traceback(monkeypatch):
+    monkeypatch.setattr(distributed, "gather_object", lambda values: values)
+
+    def fail(share):
+        raise RuntimeError("out of memory")
+
+    results, error = distributed.evaluate_sharded(OneRankOf(1, 2), ["a", "b", "c"], fail)
+    assert results == [] and error.startswith("rank 1: Traceback") and "out of memory" in error
 
 
 def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_global_rng():
@@ -90,8 +116,16 @@ def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_glo
 
 def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
     records = [
-        {"id": str(i), "category": c, "d": d, "logp_response": -2.0, "logp_revised": -2.0 + d,
-         "n_tokens_response": 5, "n_tokens_revised": 5, "truncated": False}
+        {
+            "id": str(i),
+            "category": c,
+            "d": d,
+            "logp_response": -2.0,
+            "logp_revised": -2.0 + d,
+            "n_tokens_response": 5,
+            "n_tokens_revised": 5,
+            "truncated": False,
+        }
         for i, (c, d) in enumerate([("a b", 0.1), ("a b", -0.2), ("c/d", 0.3)])
     ]
     summary = summarize(records, -0.05, [0.0, -0.1])
@@ -103,8 +137,13 @@ def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
     assert metrics["eval_probdiff_confidence_at_0"] == pytest.approx(2 / 3)
     assert metrics["eval_probdiff_n_invalid"] == 0
     failed = metrics_from_summary(None, [0.0, -0.1], ["a b", "c/d"])
-    assert set(failed) >= {"eval_probdiff_confidence", "eval_probdiff_d_mean", "eval_probdiff_confidence_a_b",
-                           "eval_probdiff_confidence_at_-0.1", "eval_probdiff_confidence_at_0"}
+    assert set(failed) >= {
+        "eval_probdiff_confidence",
+        "eval_probdiff_d_mean",
+        "eval_probdiff_confidence_a_b",
+        "eval_probdiff_confidence_at_-0.1",
+        "eval_probdiff_confidence_at_0",
+    }
     assert all(math.isnan(v) for v in failed.values())
 
 
@@ -120,23 +159,62 @@ def test_preserved_rng_state_restores_every_stream():
 
 def test_options_are_validated():
     with pytest.raises(ValueError, match="every=0"):
-        ProbDiffCallbackArgs(every=0)
+        ProbDiffConfig(every=0)
     with pytest.raises(ValueError, match="n_queries=0"):
-        ProbDiffCallbackArgs(n_queries=0)
+        ProbDiffConfig(n_queries=0)
+
+
+def test_queries_come_from_strings_chats_datasets_or_the_trainers_eval_dataset(tmp_path, tiny_model_path):
+    from datasets import Dataset
+
+    trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=1)
+    config = probdiff_config(n_queries=None)
+    from_strings = ProbDiffCallback(trainer, ["Write a haiku about rain", "Name three rivers"], config)
+    assert [(q.id, q.text) for q in from_strings.queries] == [
+        ("0", "Write a haiku about rain"),
+        ("1", "Name three rivers"),
+    ]
+    chat = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    assert ProbDiffCallback(trainer, [chat], config).queries[0].reference == "hi"
+    rows = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": "Sum 2 and 3"}], "completion": "5"},
+            {"prompt": [{"role": "user", "content": "Sum 1 and 1"}], "completion": "2"},
+        ]
+    )
+    from_dataset = ProbDiffCallback(trainer, rows, config)
+    assert [(q.text, q.reference) for q in from_dataset.queries] == [("Sum 2 and 3", "5"), ("Sum 1 and 1", "2")]
+    # no queries given: the trainer's eval_dataset (chats of held-out posts, as trl keeps its `messages` column)
+    default = ProbDiffCallback(trainer, config=config)
+    assert len(default.queries) == len(trainer.eval_dataset) and all(q.reference for q in default.queries)
+    outcome = from_strings.evaluate_model()
+    assert outcome.error is None and [r["id"] for r in outcome.records] == ["0", "1"]
+    with pytest.raises(DataFileError, match=r"queries\[1\]: got int"):
+        ProbDiffCallback(trainer, ["fine", 3], config)
+    with pytest.raises(DataFileError, match="no query found"):
+        ProbDiffCallback(trainer, Dataset.from_list([{"text": "no prompt column"}]), config)
 
 
 # ---- training runs ----
 
+
 def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, tiny_model_path, tiny_model, capsys):
     run = tmp_path / "run"
     trainer = build_trainer(
-        tiny_model_path, run, max_steps=6, eval_strategy="steps", eval_steps=2, save_steps=2,
-        metric_for_best_model="probdiff_confidence", greater_is_better=True, load_best_model_at_end=True,
+        tiny_model_path,
+        run,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        metric_for_best_model="probdiff_confidence",
+        greater_is_better=True,
+        load_best_model_at_end=True,
         # a threshold no confidence gain can pass: the second ProbDiff evaluation stops training
         callbacks=[EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=1.0)],
     )
     queries = held_out_queries()
-    callback = ProbDiffCallback(trainer, queries, probdiff_config(), n_queries=N_QUERIES)
+    callback = ProbDiffCallback(trainer, queries, probdiff_config(n_queries=N_QUERIES))
     trainer.add_callback(callback)  # lands after EarlyStoppingCallback; the callback moves itself
     trainer.train()
 
@@ -144,7 +222,7 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     assert names.index("ProbDiffCallback") < names.index("EarlyStoppingCallback")
     assert trainer.state.global_step == 4, "early stopping did not act on eval_probdiff_confidence"
     printed = capsys.readouterr().out
-    assert "ProbDiff: one evaluation (5 queries" in printed and "of the training time" in printed
+    assert "ProbDiff: one evaluation takes" in printed and "evaluating every 2 steps adds about" in printed
     # AlignBench categories have no reference metric: said once, nothing logged for it
     assert printed.count("ProbDiff: no reference metric for") == 1 and "Writing" in printed
     assert not any(key.startswith("eval_ref_") for entry in trainer.state.log_history for key in entry)
@@ -183,7 +261,9 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     for row in rows:
         entry, summary = logged[row["global_step"]], row["summary"]
         assert entry["eval_probdiff_confidence"] == summary["confidence"]
-        assert [entry["eval_probdiff_confidence_ci_low"], entry["eval_probdiff_confidence_ci_high"]] == summary["confidence_ci"]
+        assert [entry["eval_probdiff_confidence_ci_low"], entry["eval_probdiff_confidence_ci_high"]] == summary[
+            "confidence_ci"
+        ]
         assert entry["eval_probdiff_d_mean"] == pytest.approx(summary["d_mean"])
         assert entry["eval_probdiff_d_median"] == pytest.approx(summary["d_median"])
         assert entry["eval_probdiff_logp_response"] == pytest.approx(summary["logp_response_mean"])
@@ -218,9 +298,11 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
 
 def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, tiny_model_path):
     def losses(run: Path, with_callback: bool) -> list[float]:
-        trainer = build_trainer(tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=2, save_strategy="no")
+        trainer = build_trainer(
+            tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=2, save_strategy="no"
+        )
         if with_callback:
-            ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+            trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES)))
         trainer.train()
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -235,10 +317,14 @@ def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, ti
 def test_every_second_evaluation_and_the_last_step_at_the_end(tmp_path, tiny_model_path):
     run = tmp_path / "run"
     trainer = build_trainer(tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="no")
-    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, every=2)
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, every=2)))
     trainer.train()
     # evaluations at steps 1, 2, 3: the 2nd is evaluated, the 3rd because it is the last step
-    assert [(r["global_step"], r["kind"]) for r in history_rows(run)] == [(0, "baseline"), (2, "evaluate"), (3, "evaluate")]
+    assert [(r["global_step"], r["kind"]) for r in history_rows(run)] == [
+        (0, "baseline"),
+        (2, "evaluate"),
+        (3, "evaluate"),
+    ]
     assert sorted(probdiff_logs(trainer)) == [0, 2, 3]
 
 
@@ -246,9 +332,15 @@ def test_the_last_step_is_evaluated_once_at_the_end(tmp_path, tiny_model_path):
     run = tmp_path / "run"
     # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
     trainer = build_trainer(
-        tiny_model_path, run, max_steps=2, eval_strategy="epoch", save_strategy="no", metric_for_best_model="probdiff_confidence",
+        tiny_model_path,
+        run,
+        max_steps=2,
+        eval_strategy="epoch",
+        save_strategy="no",
+        metric_for_best_model="probdiff_confidence",
     )
-    callback = ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, baseline=False)
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, baseline=False))
+    trainer.add_callback(callback)
     trainer.train()
     rows = history_rows(run)
     assert [(r["global_step"], r["kind"]) for r in rows] == [(2, "end")]
@@ -260,17 +352,22 @@ def test_the_last_step_is_evaluated_once_at_the_end(tmp_path, tiny_model_path):
 
 def test_selecting_by_probdiff_refuses_skipped_evaluations(tmp_path, tiny_model_path):
     trainer = build_trainer(
-        tiny_model_path, tmp_path / "run", max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="no",
+        tiny_model_path,
+        tmp_path / "run",
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="no",
         metric_for_best_model="probdiff_confidence",
     )
-    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, every=2)
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, every=2)))
     with pytest.raises(ValueError, match="every=2"):
         trainer.train()
 
 
 def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_model_path, monkeypatch):
     trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=1)
-    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(), n_queries=2)
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=2))
     model, tokenizer = trainer.model, callback.tokenizer
     model.train()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -309,10 +406,17 @@ def test_a_failed_evaluation_is_recorded_and_training_goes_on(tmp_path, tiny_mod
     run = tmp_path / "run"
     # a plain Trainer with full fine-tuning; the metric is checked by the Trainer at every evaluation
     trainer = build_trainer(
-        tiny_model_path, run, plain_trainer=True, lora=False, max_steps=4, eval_strategy="steps", eval_steps=2,
-        save_strategy="no", metric_for_best_model="probdiff_confidence",
+        tiny_model_path,
+        run,
+        plain_trainer=True,
+        lora=False,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="no",
+        metric_for_best_model="probdiff_confidence",
     )
-    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES)))
     trainer.train()
     assert trainer.state.global_step == 4
     rows = history_rows(run)
@@ -334,7 +438,9 @@ def test_fail_on_error_reraises(tmp_path, tiny_model_path, monkeypatch):
 
     monkeypatch.setattr(callback_module, "evaluate", broken)
     trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=2, save_strategy="no")
-    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, fail_on_error=True)
+    trainer.add_callback(
+        ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, fail_on_error=True))
+    )
     with pytest.raises(RuntimeError, match="fail_on_error=True"):
         trainer.train()
     rows = history_rows(tmp_path / "run")
@@ -345,7 +451,7 @@ def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_mod
     run = tmp_path / "run"
     settings = dict(max_steps=4, eval_strategy="no", save_steps=2)
     first = build_trainer(tiny_model_path, run, **settings)
-    ProbDiffCallback.attach(first, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+    first.add_callback(ProbDiffCallback(first, held_out_queries(), probdiff_config(n_queries=N_QUERIES)))
     first.train()
     before = history_rows(run)
     assert [(r["global_step"], r["kind"]) for r in before] == [(0, "baseline"), (2, "save"), (4, "save")]
@@ -353,7 +459,8 @@ def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_mod
 
     # As if the run had died after step 4's evaluation and were resumed from checkpoint-2.
     resumed = build_trainer(tiny_model_path, run, **settings)
-    callback = ProbDiffCallback.attach(resumed, held_out_queries(), probdiff_config(), n_queries=N_QUERIES)
+    callback = ProbDiffCallback(resumed, held_out_queries(), probdiff_config(n_queries=N_QUERIES))
+    resumed.add_callback(callback)
     resumed.train(resume_from_checkpoint=str(run / "checkpoint-2"))
     after = history_rows(run)
     assert [r["global_step"] for r in after] == [0, 2, 4]
@@ -365,11 +472,14 @@ def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_mod
 
 # ---- W&B ----
 
+
 def wandb_history_rows(path: Path) -> list[dict]:
     return [history_row(r) for r in read_wandb_records(path) if r.WhichOneof("record_type") == "history"]
 
 
-def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step(tmp_path, tiny_model_path, monkeypatch):
+def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step(
+    tmp_path, tiny_model_path, monkeypatch
+):
     import wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -377,8 +487,12 @@ def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step
     monkeypatch.setenv("WANDB_PROJECT", "probdiff-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    trainer = build_trainer(tiny_model_path, run, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="no", report_to="wandb")
-    ProbDiffCallback.attach(trainer, held_out_queries(), probdiff_config(), n_queries=N_QUERIES, wandb_table_rows=3)
+    trainer = build_trainer(
+        tiny_model_path, run, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="no", report_to="wandb"
+    )
+    trainer.add_callback(
+        ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, wandb_table_rows=3))
+    )
     try:
         trainer.train()
     finally:
@@ -396,12 +510,15 @@ def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step
 
     scalars = {row["train/global_step"]: row for row in logged if "eval/probdiff_confidence" in row}
     histograms = {row["train/global_step"]: row["eval/probdiff_d"] for row in logged if "eval/probdiff_d" in row}
-    tables = [(row["train/global_step"], row["eval/probdiff_records"]) for row in logged if "eval/probdiff_records" in row]
+    tables = [
+        (row["train/global_step"], row["eval/probdiff_records"]) for row in logged if "eval/probdiff_records" in row
+    ]
     assert sorted(scalars) == [0, 2, 4], [sorted(row) for row in logged]
     assert sorted(histograms) == [0, 2, 4], [sorted(row) for row in logged]
     # one table that grows by wandb_table_rows records per evaluated step
     assert [(step, table["_type"], table["log_mode"], table["nrows"]) for step, table in tables] == [
-        (0, "incremental-table-file", "INCREMENTAL", 3), (2, "incremental-table-file", "INCREMENTAL", 6),
+        (0, "incremental-table-file", "INCREMENTAL", 3),
+        (2, "incremental-table-file", "INCREMENTAL", 6),
         (4, "incremental-table-file", "INCREMENTAL", 9),
     ]
     for step, summary in expected.items():
@@ -411,4 +528,7 @@ def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step
         histogram = histograms[step]
         assert histogram["_type"] == "histogram"
         assert sum(histogram["values"]) == summary["n"] - summary["n_invalid"]
-        assert histogram["bins"][0] <= summary["d_quantiles"]["0.05"] and histogram["bins"][-1] >= summary["d_quantiles"]["0.95"]
+        assert (
+            histogram["bins"][0] <= summary["d_quantiles"]["0.05"]
+            and histogram["bins"][-1] >= summary["d_quantiles"]["0.95"]
+        )

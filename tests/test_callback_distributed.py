@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _distributed_eval import N_QUERIES, held_out_queries, load_tiny, probdiff_config
+
 from probdiff_callback import history
 from probdiff_callback.callback import select_queries
 from probdiff_callback.evaluator import evaluate
@@ -36,14 +36,32 @@ pytestmark = pytest.mark.skipif(shutil.which("accelerate") is None, reason="need
 
 def launch(mode: str, model_path: Path, out: Path) -> list[dict]:
     command = [
-        "accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", *LAUNCHERS[mode], str(SCRIPT), "--mode", mode, "--model", str(model_path), "--out", str(out),
+        "accelerate",
+        "launch",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        *LAUNCHERS[mode],
+        str(SCRIPT),
+        "--mode",
+        mode,
+        "--model",
+        str(model_path),
+        "--out",
+        str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(SCRIPT.parents[1])}
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{mode}: the 2-process run did not finish in {LAUNCH_TIMEOUT_S}s (a hang?)\n{(err.stderr or b'')[-4000:]}")
+        pytest.fail(
+            f"{mode}: the 2-process run did not finish in {LAUNCH_TIMEOUT_S}s (a hang?)\n{(err.stderr or b'')[-4000:]}"
+        )
     assert done.returncode == 0, f"{mode} launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
 
@@ -107,7 +125,9 @@ def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None
     rows = history.read_history(history.history_path(out / "run"))
     assert [(r["global_step"], r["kind"], r["error"]) for r in rows] == [(0, "baseline", None), (2, "save", None)]
     assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), reference(None))
-    assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), reference(out / "run" / "checkpoint-2"))
+    assert_same_records(
+        read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), reference(out / "run" / "checkpoint-2")
+    )
     assert rows[1]["summary"]["confidence"] == ranks[0]["history_metrics"]["2"]["eval_probdiff_confidence"]
 
     # a failure on rank 1 reached both ranks, and neither hung

@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from probdiff_callback.callback import metric_name, metrics_from_summary
 from probdiff_callback.categories import ALIGNBENCH, canonical_category, unmatched_keys
 from probdiff_callback.cli import main
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
 from probdiff_callback.io import Query
 from probdiff_callback.metric import summarize
+from probdiff_callback.outputs import metric_name, metrics_from_summary
 
 RELEASE_ORDER = ["专业能力", "数学计算", "基本任务", "逻辑推理", "文本写作", "中文理解", "角色扮演", "综合问答"]
 
@@ -57,8 +57,16 @@ def test_cli_stops_on_an_unmatched_key_before_loading_the_model(tmp_path, capsys
 
 
 def record(category, d):
-    return {"id": f"{category}-{d}", "category": category, "d": d, "logp_response": -1.0, "logp_revised": -1.0 + d,
-            "n_tokens_response": 5, "n_tokens_revised": 5, "truncated": False}
+    return {
+        "id": f"{category}-{d}",
+        "category": category,
+        "d": d,
+        "logp_response": -1.0,
+        "logp_revised": -1.0 + d,
+        "n_tokens_response": 5,
+        "n_tokens_revised": 5,
+        "truncated": False,
+    }
 
 
 def test_summary_and_metric_keys_merge_both_names():

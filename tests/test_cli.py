@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from probdiff_callback.cli import format_summary, main
+from probdiff_callback.cli import main
+from probdiff_callback.reports import format_summary
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 
@@ -17,8 +18,24 @@ def eval_dirs(tiny_model_path, tmp_path_factory):
     dirs = []
     for seed in (0, 1):
         target = out / f"seed{seed}"
-        code = main(["eval", "--model", "tiny", "--device", "cpu", "--queries", SAMPLES, "--out", str(target), "--limit", "6",
-                     "max_new_tokens=12", f"seed={seed}", "answer_temperature_by_category.Mathematics=0.1"])
+        code = main(
+            [
+                "eval",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--queries",
+                SAMPLES,
+                "--out",
+                str(target),
+                "--limit",
+                "6",
+                "max_new_tokens=12",
+                f"seed={seed}",
+                "answer_temperature_by_category.Mathematics=0.1",
+            ]
+        )
         assert code == 0
         dirs.append(target)
     return dirs
@@ -40,9 +57,23 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     printed = format_summary(summary)
     assert f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}" in printed
     assert "95% CI [" in printed and "(Wilson)" in printed
-    for key in ("n_invalid", "n_truncated", "n_capped", "n_revision_capped", "n_revision_truncated",
-                "confidence_ci", "d_mean", "d_median", "d_std", "d_quantiles", "logp_response_mean",
-                "logp_revised_mean", "len_response_mean", "len_revised_mean", "length_changed_share"):
+    for key in (
+        "n_invalid",
+        "n_truncated",
+        "n_capped",
+        "n_revision_capped",
+        "n_revision_truncated",
+        "confidence_ci",
+        "d_mean",
+        "d_median",
+        "d_std",
+        "d_quantiles",
+        "logp_response_mean",
+        "logp_revised_mean",
+        "len_response_mean",
+        "len_revised_mean",
+        "length_changed_share",
+    ):
         assert key in summary
     assert "reference" not in summary and all("ref" not in r for r in records)  # AlignBench has no reference metric
 
@@ -52,8 +83,22 @@ def test_eval_scores_the_answers_against_the_references_when_the_queries_have_th
 
     out = tmp_path / "translation"
     queries = "data/samples/translation/heldout.jsonl"
-    code = main(["eval", "--model", "tiny", "--device", "cpu", "--queries", queries, "--out", str(out), "--limit", "6",
-                 "max_new_tokens=8"])
+    code = main(
+        [
+            "eval",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--queries",
+            queries,
+            "--out",
+            str(out),
+            "--limit",
+            "6",
+            "max_new_tokens=8",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
@@ -72,8 +117,18 @@ def test_eval_scores_the_answers_against_the_references_when_the_queries_have_th
 def test_score_reproduces_eval_scores(eval_dirs, tmp_path):
     records = [json.loads(line) for line in (eval_dirs[0] / "records.jsonl").read_text().splitlines()]
     pairs = tmp_path / "pairs.json"
-    pairs.write_text(json.dumps([{"id": r["id"], "query": r["query"], "response": r["response"], "revised": r["revisions"][-1]} for r in records]))
-    assert main(["score", "--model", "tiny", "--device", "cpu", "--pairs", str(pairs), "--out", str(tmp_path / "scored")]) == 0
+    pairs.write_text(
+        json.dumps(
+            [
+                {"id": r["id"], "query": r["query"], "response": r["response"], "revised": r["revisions"][-1]}
+                for r in records
+            ]
+        )
+    )
+    assert (
+        main(["score", "--model", "tiny", "--device", "cpu", "--pairs", str(pairs), "--out", str(tmp_path / "scored")])
+        == 0
+    )
     scored = [json.loads(line) for line in (tmp_path / "scored" / "records.jsonl").read_text().splitlines()]
     for a, b in zip(records, scored):
         if a["d"] is None:
@@ -113,7 +168,9 @@ def test_select_and_plot_name_a_missing_run_directory(tmp_path, capsys):
 
 
 def test_console_script_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "probdiff_callback.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "probdiff_callback.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for command in ("eval", "score", "compare", "convert-qwen"):
         assert command in out
 
@@ -121,11 +178,48 @@ def test_console_script_help_lists_every_command():
 def test_console_script_evaluates_in_a_process_of_its_own(tiny_model_path, tmp_path):
     """The console script's path (collector paused while loading, allocator tuned on CPU) gives the same outputs."""
     out = tmp_path / "script"
-    subprocess.run([sys.executable, "-m", "probdiff_callback.cli", "eval", "--model", "tiny", "--device", "cpu", "--queries", SAMPLES,
-                    "--limit", "2", "--out", str(out), "max_new_tokens=6"], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "probdiff_callback.cli",
+            "eval",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--queries",
+            SAMPLES,
+            "--limit",
+            "2",
+            "--out",
+            str(out),
+            "max_new_tokens=6",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     in_process = tmp_path / "in_process"
-    assert main(["eval", "--model", "tiny", "--device", "cpu", "--queries", SAMPLES, "--limit", "2", "--out", str(in_process),
-                 "max_new_tokens=6"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--queries",
+                SAMPLES,
+                "--limit",
+                "2",
+                "--out",
+                str(in_process),
+                "max_new_tokens=6",
+            ]
+        )
+        == 0
+    )
     read = lambda d: [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["response"] for r in read(out)] == [r["response"] for r in read(in_process)]
     assert json.loads((out / "summary.json").read_text())["n"] == 2

@@ -13,9 +13,20 @@ import pytest
 from probdiff_callback.cache import is_complete
 
 ROOT = Path(__file__).resolve().parents[1]
-CHEAP = ["recipe=blog", "model=tiny", "report_to=none", "max_steps=1", "eval_steps=1", "save_steps=1",
-         "probdiff.n_queries=2", "probdiff.max_new_tokens=4", "max_eval_samples=2", "per_device_train_batch_size=1",
-         "per_device_eval_batch_size=1", "output_dir=run"]
+CHEAP = [
+    "recipe=blog",
+    "model=tiny",
+    "report_to=none",
+    "max_steps=1",
+    "eval_steps=1",
+    "save_steps=1",
+    "probdiff.n_queries=2",
+    "probdiff.max_new_tokens=4",
+    "max_eval_samples=2",
+    "per_device_train_batch_size=1",
+    "per_device_eval_batch_size=1",
+    "output_dir=run",
+]
 LAUNCHERS = {
     "ddp": ["--multi_gpu"],  # on CPU, --multi_gpu is what makes accelerate start 2 DDP processes (gloo)
     "zero3": ["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false"],
@@ -29,10 +40,29 @@ def test_two_processes_from_an_empty_cache(mode, tmp_path):
     if mode == "zero3":
         pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     cache = tmp_path / "cache"
-    command = ["accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", *LAUNCHERS[mode], str(ROOT / "train" / "sft.py"), *CHEAP]
-    env = {**os.environ, "PROBDIFF_CACHE": str(cache), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [
+        "accelerate",
+        "launch",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        *LAUNCHERS[mode],
+        str(ROOT / "train" / "sft.py"),
+        *CHEAP,
+    ]
+    env = {
+        **os.environ,
+        "PROBDIFF_CACHE": str(cache),
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+    }
     try:
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as err:

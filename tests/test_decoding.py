@@ -2,11 +2,18 @@ import pytest
 import torch
 
 from probdiff_callback.decoding import hit_cap, sample_continuations
-from probdiff_callback.evaluator import chat_prompt_ids
+from probdiff_callback.prompts import chat_prompt_ids
 from probdiff_callback.sampling import row_seed
 from probdiff_callback.tokenizer import stop_token_ids
 
-QUESTIONS = ["写一首关于秋天的诗", "推荐一家咖啡店", "Hi", "如何在家做蛋糕？请一步一步地写出来，越详细越好。", "周末去哪儿玩", "夏天的穿搭"]
+QUESTIONS = [
+    "写一首关于秋天的诗",
+    "推荐一家咖啡店",
+    "Hi",
+    "如何在家做蛋糕？请一步一步地写出来，越详细越好。",
+    "周末去哪儿玩",
+    "夏天的穿搭",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +46,9 @@ def test_greedy_equals_hf_generate(tiny_model, prompts):
     model, tokenizer = tiny_model
     ours = decode(tiny_model, prompts, temperature=0.0, max_new_tokens=40)
     stops = set(stop_token_ids(tokenizer))
-    config = GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=sorted(stops), pad_token_id=tokenizer.pad_token_id)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=40, eos_token_id=sorted(stops), pad_token_id=tokenizer.pad_token_id
+    )
     for prompt, ids in zip(prompts, ours):
         with torch.no_grad():
             out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()

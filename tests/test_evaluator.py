@@ -4,11 +4,16 @@ import math
 import pytest
 
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
-from probdiff_callback.evaluator import (
-    PreparedQuery, build_record, chat_prompt_ids, evaluate, refinement_prompt_ids, score_pairs, truncate_middle,
-)
+from probdiff_callback.evaluator import build_record, evaluate, score_pairs
 from probdiff_callback.io import Query, load_queries
-from probdiff_callback.prompts import REWRITER, refinement_request
+from probdiff_callback.prompts import (
+    REWRITER,
+    PreparedQuery,
+    chat_prompt_ids,
+    refinement_prompt_ids,
+    refinement_request,
+    truncate_middle,
+)
 
 SAMPLES = "data/samples/blog/heldout.jsonl"
 
@@ -27,7 +32,9 @@ def reference_records(tiny_model, queries):
 def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, reference_records):
     model, tokenizer = tiny_model
     for batch_size in (1, 3):
-        records = evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=batch_size), progress=False)
+        records = evaluate(
+            model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=batch_size), progress=False
+        )
         assert [r["response"] for r in records] == [r["response"] for r in reference_records]
         assert [r["revisions"] for r in records] == [r["revisions"] for r in reference_records]
         for a, b in zip(records, reference_records):
@@ -35,16 +42,33 @@ def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, r
     # a query evaluated among other queries, or alone, or in reverse order: same texts
     alone = evaluate(model, tokenizer, queries[5:6], ProbDiffConfig(max_new_tokens=24), progress=False)
     assert alone[0]["response"] == reference_records[5]["response"]
-    reordered = evaluate(model, tokenizer, queries[::-1], ProbDiffConfig(max_new_tokens=24, batch_size=3), progress=False)
+    reordered = evaluate(
+        model, tokenizer, queries[::-1], ProbDiffConfig(max_new_tokens=24, batch_size=3), progress=False
+    )
     assert [r["id"] for r in reordered] == [q.id for q in queries[::-1]]
     assert [r["response"] for r in reordered[::-1]] == [r["response"] for r in reference_records]
 
 
 def test_records_hold_the_documented_fields(reference_records, queries):
     record = reference_records[0]
-    assert set(record) == {"id", "category", "query", "response", "revisions", "logp_response", "logp_revised", "d",
-                           "n_tokens_response", "n_tokens_revised", "confident", "truncated", "answer_temperature",
-                           "response_capped", "revision_capped", "revision_truncated"}
+    assert set(record) == {
+        "id",
+        "category",
+        "query",
+        "response",
+        "revisions",
+        "logp_response",
+        "logp_revised",
+        "d",
+        "n_tokens_response",
+        "n_tokens_revised",
+        "confident",
+        "truncated",
+        "answer_temperature",
+        "response_capped",
+        "revision_capped",
+        "revision_truncated",
+    }
     assert record["id"] == queries[0].id and record["category"] == "blog"
     assert len(record["revisions"]) == 1
     for r in reference_records:
@@ -87,7 +111,9 @@ def test_several_samples_and_revisions(tiny_model, queries):
         assert r["d"] == pytest.approx(sum(finite) / len(finite))
         assert r["response"] == r["responses"][0]
     single = evaluate(model, tokenizer, queries[:2], dataclasses.replace(config, n_samples=1), progress=False)
-    assert [r["response"] for r in single] == [r["responses"][0] for r in records], "sample 0 does not depend on n_samples"
+    assert [r["response"] for r in single] == [r["responses"][0] for r in records], (
+        "sample 0 does not depend on n_samples"
+    )
 
 
 def test_per_category_answer_temperature(tiny_model):
@@ -144,7 +170,11 @@ def test_refinement_requests_are_cut_to_the_prompt_budget(qwen_tokenizer):
 def test_empty_texts_give_nan_and_count_as_not_confident(tiny_model):
     model, tokenizer = tiny_model
     config = ProbDiffConfig()
-    pairs = [(Query("e1", "hi"), "", "something"), (Query("e2", "hi"), "something", ""), (Query("ok", "hi"), "a b", "a b")]
+    pairs = [
+        (Query("e1", "hi"), "", "something"),
+        (Query("e2", "hi"), "something", ""),
+        (Query("ok", "hi"), "a b", "a b"),
+    ]
     records = score_pairs(model, tokenizer, pairs, config, progress=False)
     assert math.isnan(records[0]["d"]) and math.isnan(records[1]["d"])
     assert records[0]["confident"] is False and records[1]["confident"] is False
@@ -153,13 +183,17 @@ def test_empty_texts_give_nan_and_count_as_not_confident(tiny_model):
 
 def test_build_record_mean_over_valid_samples():
     prepared = PreparedQuery(Query("q", "text"), "text", False, [1, 2])
-    record = build_record(prepared, ["a", ""], [["b"], ["c"]], [(-1.0, 3), (math.nan, 0)], [(-0.5, 3), (-2.0, 2)], -0.05)
+    record = build_record(
+        prepared, ["a", ""], [["b"], ["c"]], [(-1.0, 3), (math.nan, 0)], [(-0.5, 3), (-2.0, 2)], -0.05
+    )
     assert record["d"] == pytest.approx(0.5) and math.isnan(record["d_samples"][1])
 
 
 def test_refinement_request_fills_once():
     filled = refinement_request(REWRITER, "a {response} in the query", "the answer")
-    assert "#Given Prompt#:\na {response} in the query\n#Given Response#:\nthe answer\n#Rewritten Response#:\n" in filled
+    assert (
+        "#Given Prompt#:\na {response} in the query\n#Given Response#:\nthe answer\n#Rewritten Response#:\n" in filled
+    )
 
 
 def test_sampling_defaults_are_the_reference_codes_and_reach_the_sampler(tiny_model, queries):
@@ -178,7 +212,9 @@ def test_sampling_defaults_are_the_reference_codes_and_reach_the_sampler(tiny_mo
 
 
 def test_config_overrides_reject_unknown_keys_and_bad_types():
-    config = apply_overrides(ProbDiffConfig(), ["delta=-0.02", "n_samples=2", "answer_temperature_by_category.Writing=0.7"])
+    config = apply_overrides(
+        ProbDiffConfig(), ["delta=-0.02", "n_samples=2", "answer_temperature_by_category.Writing=0.7"]
+    )
     assert config.delta == -0.02 and config.n_samples == 2 and config.answer_temperature_by_category == {"Writing": 0.7}
     with pytest.raises(ValueError, match=r"unknown key 'deltaa'.*Valid keys: delta, sweep"):
         apply_overrides(ProbDiffConfig(), ["deltaa=1"])

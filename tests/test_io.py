@@ -33,7 +33,13 @@ def test_query_fields_and_turns(tmp_path):
         {"turns": ["first turn", "second turn"], "question_id": 81},
     ]
     path = write(tmp_path, "q.jsonl", "\n".join(json.dumps(r) for r in rows))
-    assert [q.text for q in load_queries(path)] == ["from query", "from user", "from conversations", "from messages", "first turn"]
+    assert [q.text for q in load_queries(path)] == [
+        "from query",
+        "from user",
+        "from conversations",
+        "from messages",
+        "first turn",
+    ]
     assert load_queries(path)[4].id == "81"
 
 
@@ -58,8 +64,14 @@ def test_bad_row_names_file_and_line(tmp_path):
 
 
 def test_pairs_need_all_three_texts(tmp_path):
-    path = write(tmp_path, "p.jsonl", json.dumps({"id": "a", "query": "q", "response": "r", "revised": "v"}) + "\n"
-                 + json.dumps({"id": "b", "query": "q", "response": "r"}) + "\n")
+    path = write(
+        tmp_path,
+        "p.jsonl",
+        json.dumps({"id": "a", "query": "q", "response": "r", "revised": "v"})
+        + "\n"
+        + json.dumps({"id": "b", "query": "q", "response": "r"})
+        + "\n",
+    )
     with pytest.raises(DataFileError, match=r"p\.jsonl:2: missing or non-string revised"):
         load_pairs(path)
 
@@ -74,8 +86,13 @@ def test_nan_written_as_null(tmp_path):
 @pytest.mark.parametrize(
     "relative, count, first_category",
     # AlignBench's Chinese category names load under their canonical English label (categories.py)
-    [("redbook/test.json", 100, None), ("alignbench/data_release.jsonl", 683, "Professional"),
-     ("mtbench/question.jsonl", 80, "writing"), ("alpaca_eval/test.json", 805, None), ("redbook/train.json", 469, None)],
+    [
+        ("redbook/test.json", 100, None),
+        ("alignbench/data_release.jsonl", 683, "Professional"),
+        ("mtbench/question.jsonl", 80, "writing"),
+        ("alpaca_eval/test.json", 805, None),
+        ("redbook/train.json", 469, None),
+    ],
 )
 def test_paper_files_load_as_they_are(relative, count, first_category):
     queries = load_queries(REFERENCE / relative)

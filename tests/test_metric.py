@@ -1,7 +1,6 @@
 import math
 
 import pytest
-
 from scipy.stats import binom, multinomial
 
 from probdiff_callback.metric import (
@@ -22,8 +21,16 @@ NAN = math.nan
 
 
 def record(id_, d, category=None, n_resp=10, n_rev=10, logp=-1.0):
-    return {"id": id_, "category": category, "d": d, "logp_response": logp, "logp_revised": None if d is None else logp + d,
-            "n_tokens_response": n_resp, "n_tokens_revised": n_rev, "truncated": False}
+    return {
+        "id": id_,
+        "category": category,
+        "d": d,
+        "logp_response": logp,
+        "logp_revised": None if d is None else logp + d,
+        "n_tokens_response": n_resp,
+        "n_tokens_revised": n_rev,
+        "truncated": False,
+    }
 
 
 def test_discrepancy_and_threshold():
@@ -37,7 +44,9 @@ def test_discrepancy_and_threshold():
 def test_confidence_and_sweep_on_hand_numbers():
     ds = [0.1, -0.01, -0.03, -0.07, -0.2, NAN]
     assert confidence(ds, -0.05) == pytest.approx(3 / 6)
-    assert confidence_sweep(ds, [0, -0.02, -0.05, -0.1]) == pytest.approx({"0": 1 / 6, "-0.02": 2 / 6, "-0.05": 3 / 6, "-0.1": 4 / 6})
+    assert confidence_sweep(ds, [0, -0.02, -0.05, -0.1]) == pytest.approx(
+        {"0": 1 / 6, "-0.02": 2 / 6, "-0.05": 3 / 6, "-0.1": 4 / 6}
+    )
     assert math.isnan(confidence([], -0.05))
 
 
@@ -66,14 +75,21 @@ def test_wilson_coverage_is_near_95_percent(p):
 
 
 def test_summary_counts_invalid_and_categories():
-    records = [record("a", 0.1, "x"), record("b", -0.1, "x"), record("c", None, "y", n_resp=0), record("d", 0.0, "y", n_rev=30)]
+    records = [
+        record("a", 0.1, "x"),
+        record("b", -0.1, "x"),
+        record("c", None, "y", n_resp=0),
+        record("d", 0.0, "y", n_rev=30),
+    ]
     s = summarize(records, -0.05, [0, -0.02, -0.05, -0.1])
     assert s["n"] == 4 and s["n_invalid"] == 1 and s["n_truncated"] == 0
     assert s["confidence"] == pytest.approx(0.5)
     assert s["d_mean"] == pytest.approx(0.0)
     assert s["d_median"] == pytest.approx(0.0)
-    assert s["by_category"] == {"x": {"n": 2, "confidence": 0.5, "d_mean": pytest.approx(0.0)},
-                                "y": {"n": 2, "confidence": 0.5, "d_mean": pytest.approx(0.0)}}
+    assert s["by_category"] == {
+        "x": {"n": 2, "confidence": 0.5, "d_mean": pytest.approx(0.0)},
+        "y": {"n": 2, "confidence": 0.5, "d_mean": pytest.approx(0.0)},
+    }
     assert s["confidence_sweep"]["-0.1"] == pytest.approx(0.75)
     # "c": 0 -> 10 tokens and "d": 10 -> 30 tokens changed length by more than half
     assert s["length_changed_share"] == pytest.approx(0.5)

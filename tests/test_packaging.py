@@ -24,8 +24,21 @@ def run(command: list[str], cwd: Path, env: dict | None = None, timeout: int = 6
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     # No build isolation: the installed setuptools builds it, so the test needs no network.
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(out),
-         str(ROOT)], cwd=out)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        cwd=out,
+    )
     (path,) = out.glob("probdiff-*.whl")
     return path
 
@@ -47,15 +60,37 @@ def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, 
     work = tmp_path / "elsewhere"
     work.mkdir()
     queries = work / "queries.jsonl"
-    queries.write_text("\n".join(json.dumps({"id": f"q{i}", "query": q}) for i, q in
-                                 enumerate(["Write a haiku about tea.", "Translate the sentence into English:\nGuten Tag."])))
+    queries.write_text(
+        "\n".join(
+            json.dumps({"id": f"q{i}", "query": q})
+            for i, q in enumerate(["Write a haiku about tea.", "Translate the sentence into English:\nGuten Tag."])
+        )
+    )
     env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    where = run([str(python), "-c", "import probdiff_callback, sys; print(probdiff_callback.__file__)"], cwd=work, env=env)
+    where = run(
+        [str(python), "-c", "import probdiff_callback, sys; print(probdiff_callback.__file__)"], cwd=work, env=env
+    )
     assert where.stdout.strip().startswith(str(venv))  # the wheel's copy, not the checkout's
-    run([str(python), "-c", "from probdiff_callback import ProbDiffCallback, ProbDiffConfig, evaluate, load_queries"],
-        cwd=work, env=env)
-    done = run([str(venv / "bin" / "probdiff"), "eval", "--model", "tiny", "--queries", str(queries), "--out", "out",
-                "max_new_tokens=8"], cwd=work, env=env)
+    run(
+        [str(python), "-c", "from probdiff_callback import ProbDiffCallback, ProbDiffConfig, evaluate, load_queries"],
+        cwd=work,
+        env=env,
+    )
+    done = run(
+        [
+            str(venv / "bin" / "probdiff"),
+            "eval",
+            "--model",
+            "tiny",
+            "--queries",
+            str(queries),
+            "--out",
+            "out",
+            "max_new_tokens=8",
+        ],
+        cwd=work,
+        env=env,
+    )
     assert "Unpacking the `tiny` model" in done.stdout + done.stderr
     summary = json.loads((work / "out" / "summary.json").read_text())
     assert summary["n"] == 2

@@ -24,7 +24,10 @@ PADDED_IDS = list(range(QWEN_VOCAB_WITH_TEXT, VOCAB))
 
 V1_CONFIG = {
     "architectures": ["QWenLMHeadModel"],
-    "auto_map": {"AutoConfig": "configuration_qwen.QWenConfig", "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
+    "auto_map": {
+        "AutoConfig": "configuration_qwen.QWenConfig",
+        "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel",
+    },
     "model_type": "qwen",
     "hidden_size": HIDDEN,
     "num_attention_heads": HEADS,
@@ -137,7 +140,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def v1_reference_logits(sd: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def v1_reference_logits(
+    sd: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     cfg = V1_CONFIG
     batch, length = input_ids.shape
     heads, head_dim, eps = cfg["num_attention_heads"], cfg["kv_channels"], cfg["layer_norm_epsilon"]
@@ -154,7 +159,9 @@ def v1_reference_logits(sd: dict[str, torch.Tensor], input_ids: torch.Tensor, at
         p = f"transformer.h.{i}."
         h = _rms_norm(x, sd[p + "ln_1.weight"], eps)
         qkv = h @ sd[p + "attn.c_attn.weight"].T + sd[p + "attn.c_attn.bias"]
-        q, k, v = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(cfg["hidden_size"], dim=-1))
+        q, k, v = (
+            t.view(batch, length, heads, head_dim).transpose(1, 2) for t in qkv.split(cfg["hidden_size"], dim=-1)
+        )
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(head_dim)
@@ -322,9 +329,16 @@ def test_state_dict_mapping_per_shard(v1_sd):
     shard = {k: v for k, v in v1_sd.items() if k.startswith("transformer.h.1.")}
     converted = qwen_v1.convert_v1_state_dict(shard, hidden_size=HIDDEN)
     q = converted["model.layers.1.self_attn.q_proj.weight"]
-    assert torch.equal(torch.cat([q, converted["model.layers.1.self_attn.k_proj.weight"],
-                                  converted["model.layers.1.self_attn.v_proj.weight"]]),
-                       v1_sd["transformer.h.1.attn.c_attn.weight"])
+    assert torch.equal(
+        torch.cat(
+            [
+                q,
+                converted["model.layers.1.self_attn.k_proj.weight"],
+                converted["model.layers.1.self_attn.v_proj.weight"],
+            ]
+        ),
+        v1_sd["transformer.h.1.attn.c_attn.weight"],
+    )
     assert torch.equal(converted["model.layers.1.mlp.gate_proj.weight"], v1_sd["transformer.h.1.mlp.w2.weight"])
     assert torch.equal(converted["model.layers.1.mlp.up_proj.weight"], v1_sd["transformer.h.1.mlp.w1.weight"])
     assert len(converted) == 12  # 2 norms, q/k/v weight and bias, o_proj, 3 MLP
@@ -424,7 +438,9 @@ def test_hub_id_downloads_weights_and_config_only(monkeypatch, v1_dir):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.setattr(
-        huggingface_hub, "list_repo_files", lambda repo_id, **kw: ["modeling_qwen.py", "model-00001-of-00003.safetensors"]
+        huggingface_hub,
+        "list_repo_files",
+        lambda repo_id, **kw: ["modeling_qwen.py", "model-00001-of-00003.safetensors"],
     )
     assert qwen_v1._resolve_checkpoint("Qwen/Qwen-14B-Chat") == v1_dir
     assert asked["repo_id"] == "Qwen/Qwen-14B-Chat"
@@ -439,6 +455,7 @@ def test_tokenizer_for_hub_id_fetches_only_the_vocabulary(monkeypatch, v1_dir, c
 
     fetched = []
     monkeypatch.setattr(qwen_v1, "load_qwen_tokenizer", lambda path: Path(path))
+
     def download(repo_id, filename, **kwargs):
         fetched.append(filename)
         return str(v1_dir / filename)
@@ -477,7 +494,7 @@ def test_generation_stops_at_im_end(converted_model):
         out = converted_model.generate(prompt, max_new_tokens=20, do_sample=False)
     finally:
         handle.remove()
-    new = out[0, prompt.shape[1]:].tolist()
+    new = out[0, prompt.shape[1] :].tolist()
     assert len(new) == 4 and new[-1] == IM_END and IM_END not in new[:-1]
 
 
@@ -494,13 +511,15 @@ def test_padded_rows_never_generated(converted_dir, converted_model):
         prompt = torch.randint(0, QWEN_VOCAB_WITH_TEXT, (4, 6), generator=g)
         mask = torch.ones_like(prompt)
         # `suppress_tokens=None` would fall back to the saved list; [] really switches it off.
-        free = converted_model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, suppress_tokens=[])
+        free = converted_model.generate(
+            prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, suppress_tokens=[]
+        )
         # Without suppression the huge rows win, so the check below has teeth.
-        assert (free[:, prompt.shape[1]:] >= QWEN_VOCAB_WITH_TEXT).any()
+        assert (free[:, prompt.shape[1] :] >= QWEN_VOCAB_WITH_TEXT).any()
         for do_sample in (False, True):
             torch.manual_seed(0)
             out = converted_model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=do_sample)
-            assert (out[:, prompt.shape[1]:] < QWEN_VOCAB_WITH_TEXT).all()
+            assert (out[:, prompt.shape[1] :] < QWEN_VOCAB_WITH_TEXT).all()
     finally:
         head.data[PADDED_IDS] = original
 
@@ -511,7 +530,8 @@ TOKENIZER_TEXTS = [
     "The quick brown fox jumps over 1234567 lazy dogs.\n\n  indented\tline",
     "emoji 😀👍🏽🇨🇳 and 🧑‍💻",
     "Cafe\u0301 vs Café, n\u0303 and A\u030a",  # decomposed characters: NFC must apply
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|><|endoftext|><|extra_7|>",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nhi<|im_end|><|endoftext|><|extra_7|>",
 ]
 
 
@@ -630,7 +650,10 @@ def test_streaming_peak_memory(tmp_path, fmt):
     dirs = [str(tmp_path / name) for name in ("warm", "warm-dst", "src", "dst")]
     result = subprocess.run(
         [sys.executable, "-c", MEMORY_PROBE, *dirs],
-        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
     )
     growth = json.loads(result.stdout.strip().splitlines()[-1])["growth_bytes"]
     print(f"{fmt}: peak growth {growth / 2**20:.1f} MiB = {growth / shard_bytes:.2f}x a 12 MiB shard")

@@ -29,7 +29,9 @@ def draw(logits, temperature, top_p, n, candidates):
     ).numpy()
 
 
-@pytest.mark.parametrize("candidates", [(16,), (2,), (2, 4)], ids=["candidates-hold-nucleus", "fallback-to-sort", "second-level"])
+@pytest.mark.parametrize(
+    "candidates", [(16,), (2,), (2, 4)], ids=["candidates-hold-nucleus", "fallback-to-sort", "second-level"]
+)
 def test_sampler_matches_temperature_top_p_distribution(candidates):
     torch.manual_seed(0)
     logits = torch.randn(24) * 2
@@ -54,7 +56,9 @@ def test_sampler_top_p_one_samples_full_softmax():
 
 def test_zero_temperature_is_greedy():
     logits = torch.tensor([[0.1, 3.0, 2.9], [5.0, 0.0, 0.0]])
-    tokens = sample_tokens(logits, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), counter_uniforms([1, 2], 0))
+    tokens = sample_tokens(
+        logits, torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), counter_uniforms([1, 2], 0)
+    )
     assert tokens.tolist() == [1, 0]
 
 
@@ -70,8 +74,18 @@ def test_uniforms_depend_only_on_seed_and_step():
 
 def test_row_seed_is_stable_and_keyed():
     assert row_seed(0, "q1", 0, "answer") == row_seed(0, "q1", 0, "answer")
-    assert len({row_seed(0, "q1", 0, "answer"), row_seed(1, "q1", 0, "answer"), row_seed(0, "q2", 0, "answer"),
-                row_seed(0, "q1", 1, "answer"), row_seed(0, "q1", 0, "revision-1")}) == 5
+    assert (
+        len(
+            {
+                row_seed(0, "q1", 0, "answer"),
+                row_seed(1, "q1", 0, "answer"),
+                row_seed(0, "q2", 0, "answer"),
+                row_seed(0, "q1", 1, "answer"),
+                row_seed(0, "q1", 0, "revision-1"),
+            }
+        )
+        == 5
+    )
 
 
 def test_top_token_alone_when_it_holds_top_p():
@@ -97,11 +111,22 @@ def test_tokens_far_below_the_top_are_not_drawn():
 def test_ids_past_n_valid_ids_are_never_drawn():
     logits = torch.zeros(64, 12)
     logits[:, 8:] = 50.0  # padded rows the model happens to like
-    tokens = sample_tokens(logits, torch.full((64,), 1.0, dtype=torch.float64), torch.ones(64, dtype=torch.float64),
-                           counter_uniforms(list(range(64)), 0), candidates=(2,), n_valid_ids=8)
+    tokens = sample_tokens(
+        logits,
+        torch.full((64,), 1.0, dtype=torch.float64),
+        torch.ones(64, dtype=torch.float64),
+        counter_uniforms(list(range(64)), 0),
+        candidates=(2,),
+        n_valid_ids=8,
+    )
     assert tokens.max() < 8 and len(set(tokens.tolist())) > 4
-    greedy = sample_tokens(torch.tensor([[0.0, 1.0, 9.0]]), torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
-                           counter_uniforms([0], 0), n_valid_ids=2)
+    greedy = sample_tokens(
+        torch.tensor([[0.0, 1.0, 9.0]]),
+        torch.zeros(1, dtype=torch.float64),
+        torch.ones(1, dtype=torch.float64),
+        counter_uniforms([0], 0),
+        n_valid_ids=2,
+    )
     assert greedy.tolist() == [1]
 
 
@@ -113,7 +138,9 @@ def test_sampling_is_exact_with_mixed_rows():
     rows = logits.expand(2 * n, -1).clone()
     temps = torch.tensor([0.5] * n + [1.5] * n, dtype=torch.float64)
     top_ps = torch.tensor([0.6] * n + [0.95] * n, dtype=torch.float64)
-    tokens = sample_tokens(rows, temps, top_ps, counter_uniforms([row_seed(3, i) for i in range(2 * n)], 0), candidates=(4,)).numpy()
+    tokens = sample_tokens(
+        rows, temps, top_ps, counter_uniforms([row_seed(3, i) for i in range(2 * n)], 0), candidates=(4,)
+    ).numpy()
     for part, (t, p) in zip((tokens[:n], tokens[n:]), ((0.5, 0.6), (1.5, 0.95))):
         expected = nucleus_distribution(logits, t, p)
         counts = np.bincount(part, minlength=16)
@@ -128,7 +155,7 @@ def test_largest_equals_topk(width, k):
     torch.manual_seed(width + k)
     x = torch.randn(6, width)
     x[0] = 0.0  # all tied
-    x[1, :: 7] = 5.0  # many tied at the top
+    x[1, ::7] = 5.0  # many tied at the top
     rows = torch.tensor([5, 0, 1, 3])
     values, ids = largest(x, k, rows)
     expected, _ = torch.topk(x[rows], k)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.evaluator import chat_prompt_ids, score_texts
+from probdiff_callback.evaluator import score_texts
+from probdiff_callback.prompts import chat_prompt_ids
 from probdiff_callback.scoring import score_batch, token_logprobs_chunked
 
 
@@ -13,8 +14,15 @@ def small_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -32,7 +40,9 @@ def test_chunked_batched_scores_equal_direct_computation(small_model):
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
     responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (12, 3, 25, 1)]
     for chunk, rows_per_forward in ((4, 16), (7, 2), (512, 1)):  # several forwards reorder the sequences by length
-        scores = score_batch(small_model, prompts, responses, pad_token_id=0, chunk_size=chunk, rows_per_forward=rows_per_forward)
+        scores = score_batch(
+            small_model, prompts, responses, pad_token_id=0, chunk_size=chunk, rows_per_forward=rows_per_forward
+        )
         for (mean, n), p, r in zip(scores, prompts, responses):
             assert n == len(r)
             assert abs(mean - direct_mean_logprob(small_model, p, r)) < 1e-5
@@ -100,9 +110,16 @@ def bf16_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(5)
-    config = Qwen2Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         model.lm_head.weight.normal_(std=0.6)

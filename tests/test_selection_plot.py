@@ -7,7 +7,6 @@ import math
 import os
 from pathlib import Path
 
-
 from probdiff_callback import history
 from probdiff_callback.cli import main
 from probdiff_callback.io import write_jsonl
@@ -19,13 +18,25 @@ DELTA = -0.05
 
 def records_for(ds: list[float], categories: tuple[str, ...] = ("writing", "math")) -> list[dict]:
     return [
-        {"id": f"q{i}", "category": categories[i % len(categories)], "d": d, "logp_response": -2.0, "logp_revised": -2.0 + d,
-         "n_tokens_response": 10, "n_tokens_revised": 10, "truncated": False, "response": "a", "revisions": ["b"]}
+        {
+            "id": f"q{i}",
+            "category": categories[i % len(categories)],
+            "d": d,
+            "logp_response": -2.0,
+            "logp_revised": -2.0 + d,
+            "n_tokens_response": 10,
+            "n_tokens_revised": 10,
+            "truncated": False,
+            "response": "a",
+            "revisions": ["b"],
+        }
         for i, d in enumerate(ds)
     ]
 
 
-def write_run(run: Path, steps: dict[int, list[float] | None], *, checkpoints: tuple[int, ...] = (), baseline: bool = True) -> None:
+def write_run(
+    run: Path, steps: dict[int, list[float] | None], *, checkpoints: tuple[int, ...] = (), baseline: bool = True
+) -> None:
     """A run directory: history rows (step 0 the baseline), step records, checkpoint dirs.
     A step given None is a failed evaluation."""
     for step, ds in steps.items():
@@ -35,8 +46,17 @@ def write_run(run: Path, steps: dict[int, list[float] | None], *, checkpoints: t
             checkpoint = str(run / f"checkpoint-{step}")
             Path(checkpoint).mkdir(parents=True)
             (Path(checkpoint) / "adapter_config.json").write_text("{}")
-        row = {"global_step": step, "epoch": step / 10, "kind": kind, "base_model": kind == "baseline", "checkpoint": checkpoint,
-               "records": None, "summary": None, "error": "RuntimeError: boom" if ds is None else None, "seconds": 1.0}
+        row = {
+            "global_step": step,
+            "epoch": step / 10,
+            "kind": kind,
+            "base_model": kind == "baseline",
+            "checkpoint": checkpoint,
+            "records": None,
+            "summary": None,
+            "error": "RuntimeError: boom" if ds is None else None,
+            "seconds": 1.0,
+        }
         if ds is not None:
             records = records_for(ds)
             write_jsonl(history.step_records_path(run, step), records)
@@ -168,8 +188,14 @@ def test_plot_marks_the_best_checkpoint_shows_eval_loss_and_reference_metrics_an
     plot_run(run)
     figure = captured["figure"]
     legends = [text.get_text() for axis in figure.axes if axis.get_legend() for text in axis.get_legend().get_texts()]
-    for label in ("best checkpoint (step 20)", "bar: median d of the step",
-                  "violin: distribution of d over the queries", "eval loss", "BLEU", "chrF"):
+    for label in (
+        "best checkpoint (step 20)",
+        "bar: median d of the step",
+        "violin: distribution of d over the queries",
+        "eval loss",
+        "BLEU",
+        "chrF",
+    ):
         assert label in legends, legends
     lines = {line.get_label(): line for axis in figure.axes for line in axis.get_lines()}
     assert list(lines["eval loss"].get_ydata()) == [4.0, 3.5, 3.0, 3.2]

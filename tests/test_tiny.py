@@ -20,11 +20,11 @@ TINY_WEIGHTS_SHA256 = "3744e1452eed091bd04e158d7b1f4fc465fb53e208c378c64f88f453e
 
 def expanded_digest_in_subprocess(threads: int) -> str:
     code = (
-        "import torch; torch.set_num_threads({t});"
+        f"import torch; torch.set_num_threads({threads});"
         "from safetensors.torch import load_file;"
         "from probdiff_callback.tiny import ASSET, expanded_state_dict, weights_digest;"
         "print(weights_digest(expanded_state_dict(load_file(ASSET))))"
-    ).format(t=threads)
+    )
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -99,8 +99,12 @@ def test_concurrent_processes_unpack_once(tmp_path):
     """Two processes asking for the tiny model in an empty cache: one unpacks, the other waits and reuses it."""
     code = "from probdiff_callback.tiny import tiny_model_dir; print(tiny_model_dir())"
     env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
     paths = {out.strip().splitlines()[-1] for out, _ in outputs}

@@ -34,8 +34,9 @@ def test_nfc_is_applied(qwen_tokenizer):
 
 def test_special_tokens_and_sizes(qwen_tokenizer):
     assert len(qwen_tokenizer) == QWEN_VOCAB_WITH_TEXT == 151851
-    assert qwen_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|extra_0|>", "<|extra_204|>"]) == [
-        151643, 151644, 151645, 151646, 151850]
+    assert qwen_tokenizer.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|extra_0|>", "<|extra_204|>"]
+    ) == [151643, 151644, 151645, 151646, 151850]
     assert qwen_tokenizer.pad_token == "<|endoftext|>"
     assert stop_token_ids(qwen_tokenizer) == [151643, 151644, 151645]
 
@@ -43,10 +44,13 @@ def test_special_tokens_and_sizes(qwen_tokenizer):
 def test_chat_template_and_assistant_mask(qwen_tokenizer):
     messages = [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "Hi!"}]
     text = qwen_tokenizer.apply_chat_template(messages, tokenize=False)
-    assert text == (f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n你好<|im_end|>\n"
-                    "<|im_start|>assistant\nHi!<|im_end|>\n")
-    custom = qwen_tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}] + messages[:1],
-                                                tokenize=False, add_generation_prompt=True)
+    assert text == (
+        f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n你好<|im_end|>\n"
+        "<|im_start|>assistant\nHi!<|im_end|>\n"
+    )
+    custom = qwen_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}] + messages[:1], tokenize=False, add_generation_prompt=True
+    )
     assert custom.endswith("<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n")
     assert custom.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     out = qwen_tokenizer.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)

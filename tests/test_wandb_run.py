@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _distributed_eval import REPO, build_trainer, probdiff_config
 from transformers import TrainerCallback
 
-from _distributed_eval import REPO, build_trainer, probdiff_config
 from probdiff_callback import history
 from probdiff_callback.callback import ProbDiffCallback
 from probdiff_callback.io import load_queries, read_jsonl
@@ -181,7 +181,7 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp
 
     def train(resume: Path | None, interrupt_at: int | None):
         trainer = build_trainer(tiny_model_path, run, **settings)
-        ProbDiffCallback.attach(trainer, queries, probdiff_config(), n_queries=8, wandb_table_rows=0)
+        trainer.add_callback(ProbDiffCallback(trainer, queries, probdiff_config(n_queries=8, wandb_table_rows=0)))
         if interrupt_at is not None:
             trainer.add_callback(
                 InterruptAt(interrupt_at)

@@ -1,0 +1,116 @@
+"""Where an evaluation's results go: the Trainer's metrics, the W&B histogram and table, and the history files
+(one row per evaluated step, its records, a summary in the checkpoint). Main process only, except the metrics."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from probdiff_callback import history
+from probdiff_callback.io import read_jsonl
+from probdiff_callback.metric import delta_key
+
+METRIC_PREFIX = "eval_probdiff_"
+WANDB_HISTOGRAM_KEY = "eval/probdiff_d"
+WANDB_TABLE_KEY = "eval/probdiff_records"
+WANDB_TABLE_COLUMNS = ["step", "id", "category", "query", "response", "revision", "logp_response", "logp_revised", "d"]
+
+
+def metric_name(part: str) -> str:
+    """A metric key safe for W&B and TensorBoard (categories may hold spaces or slashes)."""
+    return METRIC_PREFIX + "".join(c if c.isalnum() or c in "-._" else "_" for c in part)
+
+
+def metrics_from_summary(summary: dict | None, sweep: Sequence[float], categories: Sequence[str]) -> dict[str, float]:
+    """The eval_probdiff_* metrics of a summary; NaN everywhere for a failed evaluation (a missing key would
+    make the Trainer raise KeyError in `_determine_best_metric`)."""
+    nan = math.nan
+    if summary is None:
+        summary = {
+            "confidence": nan, "confidence_ci": [nan, nan], "d_mean": nan, "d_median": nan, "n_invalid": nan,
+            "logp_response_mean": nan, "logp_revised_mean": nan, "by_category": {},
+            "confidence_sweep": {delta_key(d): nan for d in sweep},
+        }  # fmt: skip
+
+    def number(value) -> float:
+        return nan if value is None else float(value)
+
+    metrics = {
+        metric_name("confidence"): number(summary["confidence"]),
+        metric_name("confidence_ci_low"): number(summary["confidence_ci"][0]),
+        metric_name("confidence_ci_high"): number(summary["confidence_ci"][1]),
+        metric_name("d_mean"): number(summary["d_mean"]),
+        metric_name("d_median"): number(summary["d_median"]),
+        metric_name("logp_response"): number(summary["logp_response_mean"]),
+        metric_name("logp_revised"): number(summary["logp_revised_mean"]),
+        metric_name("n_invalid"): number(summary["n_invalid"]),
+    }
+    for key, value in summary["confidence_sweep"].items():
+        metrics[metric_name(f"confidence_at_{key}")] = number(value)
+    for category in categories:
+        confidence = summary["by_category"].get(category, {}).get("confidence")
+        metrics[metric_name(f"confidence_{category}")] = number(confidence)
+    return metrics
+
+
+class WandbRecords:
+    """The distribution of d at each evaluated step as a histogram, and the first records of each step in one
+    table that grows across steps."""
+
+    def __init__(self, table_rows: int) -> None:
+        self.table_rows = table_rows
+        self._table = None
+
+    def log(self, step: int, records: Sequence[dict]) -> None:
+        import wandb
+
+        if wandb.run is None:
+            return
+        payload: dict[str, Any] = {"train/global_step": step}
+        ds = [r["d"] for r in records if r["d"] is not None and math.isfinite(r["d"])]
+        if ds:  # wandb.Histogram raises on NaN; the invalid ones are counted in eval/probdiff_n_invalid
+            payload[WANDB_HISTOGRAM_KEY] = wandb.Histogram(ds)
+        if self.table_rows and records:
+            if self._table is None:
+                self._table = wandb.Table(columns=WANDB_TABLE_COLUMNS, log_mode="INCREMENTAL")
+            for r in records[: self.table_rows]:
+                revision = r["revisions"][-1] if r["revisions"] else ""
+                self._table.add_data(
+                    step, r["id"], r["category"], r["query"], r["response"], revision,
+                    r["logp_response"], r["logp_revised"], r["d"],
+                )  # fmt: skip
+            payload[WANDB_TABLE_KEY] = self._table
+        if len(payload) > 1:
+            wandb.log(payload)
+
+
+def write_evaluation(output_dir: str | os.PathLike, subdir: str, row: dict, records: list[dict] | None) -> dict:
+    """Add (or replace) the history row of `row["global_step"]`, write its records when the evaluation
+    succeeded, and the summary into the row's checkpoint; returns the row as written."""
+    row = dict(row, records=None)
+    if records is not None:
+        path = history.step_records_path(output_dir, row["global_step"], subdir)
+        history.write_step_records(path, records)
+        row["records"] = str(path.relative_to(history.probdiff_dir(output_dir, subdir)))
+    history.upsert_history_row(history.history_path(output_dir, subdir), row)
+    if row["checkpoint"] is not None:
+        history.write_checkpoint_summary(row["checkpoint"], row)
+    return row
+
+
+def link_checkpoint(output_dir: str | os.PathLike, subdir: str, step: int, checkpoint: str) -> None:
+    """A checkpoint saved after its step was evaluated: its path in the history row, the row in the checkpoint."""
+    row = history.set_checkpoint(history.history_path(output_dir, subdir), step, checkpoint)
+    if row is not None:
+        history.write_checkpoint_summary(checkpoint, row)
+
+
+def read_baseline_records(output_dir: str | os.PathLike, subdir: str, rows: Sequence[dict]) -> list[dict] | None:
+    """The records of the baseline evaluation among history `rows` (a resumed run compares against them)."""
+    row = next((r for r in rows if r.get("kind") == "baseline" and r.get("records")), None)
+    if row is None:
+        return None
+    path = history.probdiff_dir(output_dir, subdir) / row["records"]
+    return read_jsonl(path) if path.is_file() else None

@@ -1,0 +1,113 @@
+"""The model being trained, made ready to generate in the middle of training and left as it was found:
+unwrapped (PEFT wrapper kept), activation checkpointing off, ZeRO-3 parameters gathered, the training RNG
+streams and the tokenizer's padding side untouched."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from transformers import TrainingArguments
+
+from probdiff_callback.distributed import is_zero3
+
+
+@contextlib.contextmanager
+def preserved_rng_state() -> Iterator[None]:
+    """Training RNG streams (python, numpy, torch CPU and CUDA) as they were before: the evaluation must not
+    shift dropout masks or data order."""
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    torch_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+@contextlib.contextmanager
+def preserved_padding_side(tokenizer) -> Iterator[None]:
+    side = getattr(tokenizer, "padding_side", None)
+    try:
+        yield
+    finally:
+        if side is not None:
+            tokenizer.padding_side = side
+
+
+def _has_activation_checkpointing_api(model) -> bool:
+    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
+    return hasattr(model, "activation_checkpointing_enable")
+
+
+def activation_checkpointing_on(model) -> bool:
+    if _has_activation_checkpointing_api(model):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def set_activation_checkpointing(model, enabled: bool, args: TrainingArguments) -> None:
+    """Switch activation checkpointing; re-enabling uses the run's settings as the Trainer does."""
+    modern = _has_activation_checkpointing_api(model)
+    if not enabled:
+        (model.activation_checkpointing_disable if modern else model.gradient_checkpointing_disable)()
+        return
+    kwargs = dict(
+        getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None) or {}
+    )
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if modern:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
+@contextlib.contextmanager
+def unwrapped_for_generation(model_wrapped, accelerator, gather_params: bool, args: TrainingArguments):
+    """The bare model (PEFT wrapper included) ready for generate, as trl's `unwrap_model_for_generation`:
+    activation checkpointing off, and under ZeRO-3 the parameters gathered once for the whole evaluation
+    unless `gather_params` is False."""
+    unwrapped = accelerator.unwrap_model(model_wrapped)
+    checkpointing = activation_checkpointing_on(unwrapped)
+    if checkpointing:
+        set_activation_checkpointing(unwrapped, False, args)
+    try:
+        if is_zero3(accelerator) and gather_params:
+            import deepspeed
+            from trl.models.utils import add_hooks, remove_hooks
+
+            with deepspeed.zero.GatheredParameters(model_wrapped.parameters()):
+                remove_hooks(model_wrapped)
+                try:
+                    yield unwrapped
+                finally:
+                    add_hooks(model_wrapped)
+        else:
+            yield unwrapped
+    finally:
+        if checkpointing:
+            set_activation_checkpointing(unwrapped, True, args)
+
+
+@contextlib.contextmanager
+def model_for_evaluation(trainer, tokenizer, *, gather_params: bool, base_model: bool):
+    """The trainer's model ready to evaluate (with its LoRA adapters disabled for `base_model`); on exit,
+    everything training relies on is as it was."""
+    with (
+        preserved_rng_state(),
+        preserved_padding_side(tokenizer),
+        unwrapped_for_generation(trainer.model_wrapped, trainer.accelerator, gather_params, trainer.args) as model,
+    ):
+        adapters_off = base_model and hasattr(model, "disable_adapter")
+        with model.disable_adapter() if adapters_off else contextlib.nullcontext():
+            yield model

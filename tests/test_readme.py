@@ -1,0 +1,45 @@
+"""The README's callback snippet, run as written on the `tiny` model."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import trl
+
+from _distributed_eval import chat_dataset, load_tiny
+
+from probdiff_callback import history
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def callback_snippet() -> str:
+    section = README.read_text(encoding="utf-8").split("## The callback in your own Trainer", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@dataclasses.dataclass
+class CPUSFTConfig(trl.SFTConfig):
+    """The snippet targets GPUs, where SFTConfig's bf16 default works; here the same arguments run on the CPU."""
+
+    use_cpu: bool = True
+    bf16: bool | None = False
+
+
+def test_the_readme_callback_snippet_trains_and_evaluates(tmp_path, tiny_model_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(trl, "SFTConfig", CPUSFTConfig)  # `from trl import SFTConfig` in the snippet gets this
+    model, tokenizer = load_tiny(tiny_model_path)
+    data = chat_dataset(10)
+    names = {"model": model, "tokenizer": tokenizer, "train_dataset": data.select(range(8)),
+             "eval_dataset": data.select(range(8, 10))}  # fmt: skip
+    exec(compile(callback_snippet(), str(README), "exec"), names)
+
+    trainer = names["trainer"]
+    rows = history.read_history(history.history_path(tmp_path / "out"))
+    assert rows[0]["kind"] == "baseline" and rows[-1]["global_step"] == trainer.state.global_step > 0
+    assert all(r["error"] is None for r in rows)
+    assert all(r["summary"]["n"] == 2 for r in rows)  # the two held-out chats
+    assert any("eval_probdiff_confidence" in entry for entry in trainer.state.log_history)
