@@ -58,9 +58,9 @@ def _pick_in_nucleus(probs_desc: torch.Tensor, top_p: torch.Tensor, uniforms: to
     return torch.minimum(index, n_kept - 1)
 
 
-# exp() of anything below -87 (denormal results, underflow, -inf) takes x86 8-30x longer
-# than of a normal number (measured at temperature 0.1: 40 ms -> 5 ms for 32 rows of
-# 152k). So exponents are clamped to -87: a token that far below the top weighs 1.6e-38
+# exp() of anything below -87 (denormal results, underflow, -inf) takes x86 several times longer
+# than of a normal number, and at low temperatures most of the vocabulary lands there. So exponents
+# are clamped to -87: a token that far below the top weighs 1.6e-38
 # instead of less; over the whole vocabulary that is < 2.5e-33 of the mass, below what
 # fp32 sums or 53-bit uniforms resolve.
 LOWEST_EXPONENT = -87.0
@@ -82,8 +82,8 @@ def largest(
     block_max: torch.Tensor | None = None,
     block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.topk(x[rows], k)` over the last dim (values descending, ids), 2-4x faster when k
-    is small against the width.
+    """`torch.topk(x[rows], k)` over the last dim (values descending, ids), faster when k is small against
+    the width.
 
     The k largest entries lie in the k blocks with the largest block maxima (a block
     outside those is beaten by k block maxima, so each of its entries by k entries), so
@@ -125,7 +125,7 @@ def sample_tokens(
     chosen = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy = temperatures <= 0
     if greedy.any():
-        chosen[greedy] = logits[greedy].max(dim=-1).indices  # max: 2x faster than argmax on CPU
+        chosen[greedy] = logits[greedy].max(dim=-1).indices  # max: faster than argmax on CPU
     rows = (~greedy).nonzero().squeeze(-1)
     if rows.numel() == 0:
         return chosen
@@ -136,9 +136,9 @@ def sample_tokens(
     block = block_size(vocab, candidates[0] if candidates else vocab)
     blocks = weights.view(n_rows, vocab // block, block)
     block_max = blocks.amax(dim=-1)
-    # weights = exp((logit - max) / T), in place, not torch.softmax (3x slower on CPU
-    # here). The top token weighs 1, so 1 / total is its probability. An fp32 sum over the
-    # vocabulary is exact to ~1e-7 relative (pairwise summation); fp64 costs 5x as much.
+    # weights = exp((logit - max) / T), in place, not torch.softmax (slower on CPU, and a copy).
+    # The top token weighs 1, so 1 / total is its probability. An fp32 sum over the vocabulary
+    # is exact to ~1e-7 relative (pairwise summation); fp64 would cost several times as much.
     weights.sub_(block_max.amax(dim=-1, keepdim=True)).mul_((1.0 / temperatures[rows, None]).to(weights.dtype))
     weights.clamp_(min=LOWEST_EXPONENT).exp_()
     if n_valid_ids is not None:

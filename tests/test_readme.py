@@ -6,8 +6,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+import pytest
 import trl
-
 from _distributed_eval import chat_dataset, load_tiny
 
 from probdiff_callback import history
@@ -28,6 +28,8 @@ class CPUSFTConfig(trl.SFTConfig):
     bf16: bool | None = False
 
 
+# trl's SFTConfig sets gradient_checkpointing=True, which transformers 5 reads under its deprecated name
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 def test_the_readme_callback_snippet_trains_and_evaluates(tmp_path, tiny_model_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(trl, "SFTConfig", CPUSFTConfig)  # `from trl import SFTConfig` in the snippet gets this
