@@ -21,7 +21,7 @@ from recipe import (
 )
 from run_dir import default_run_name, resolve_run
 from training_arguments import sft_config
-from wandb_setup import setup_wandb, wandb_logged_in
+from wandb_setup import setup_wandb, start_wandb, wandb_logged_in
 
 from probdiff_callback.models import PRESETS
 
@@ -150,7 +150,8 @@ def test_overrides_nested_and_precedence():
 
 
 def test_unknown_key_names_it_and_lists_valid_keys():
-    with pytest.raises(RecipeError, match=r"unknown key 'learning_rat'.*Valid keys: .*lora, .*any field of trl.SFTConfig"):
+    top_level = r"unknown key 'learning_rat'.*Valid keys: .*lora, .*any field of trl.SFTConfig"
+    with pytest.raises(RecipeError, match=top_level):
         load_recipe(["recipe=blog", "learning_rat=1e-4"])
     with pytest.raises(RecipeError, match=r"unknown key 'lora.rank' \(did you mean 'lora.r'\?\). Valid keys in lora: enabled, r, alpha, dropout, target_modules"):
         load_recipe(["recipe=blog", "lora.rank=8"])
@@ -283,6 +284,20 @@ def test_wandb_offline_when_not_logged_in(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE")
     assert setup_wandb(load_recipe(["recipe=blog", "report_to=none"]), tmp_path / "run") is None
     assert "WANDB_MODE" not in os.environ
+
+
+def test_wandb_run_config_holds_the_project_keys(tmp_path, monkeypatch):
+    """The Trainer's integration logs the SFTConfig; the project's own keys go in at the start, as `recipe`."""
+    import wandb
+
+    calls = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    sync = start_wandb(load_recipe(["recipe=blog", "model=tiny"]), tmp_path, None, "blog/run")
+    config = calls[0]["config"]["recipe"]
+    assert config["model"] == "tiny" and config["lora"]["r"] == 64 and config["probdiff"]["n_queries"] == 12
+    assert config["task"] == "blog" and "learning_rate" not in config
+    assert calls[0]["name"] == "blog/run" and sync is not None and sync.startswith("wandb sync --id")
 
 
 def test_run_name_is_stable_and_ignores_run_level_keys():

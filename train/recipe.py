@@ -93,7 +93,8 @@ class Recipe(RecipeKeys):
         return setting(self.training, key)
 
     def project_dict(self) -> dict:
-        return {f.name: dataclasses.asdict(self)[f.name] for f in dataclasses.fields(RecipeKeys)}
+        values = dataclasses.asdict(self)
+        return {f.name: values[f.name] for f in dataclasses.fields(RecipeKeys)}
 
     def to_dict(self) -> dict:
         """Both kinds of keys in one mapping, as a recipe file writes them."""
