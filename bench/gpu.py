@@ -105,7 +105,7 @@ QWEN_V1_COMMON = dict(
 SHAPES = ("qwen-14b", "qwen-7b", "tiny")
 # Mean length of the paper's 469 Xiaohongshu training conversations, chat-formatted, in Qwen v1 tokens (measured
 # on ../shared/data, which is not shipped). The recipe trains on one conversation per sequence, so a real step is
-# this long, not max_seq_length.
+# this long, not max_length.
 BLOG_CONVERSATION_TOKENS = 340
 
 PATHS = {
@@ -392,11 +392,11 @@ def read_recipe() -> dict:
 def recipe_workload(recipe: dict) -> Workload:
     probdiff = recipe["probdiff"]
     return Workload(
-        queries=recipe["callback"]["n_queries"],
+        queries=recipe["probdiff"]["n_queries"],
         max_new_tokens=probdiff["max_new_tokens"],
         batch_size=probdiff["batch_size"],
         decode_batches=(16, 32, 64),
-        train_tokens=(recipe["max_seq_length"], BLOG_CONVERSATION_TOKENS),
+        train_tokens=(recipe["max_length"], BLOG_CONVERSATION_TOKENS),
     )
 
 

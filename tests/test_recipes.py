@@ -1,5 +1,6 @@
 """Every recipe under every model preset loads and validates; the accelerate configs load as accelerate
-configs; errors name the key and list what is valid; threads, W&B and run-directory helpers."""
+configs; SFTConfig fields pass through to SFTConfig; errors name the key and list what is valid; threads, W&B and
+run-directory helpers."""
 
 from __future__ import annotations
 
@@ -7,23 +8,22 @@ import os
 from pathlib import Path
 
 import pytest
-
-from probdiff_callback.models import PRESETS
-from probdiff_callback.recipe import (
+from conversations import data_files
+from environment import configure_threads
+from model_setup import quantization_config
+from recipe import (
     RECIPES_DIR,
     TASKS,
     Recipe,
     RecipeError,
     available_recipes,
-    configure_threads,
-    data_files,
-    default_run_name,
     load_recipe,
-    quantization_config,
-    resolve_run,
-    setup_wandb,
-    wandb_logged_in,
 )
+from run_dir import default_run_name, resolve_run
+from training_arguments import sft_config
+from wandb_setup import setup_wandb, start_wandb, wandb_logged_in
+
+from probdiff_callback.models import PRESETS
 
 TASK_RECIPES = sorted(p for p in RECIPES_DIR.rglob("*.yaml") if "accelerate" not in p.relative_to(RECIPES_DIR).parts)
 ACCELERATE_CONFIGS = sorted((RECIPES_DIR / "accelerate").glob("*.yaml"))
@@ -40,15 +40,16 @@ def test_recipe_loads_for_every_preset(path: Path, preset: str):
     recipe = load_recipe([f"recipe={path.stem}", f"model={preset}"])
     assert recipe.recipe == path.stem and recipe.task == path.stem and recipe.model == preset
     assert recipe.probdiff.delta == -0.05 and -0.02 in recipe.probdiff.sweep and recipe.probdiff.n_revisions == 1
-    assert recipe.metric_for_best_model == "probdiff_confidence"
-    assert recipe.save_steps % recipe.eval_steps == 0
+    training = recipe.training
+    assert training["metric_for_best_model"] == "probdiff_confidence"
+    assert training["save_steps"] % training["eval_steps"] == 0
     if preset == "tiny":
-        assert recipe.dtype == "float32" and recipe.bf16 is False and recipe.max_steps > 0
+        assert recipe.dtype == "float32" and training["bf16"] is False and training["max_steps"] > 0
         # enough evaluations for a curve: a baseline plus at least four checkpoints
-        assert recipe.max_steps // recipe.eval_steps >= 4 and recipe.probdiff.baseline
+        assert training["max_steps"] // training["eval_steps"] >= 4 and recipe.probdiff.baseline
     else:
-        assert recipe.dtype == "bfloat16" and recipe.bf16 and recipe.gradient_checkpointing
-        assert recipe.max_seq_length == 2048
+        assert recipe.dtype == "bfloat16" and training["bf16"] and training["activation_checkpointing"]
+        assert training["max_length"] == 2048
         assert recipe.lora.enabled and set(recipe.lora.target_modules) == {
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -107,15 +108,50 @@ def test_accelerate_configs_cover_the_setups():
 
 
 # --- overrides and errors ----------------------------------------------------------------------------
+def test_sftconfig_fields_reach_sftconfig_from_the_file_and_the_command_line(tmp_path):
+    """Keys outside the project's schema are SFTConfig fields: none is copied by hand."""
+    (tmp_path / "mine.yaml").write_text("task: blog\noptim: adafactor\npresets:\n  tiny:\n    adam_beta1: 0.8\n")
+    recipe = load_recipe(["recipe=mine", "model=tiny", "adam_epsilon=1e-6", "max_steps=3"], directory=tmp_path)
+    assert recipe.training["optim"] == "adafactor" and recipe.training["adam_epsilon"] == 1e-6
+    args = sft_config(recipe.training, tmp_path / "run", "mine/run", report_to=[])
+    assert args.optim == "adafactor" and args.adam_epsilon == 1e-6 and args.adam_beta1 == 0.8 and args.max_steps == 3
+    # the project's defaults, and what the script sets itself
+    assert args.learning_rate == 1e-4 and args.gradient_accumulation_steps == 16 and args.max_length == 2048
+    assert args.eval_strategy == "steps" and args.save_strategy == "steps" and args.greater_is_better is True
+    assert args.assistant_only_loss and args.eval_on_start and args.activation_checkpointing
+    assert args.output_dir == str(tmp_path / "run") and args.run_name == "mine/run" and args.report_to == []
+
+
+def test_a_preset_sets_sftconfig_fields_for_its_model():
+    args = sft_config(load_recipe(["recipe=blog", "model=tiny"]).training, Path("run"), "blog/run", report_to=[])
+    assert args.max_length == 512 and args.learning_rate == 2e-3 and args.bf16 is False
+    assert args.activation_checkpointing is False and args.eval_steps == 4 and args.per_device_train_batch_size == 4
+    assert load_recipe(["recipe=blog"]).training["max_length"] == 2048
+
+
+def test_renamed_and_fixed_sftconfig_keys_stop_with_the_name_to_use():
+    with pytest.raises(RecipeError, match=r"'max_seq_length' is SFTConfig's 'max_length': write max_length"):
+        load_recipe(["recipe=blog", "max_seq_length=512"])
+    with pytest.raises(RecipeError, match=r"'gradient_checkpointing' is SFTConfig's 'activation_checkpointing'"):
+        load_recipe(["recipe=blog", "gradient_checkpointing=false"])
+    with pytest.raises(RecipeError, match=r"presets.tiny: 'warmup_ratio' is SFTConfig's 'warmup_steps'"):
+        load_recipe(["recipe=blog", "model=tiny", "presets.tiny.warmup_ratio=0.1"])
+    with pytest.raises(RecipeError, match=r"eval_strategy='epoch': train/sft.py sets eval_strategy=steps"):
+        load_recipe(["recipe=blog", "eval_strategy=epoch"])
+    with pytest.raises(RecipeError, match=r"lr_scheduler_type='cosin' \(did you mean 'cosine'\?\): use one of"):
+        load_recipe(["recipe=blog", "lr_scheduler_type=cosin"])
+
+
 def test_overrides_nested_and_precedence():
     recipe = load_recipe(["recipe=blog", "model=tiny", "lora.r=8", "probdiff.delta=-0.02", "probdiff.n_queries=3", "max_steps=7"])
     assert recipe.lora.r == 8 and recipe.probdiff.delta == -0.02 and recipe.probdiff.n_queries == 3
-    assert recipe.max_steps == 7  # the command line beats presets.tiny
+    assert recipe.training["max_steps"] == 7  # the command line beats presets.tiny
     assert recipe.lora.alpha == 128  # presets.tiny beats the YAML body
 
 
 def test_unknown_key_names_it_and_lists_valid_keys():
-    with pytest.raises(RecipeError, match=r"unknown key 'learning_rat'.*Valid keys: .*learning_rate"):
+    top_level = r"unknown key 'learning_rat'.*Valid keys: .*lora, .*any field of trl.SFTConfig"
+    with pytest.raises(RecipeError, match=top_level):
         load_recipe(["recipe=blog", "learning_rat=1e-4"])
     with pytest.raises(RecipeError, match=r"unknown key 'lora.rank' \(did you mean 'lora.r'\?\). Valid keys in lora: enabled, r, alpha, dropout, target_modules"):
         load_recipe(["recipe=blog", "lora.rank=8"])
@@ -147,6 +183,8 @@ def test_wrong_type_names_key_and_expected_type():
     message = str(info.value)
     assert message == "command line: wrong type for 'probdiff.delta': got 'abc', expected float"
     assert "full_key" not in message and "object_type" not in message
+    with pytest.raises(RecipeError, match=r"wrong type for 'adam_epsilon': got 'tiny', expected float"):
+        load_recipe(["recipe=blog", "adam_epsilon=tiny"])
 
 
 def test_missing_and_misspelled_recipe_list_the_recipes():
@@ -248,6 +286,20 @@ def test_wandb_offline_when_not_logged_in(tmp_path, monkeypatch):
     assert "WANDB_MODE" not in os.environ
 
 
+def test_wandb_run_config_holds_the_project_keys(tmp_path, monkeypatch):
+    """The Trainer's integration logs the SFTConfig; the project's own keys go in at the start, as `recipe`."""
+    import wandb
+
+    calls = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    sync = start_wandb(load_recipe(["recipe=blog", "model=tiny"]), tmp_path, None, "blog/run")
+    config = calls[0]["config"]["recipe"]
+    assert config["model"] == "tiny" and config["lora"]["r"] == 64 and config["probdiff"]["n_queries"] == 12
+    assert config["task"] == "blog" and "learning_rate" not in config
+    assert calls[0]["name"] == "blog/run" and sync is not None and sync.startswith("wandb sync --id")
+
+
 def test_run_name_is_stable_and_ignores_run_level_keys():
     a = load_recipe(["recipe=blog", "model=tiny"])
     b = load_recipe(["recipe=blog", "model=tiny", "report_to=none", "resume=true"])
@@ -279,6 +331,6 @@ def test_schema_defaults_validate():
 
 def test_selecting_by_a_reference_metric_needs_every_evaluation():
     recipe = load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_chrf"])
-    assert recipe.metric_for_best_model == "ref_chrf"
+    assert recipe.setting("metric_for_best_model") == "ref_chrf"
     with pytest.raises(RecipeError, match="metric_for_best_model=ref_bleu needs probdiff.every=1"):
         load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_bleu", "probdiff.every=2"])

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from probdiff_callback.recipe import TASKS, count_without_assistant_tokens
+from conversations import count_without_assistant_tokens
+from recipe import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 # A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
@@ -122,8 +122,8 @@ def summarization_prompts_reaching(qwen_tokenizer, length: int) -> tuple[int, in
     return reaching, len(train)
 
 
-# summarization runs with max_seq_length=300: some sample articles fill it before the summary starts
-EXTRA = {"translation": [], "summarization": ["max_seq_length=300"], "alignbench": []}
+# summarization runs with max_length=300: some sample articles fill it before the summary starts
+EXTRA = {"translation": [], "summarization": ["max_length=300"], "alignbench": []}
 
 
 @pytest.mark.parametrize("task", [t for t in TASKS if t != "blog"])

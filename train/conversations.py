@@ -1,0 +1,115 @@
+"""The training data of a recipe: which files (prepared, given, or the offline samples), their conversations, and
+the conversations that truncation leaves without an assistant token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from environment import say
+from recipe import PROJECT_ROOT, Recipe, RecipeError
+
+from probdiff_callback.io import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
+
+PROCESSED_DIR = PROJECT_ROOT / "data" / "processed"
+SAMPLES_DIR = PROJECT_ROOT / "data" / "samples"
+
+
+def resolve_path(path: str) -> Path:
+    """A relative path is taken from the working directory, else from the project root."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    return PROJECT_ROOT / candidate if (PROJECT_ROOT / candidate).exists() else candidate
+
+
+def data_files(recipe: Recipe) -> tuple[Path, Path, list[str]]:
+    """(train file, held-out file, notices): the prepared files, or the samples when they are missing
+    and `samples_fallback` allows it."""
+    notices = []
+    chosen = []
+    for split, configured in (("train", recipe.train_file), ("heldout", recipe.heldout_file)):
+        path = resolve_path(configured) if configured else PROCESSED_DIR / recipe.task / f"{split}.jsonl"
+        if not path.is_file():
+            sample = SAMPLES_DIR / recipe.task / f"{split}.jsonl"
+            if recipe.samples_fallback and sample.is_file():
+                notices.append(
+                    f"{split} data: {path} not found; using the offline samples {sample} instead "
+                    f"(prepare the real data with: python data/prepare.py {recipe.task})"
+                )
+                path = sample
+            elif recipe.task == "alignbench" and split == "train":
+                raise RecipeError(
+                    f"AlignBench training data not found at {path}: run `python data/prepare.py alignbench`, which "
+                    "downloads the paper's GPT-4-generated training set (alignbench/data/gpt_generate_train.json in "
+                    "its repository) to data/processed/alignbench/train.jsonl; `--train FILE` takes your own "
+                    "conversations instead; or set train_file=PATH. With model=tiny the recipe trains on "
+                    f"{SAMPLES_DIR / 'alignbench' / 'train.jsonl'}."
+                )
+            else:
+                raise RecipeError(
+                    f"{split} data not found at {path}: run `python data/prepare.py {recipe.task}` "
+                    f"or set {'train_file' if split == 'train' else 'heldout_file'}=PATH"
+                )
+        chosen.append(path)
+    return chosen[0], chosen[1], notices
+
+
+def read_conversations(path: Path) -> list[dict]:
+    """Rows `{"id", "messages"}` of a prepared file; a row that is not a chat ending with the assistant
+    stops with its file and line."""
+    rows = []
+    for index, (line, row) in enumerate(read_rows(path)):
+        if "messages" not in row:
+            raise DataFileError(
+                f"{path}:{line}: expected `messages`: a list of {{role, content}} (roles system/user/assistant) "
+                "ending with an assistant turn (see data/prepare.py)"
+            )
+        rows.append({"id": str(row.get("id", index)), "messages": chat_messages(row["messages"], f"{path}:{line}")})
+    return rows
+
+
+def load_data(recipe: Recipe) -> tuple[list[dict], list[dict], list[Query]]:
+    """(training conversations, eval-loss conversations, ProbDiff queries): the prepared files, or the
+    samples with a notice; a missing file or a bad row raises with its message."""
+    train_file, heldout_file, notices = data_files(recipe)
+    for notice in notices:
+        say(notice)
+    train_rows = read_conversations(train_file)
+    eval_rows = fixed_subset(read_conversations(heldout_file), recipe.max_eval_samples, recipe.setting("seed"))
+    queries = load_queries(heldout_file)
+    n_probdiff = min(len(queries), recipe.probdiff.n_queries or len(queries))
+    say(
+        f"data: {len(train_rows)} training conversations ({train_file}), {len(eval_rows)} for the eval loss and "
+        f"{n_probdiff} of {len(queries)} held-out queries for ProbDiff ({heldout_file})"
+    )
+    return train_rows, eval_rows, queries
+
+
+def count_without_assistant_tokens(tokenizer, rows: list[dict], max_length: int) -> list[str]:
+    """Ids of the rows that keep no assistant token after truncation to `max_length` (trl keeps the start
+    and then drops such rows silently, so they are counted here before training)."""
+    lost = []
+    for row in rows:
+        encoded = tokenizer.apply_chat_template(
+            row["messages"], return_dict=True, return_assistant_tokens_mask=True, tokenize=True
+        )
+        if 1 not in encoded["assistant_masks"][:max_length]:
+            lost.append(row["id"])
+    return lost
+
+
+def report_truncation(tokenizer, train_rows: list[dict], eval_rows: list[dict], max_length: int | None) -> None:
+    """Conversations whose assistant turns lie wholly past max_length train nothing: trl drops them
+    silently, so count and name them here."""
+    if max_length is None:
+        return  # no truncation
+    for name, rows in (("training", train_rows), ("eval-loss", eval_rows)):
+        lost = count_without_assistant_tokens(tokenizer, rows, max_length)
+        if lost:
+            shown = ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else "")
+            say(
+                f"warning: {len(lost)} of {len(rows)} {name} conversations keep no assistant token after truncation "
+                f"to max_length={max_length} and are left out by the trainer: {shown}"
+            )
+        else:
+            say(f"{name} conversations: all {len(rows)} keep assistant tokens within max_length={max_length}")

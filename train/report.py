@@ -1,0 +1,88 @@
+"""The end of a run: ProbDiff over training as a table, the cross-check, the best checkpoint, and where everything is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from recipe import Recipe
+
+from probdiff_callback.formatting import fmt, format_table, pct
+
+
+def probdiff_table(rows: list[dict], log_history: list[dict], references: list[str]) -> list[list[str]]:
+    """One line per evaluated step: losses as last logged up to the step, confidence, mean d, caps, vs base and the
+    reference metrics."""
+    from probdiff_callback import versus_base
+
+    def last(key: str, step: int) -> str:
+        values = [e[key] for e in log_history if key in e and e.get("step", 0) <= step]
+        return f"{values[-1]:.4f}" if values else "-"
+
+    table = []
+    for row in rows:
+        s, step = row["summary"], row["global_step"]
+        low, high = s["confidence_ci"]
+        overall = (s.get("reference") or {}).get("overall", {})
+        table.append([
+            str(step), row["kind"], last("loss", step) if step else "-", last("eval_loss", step),
+            pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]", fmt(s["d_mean"], "+.4f"), str(s["n"]),
+            # histories written before the cap was counted have no n_capped
+            f"{s['n_capped']}/{s['n_revision_capped']}" if "n_capped" in s else "-",
+            versus_base.format_win_tie_lose(row.get("vs_base")), versus_base.format_p(row.get("vs_base")),
+            *[fmt(overall.get(name), ".2f", "-") for name in references],
+        ])  # fmt: skip
+    return table
+
+
+def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb_sync: str | None, seconds: float):
+    from probdiff_callback import history
+    from probdiff_callback.agreement import crosscheck, load_run, one_line
+    from probdiff_callback.plotting import plot_run
+    from probdiff_callback.reference_metrics import METRIC_LABELS
+    from probdiff_callback.selection import format_selection, point_best, select_checkpoints
+
+    subdir = recipe.probdiff.output_subdir
+    rows = [r for r in history.read_history(history.history_path(run_dir, subdir)) if r.get("summary") is not None]
+    overall = [(r["summary"].get("reference") or {}).get("overall", {}) for r in rows]
+    references = [name for name in METRIC_LABELS if any(name in values for values in overall)]
+    print(
+        f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "
+        f"capped: answers/revisions that hit max_new_tokens={recipe.probdiff.max_new_tokens} without an end-of-turn "
+        "token; vs base: win/tie/lose against the base model on the same queries, with the Wilcoxon p)"
+    )
+    header = ["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "capped", "vs base", "p"]
+    table = probdiff_table(rows, trainer.state.log_history, references)
+    print(format_table([*header, *[METRIC_LABELS[name] for name in references]], table))
+    if rows and not references:
+        print("(no reference metric for these queries: blog and AlignBench answers have none)")
+    try:
+        print(one_line(crosscheck(*load_run(run_dir, subdir))) + f"; details: probdiff crosscheck {run_dir}")
+    except FileNotFoundError as err:
+        print(f"no cross-check: {err}")
+    best_dir = selection = None
+    try:
+        selection = select_checkpoints(run_dir, subdir)
+        print("\n" + format_selection(selection))
+        if selection.best_checkpoint is not None:
+            best_dir = point_best(run_dir, selection.best_checkpoint.checkpoint)
+    except FileNotFoundError as err:
+        print(f"no checkpoint selection: {err}")
+    plot = None
+    try:
+        plot = plot_run(run_dir, subdir=subdir)
+    except FileNotFoundError as err:
+        print(f"no plot: {err}")
+    print(f"\ndone in {seconds / 60:.1f} min. Run directory {run_dir}:")
+    print(f"  recipe as run        {run_dir / 'recipe.yaml'}")
+    print(f"  ProbDiff history     {history.history_path(run_dir, subdir)}")
+    if plot is not None:
+        print(f"  plot                 {plot}")
+    print(f"  final weights        {final_dir}")
+    if best_dir is not None and selection is not None:
+        print(f"  best checkpoint      {best_dir} -> {selection.best_checkpoint.checkpoint}")
+        base = f"{recipe.model} --adapter {best_dir}" if recipe.lora.enabled else str(best_dir)
+        print(f"  evaluate it          probdiff eval --model {base} --queries <held-out file> --out <dir>")
+    print(f"  rank again           probdiff select {run_dir}")
+    print(f"  cross-check          probdiff crosscheck {run_dir}")
+    if wandb_sync:
+        print(f"  W&B (offline: not logged in); upload with: {wandb_sync}")

@@ -1,0 +1,101 @@
+"""trl's SFTTrainer as the recipes use it: the ProbDiff callback attached, checkpoints that work on their own, a
+model card that names the base model, and the plain loss on a CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from environment import say
+from recipe import Recipe
+from transformers import TrainerCallback
+
+
+def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):
+    from datasets import Dataset
+
+    from probdiff_callback.callback import ProbDiffCallback
+    from probdiff_callback.models import peft_without_deprecated_alias_warning
+
+    with peft_without_deprecated_alias_warning():
+        trainer = trainer_class(plain_loss=args.use_cpu, base_model=resolved_model_name(recipe.model))(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list([{"messages": r["messages"]} for r in train_rows]),
+            eval_dataset=Dataset.from_list([{"messages": r["messages"]} for r in eval_rows]),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+    if peft_config is not None and trainer.is_world_process_zero():
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        modules = ", ".join(recipe.lora.target_modules)
+        say(f"LoRA r={recipe.lora.r} on {modules}: {trainable / 1e6:,.2f}M trainable parameters")
+    trainer.add_callback(ProbDiffCallback(trainer, queries, recipe.probdiff))
+    trainer.add_callback(SelfContainedCheckpoints(tokenizer, model.generation_config))
+    return trainer
+
+
+def trainer_class(plain_loss: bool, base_model: str):
+    """SFTTrainer whose model card names the base model, and, with `plain_loss`, the model's own cross-entropy.
+
+    trl writes "a fine-tuned version of [None](https://huggingface.co/None)" for a base model loaded from a
+    local directory (the `tiny` preset, a converted checkpoint); the card names it instead.
+
+    Without Triton (on the CPU) trl runs its fused, tiled LM-head loss as many small torch ops over every
+    position (with entropy and top-1 side outputs), several times slower per step than the plain loss on the
+    tiny model's large vocabulary head. The loss is the same (assistant tokens only, through the same labels);
+    trl's entropy and token-accuracy logs are left out.
+    """
+    from transformers import Trainer
+    from trl import SFTTrainer
+
+    class RecipeSFTTrainer(SFTTrainer):
+        def create_model_card(self, *args, **kwargs):
+            super().create_model_card(*args, **kwargs)
+            card = Path(self.args.output_dir) / "README.md"
+            if self.is_world_process_zero() and card.is_file():
+                card.write_text(name_local_base_model(card.read_text(encoding="utf-8"), base_model), encoding="utf-8")
+
+        if plain_loss:
+
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                inputs["use_cache"] = False
+                return Trainer.compute_loss(
+                    self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+
+    return RecipeSFTTrainer
+
+
+def resolved_model_name(model: str) -> str:
+    """The hub id of a preset, `probdiff tiny` for the embedded model, else the directory or id as given."""
+    from probdiff_callback.models import PRESET_HUB_IDS
+
+    return PRESET_HUB_IDS.get(model, "probdiff tiny" if model == "tiny" else model)
+
+
+def name_local_base_model(card: str, base_model: str) -> str:
+    """trl's model card with `[None](https://huggingface.co/None)` replaced by the base model's name."""
+    named = f"[{base_model}](https://huggingface.co/{base_model})" if base_model.count("/") == 1 else f"`{base_model}`"
+    return card.replace("[None](https://huggingface.co/None)", named).replace(
+        'model="None"', 'model="<this directory>"'
+    )
+
+
+def save_inference_files(directory: Path, tokenizer, generation_config) -> None:
+    """Tokenizer (with its chat template) and generation_config.json (stop ids) beside the weights, so
+    `probdiff eval --model <base> --adapter <directory>` works on the directory as it is."""
+    if not (directory / "tokenizer_config.json").is_file():
+        tokenizer.save_pretrained(directory)
+    generation_config.save_pretrained(directory)
+
+
+class SelfContainedCheckpoints(TrainerCallback):
+    """Each checkpoint gets the files `save_inference_files` writes."""
+
+    def __init__(self, tokenizer, generation_config) -> None:
+        self.tokenizer, self.generation_config = tokenizer, generation_config
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and checkpoint.is_dir():
+            save_inference_files(checkpoint, self.tokenizer, self.generation_config)
