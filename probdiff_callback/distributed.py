@@ -29,7 +29,9 @@ def max_over_ranks(device: torch.device) -> Callable[[int], int]:
     return sync
 
 
-def evaluate_sharded(accelerator, items: Sequence[Any], evaluate_share: Callable[[list], list[T]]) -> tuple[list[T], str | None]:
+def evaluate_sharded(
+    accelerator, items: Sequence[Any], evaluate_share: Callable[[list], list[T]]
+) -> tuple[list[T], str | None]:
     """(results in the order of `items`, error or None), the same on every rank.
 
     Each rank evaluates its contiguous share; shares are padded with the last item so every rank makes the

@@ -21,7 +21,9 @@ def format_summary(summary: dict) -> str:
     if len(summary["by_category"]) > 1:
         lines.append("by category:")
         for name, cat in summary["by_category"].items():
-            lines.append(f"  {name:<20} n={cat['n']:<4} confidence {pct(cat['confidence']):>6}  d_mean {cat['d_mean']:.4f}")
+            lines.append(
+                f"  {name:<20} n={cat['n']:<4} confidence {pct(cat['confidence']):>6}  d_mean {cat['d_mean']:.4f}"
+            )
     if summary.get("reference"):
         lines.append(format_reference(summary["reference"]))
     return "\n".join(lines)
@@ -32,17 +34,20 @@ def format_comparison(result: dict, name_a: str, name_b: str) -> str:
     n = result["n"]
     low, high = result["difference_ci"]
     share = {key: f"{100 * result[key] / n:.1f}%" for key in ("win", "tie", "lose")}
-    return "\n".join([
-        f"A = {name_a}\nB = {name_b}\n{n} shared queries at delta {result['delta']:g}",
-        f"A wins {result['win']} ({share['win']})  ties {result['tie']} ({share['tie']})  "
-        f"loses {result['lose']} ({share['lose']})  "
-        "(each model thresholded on its own d: a model is confident on a query when its d >= delta)",
-        f"confidence on these queries: A {100 * result['confidence_a']:.1f}%  B {100 * result['confidence_b']:.1f}%  "
-        f"(win - lose)/n = {100 * result['difference']:+.1f} points, 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] "
-        "(Bonett-Price adjusted Wald for paired proportions)",
-        f"sign test p = {fmt(result['sign_p'], '.3g')}: exact binomial test of {result['win']} wins against "
-        f"{result['lose']} losses, ties left out; tests whether one model wins more queries than it loses",
-        f"Wilcoxon signed-rank p = {fmt(result['wilcoxon_p'], '.3g')} over {result['n_paired']} pairs of valid d "
-        f"(mean d: A {result['d_mean_a']:.4f}  B {result['d_mean_b']:.4f}); "
-        "tests whether d is shifted between the models, not the win/lose split",
-    ])
+    return "\n".join(
+        [
+            f"A = {name_a}\nB = {name_b}\n{n} shared queries at delta {result['delta']:g}",
+            f"A wins {result['win']} ({share['win']})  ties {result['tie']} ({share['tie']})  "
+            f"loses {result['lose']} ({share['lose']})  "
+            "(each model thresholded on its own d: a model is confident on a query when its d >= delta)",
+            f"confidence on these queries: A {100 * result['confidence_a']:.1f}%  "
+            f"B {100 * result['confidence_b']:.1f}%  "
+            f"(win - lose)/n = {100 * result['difference']:+.1f} points, 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] "
+            "(Bonett-Price adjusted Wald for paired proportions)",
+            f"sign test p = {fmt(result['sign_p'], '.3g')}: exact binomial test of {result['win']} wins against "
+            f"{result['lose']} losses, ties left out; tests whether one model wins more queries than it loses",
+            f"Wilcoxon signed-rank p = {fmt(result['wilcoxon_p'], '.3g')} over {result['n_paired']} pairs of valid d "
+            f"(mean d: A {result['d_mean_a']:.4f}  B {result['d_mean_b']:.4f}); "
+            "tests whether d is shifted between the models, not the win/lose split",
+        ]
+    )

@@ -61,7 +61,9 @@ def set_activation_checkpointing(model, enabled: bool, args: TrainingArguments) 
         (model.activation_checkpointing_disable if modern else model.gradient_checkpointing_disable)()
         return
     kwargs = dict(
-        getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None) or {}
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
     )
     every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
     if modern:

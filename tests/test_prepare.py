@@ -48,9 +48,14 @@ def check_rows(rows: list[dict], categories: set[str]) -> None:
 
 # --- blog: the paper's redbook files (train.json is a JSON list, test.json JSON lines) -------------------
 def blog_source(root: Path) -> Path:
-    write_json_list(root / "redbook" / "train.json", [conversation(i, f"写一篇小红书文案 {i}", f"标题：第{i}篇 ✨") for i in range(5)]
-                    + [conversation(5, "held-out prompt 1", "a copy of a held-out prompt is removed")])
-    write_json_lines(root / "redbook" / "test.json", [{"user": f"held-out prompt {i}", "assistant": f"答 {i}"} for i in range(3)])
+    write_json_list(
+        root / "redbook" / "train.json",
+        [conversation(i, f"写一篇小红书文案 {i}", f"标题：第{i}篇 ✨") for i in range(5)]
+        + [conversation(5, "held-out prompt 1", "a copy of a held-out prompt is removed")],
+    )
+    write_json_lines(
+        root / "redbook" / "test.json", [{"user": f"held-out prompt {i}", "assistant": f"答 {i}"} for i in range(3)]
+    )
     return root
 
 
@@ -72,39 +77,65 @@ def test_translation_directions_and_prompts(tmp_path):
     src = tmp_path / "src"
     for pair, lang in (("cs-en", "Czech"), ("de-en", "German"), ("ru-en", "Russian"), ("zh-en", "Chinese")):
         other = pair[:2]
-        write_json_list(src / pair / "train.json", [
-            conversation(0, f"Translate the sentence into English.\n{other} sentence", "English sentence"),
-            conversation(1, f"Translate the sentence into {lang}.\nAnother English sentence", f"{other} text"),
-        ])
-        write_json_lines(src / pair / "test.json", [{other: f"{other} test {i}", "en": f"en test {i}"} for i in range(4)])
+        write_json_list(
+            src / pair / "train.json",
+            [
+                conversation(0, f"Translate the sentence into English.\n{other} sentence", "English sentence"),
+                conversation(1, f"Translate the sentence into {lang}.\nAnother English sentence", f"{other} text"),
+            ],
+        )
+        write_json_lines(
+            src / pair / "test.json", [{other: f"{other} test {i}", "en": f"en test {i}"} for i in range(4)]
+        )
     counts = prepare.prepare("translation", str(src), tmp_path / "out")
-    assert counts["train_by_category"] == {c: 1 for c in ("cs-en", "en-cs", "de-en", "en-de", "ru-en", "en-ru", "zh-en", "en-zh")}
+    assert counts["train_by_category"] == {
+        c: 1 for c in ("cs-en", "en-cs", "de-en", "en-de", "ru-en", "en-ru", "zh-en", "en-zh")
+    }
     assert counts["heldout_by_category"] == {c: 2 for c in counts["train_by_category"]}
     heldout = read(tmp_path / "out/translation/heldout.jsonl")
     check_rows(heldout, set(counts["train_by_category"]))
     zh = [r for r in heldout if r["category"] in ("zh-en", "en-zh")]
     # first half into English, second half out of it, with the reference test prompt
-    assert zh[0]["messages"] == [{"role": "user", "content": "Translate the sentence into English:\nzh test 0"},
-                                 {"role": "assistant", "content": "en test 0"}]
-    assert zh[-1]["messages"] == [{"role": "user", "content": "Translate the sentence into Chinese:\nen test 3"},
-                                  {"role": "assistant", "content": "zh test 3"}]
+    assert zh[0]["messages"] == [
+        {"role": "user", "content": "Translate the sentence into English:\nzh test 0"},
+        {"role": "assistant", "content": "en test 0"},
+    ]
+    assert zh[-1]["messages"] == [
+        {"role": "user", "content": "Translate the sentence into Chinese:\nen test 3"},
+        {"role": "assistant", "content": "zh test 3"},
+    ]
 
 
 def test_translation_wrong_language_names_file_and_line(tmp_path):
     src = tmp_path / "src"
     # cs-en is read first, so the error comes before any other pair is looked for
-    write_json_list(src / "cs-en" / "train.json", [conversation(0, "Translate the sentence into English.\nx", "y"),
-                                                   conversation(1, "Translate the sentence into German.\nx", "y")])
-    with pytest.raises(prepare.DataFileError, match=r"cs-en/train.json:15: prompt asks for German, but this is the cs-en pair"):
+    write_json_list(
+        src / "cs-en" / "train.json",
+        [
+            conversation(0, "Translate the sentence into English.\nx", "y"),
+            conversation(1, "Translate the sentence into German.\nx", "y"),
+        ],
+    )
+    with pytest.raises(
+        prepare.DataFileError, match=r"cs-en/train.json:15: prompt asks for German, but this is the cs-en pair"
+    ):
         prepare.prepare_translation(str(src), 0, prepare.Fetcher(tmp_path))
 
 
 # --- summarization: XSum {document, summary} and CNN/DM {article, highlights} ---------------------------
 def test_summarization_formats_and_seeded_subsets(tmp_path, monkeypatch):
     src = tmp_path / "src"
-    write_json_lines(src / "xsum" / "train.jsonl", [{"document": f"doc {i}", "summary": f"sum {i}", "id": str(i)} for i in range(8)])
-    write_json_lines(src / "xsum" / "test.json", [{"document": f"test doc {i}", "summary": f"test sum {i}", "id": str(i)} for i in range(3)])
-    write_json_list(src / "cnn_dm" / "train.json", [{"article": f"article {i}", "highlights": f"hl {i}", "id": str(i)} for i in range(4)])
+    write_json_lines(
+        src / "xsum" / "train.jsonl", [{"document": f"doc {i}", "summary": f"sum {i}", "id": str(i)} for i in range(8)]
+    )
+    write_json_lines(
+        src / "xsum" / "test.json",
+        [{"document": f"test doc {i}", "summary": f"test sum {i}", "id": str(i)} for i in range(3)],
+    )
+    write_json_list(
+        src / "cnn_dm" / "train.json",
+        [{"article": f"article {i}", "highlights": f"hl {i}", "id": str(i)} for i in range(4)],
+    )
     write_json_lines(src / "cnn_dm" / "test.jsonl", [{"article": "test article", "highlights": "hl"}])
     monkeypatch.setattr(prepare, "SUMMARIZATION_SIZES", (5, 2))
     prepare.prepare("summarization", str(src), tmp_path / "a", seed=1)
@@ -115,7 +146,9 @@ def test_summarization_formats_and_seeded_subsets(tmp_path, monkeypatch):
     assert a != read(tmp_path / "c/summarization/train.jsonl")
     assert [r["category"] for r in a].count("xsum") == 5 and [r["category"] for r in a].count("cnn_dm") == 4
     check_rows(a, {"xsum", "cnn_dm"})
-    assert a[0]["messages"][0]["content"].startswith(SUMMARY_PROMPT_START) and a[0]["messages"][0]["content"].endswith("\nYour answer: ")
+    assert a[0]["messages"][0]["content"].startswith(SUMMARY_PROMPT_START) and a[0]["messages"][0]["content"].endswith(
+        "\nYour answer: "
+    )
     heldout = read(tmp_path / "a/summarization/heldout.jsonl")
     assert len(heldout) == 3 and {r["category"] for r in heldout} == {"xsum", "cnn_dm"}
 
@@ -124,12 +157,26 @@ def test_bad_row_stops_with_file_and_line(tmp_path):
     src = tmp_path / "src"
     write_json_lines(src / "xsum" / "train.json", [{"document": "d", "summary": "s"}, {"document": "d2"}])
     write_json_lines(src / "xsum" / "test.json", [{"document": "d", "summary": "s"}])
-    result = subprocess.run([sys.executable, str(ROOT / "data/prepare.py"), "summarization", "--source", str(src), "--out", str(tmp_path / "o")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "data/prepare.py"),
+            "summarization",
+            "--source",
+            str(src),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     assert f"{src / 'xsum' / 'train.json'}:2: missing or empty `summary`" in result.stderr
     (src / "redbook").mkdir()
-    (src / "redbook" / "train.json").write_text('{"conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]}\n{"broken": \n')
+    (src / "redbook" / "train.json").write_text(
+        '{"conversations": [{"from": "user", "value": "q"}, {"from": "assistant", "value": "a"}]}\n{"broken": \n'
+    )
     (src / "redbook" / "test.json").write_text('{"user": "q2", "assistant": "a2"}\n')
     with pytest.raises(prepare.DataFileError, match=r"redbook/train.json:2: not valid JSON"):
         prepare.prepare("blog", str(src), tmp_path / "o")
@@ -138,16 +185,36 @@ def test_bad_row_stops_with_file_and_line(tmp_path):
 # --- alignbench: the release file; training data supplied by the user -----------------------------------
 def test_alignbench_categories_reference_and_user_training_file(tmp_path):
     release = tmp_path / "data_release.jsonl"
-    write_json_lines(release, [
-        {"question_id": 1, "category": "专业能力", "subcategory": "音乐", "question": "问题一", "reference": "参考一\n"},
-        {"question_id": 2, "category": "角色扮演", "subcategory": "x", "question": "问题二", "reference": "参考二"},
-    ])
+    write_json_lines(
+        release,
+        [
+            {
+                "question_id": 1,
+                "category": "专业能力",
+                "subcategory": "音乐",
+                "question": "问题一",
+                "reference": "参考一\n",
+            },
+            {"question_id": 2, "category": "角色扮演", "subcategory": "x", "question": "问题二", "reference": "参考二"},
+        ],
+    )
     mine = tmp_path / "mine.jsonl"
-    write_json_lines(mine, [{"messages": [{"role": "user", "content": "训练问题"}, {"role": "assistant", "content": "回答"}], "category": "文本写作"},
-                            {"conversations": [{"from": "human", "value": "问题一"}, {"from": "gpt", "value": "与评测题重复"}]}])
+    write_json_lines(
+        mine,
+        [
+            {
+                "messages": [{"role": "user", "content": "训练问题"}, {"role": "assistant", "content": "回答"}],
+                "category": "文本写作",
+            },
+            {"conversations": [{"from": "human", "value": "问题一"}, {"from": "gpt", "value": "与评测题重复"}]},
+        ],
+    )
     counts = prepare.prepare("alignbench", str(release), tmp_path / "out", train_file=str(mine))
     heldout = read(tmp_path / "out/alignbench/heldout.jsonl")
-    assert [(r["id"], r["category"], r["reference"]) for r in heldout] == [("alignbench-1", "Professional", "参考一"), ("alignbench-2", "Roleplay", "参考二")]
+    assert [(r["id"], r["category"], r["reference"]) for r in heldout] == [
+        ("alignbench-1", "Professional", "参考一"),
+        ("alignbench-2", "Roleplay", "参考二"),
+    ]
     assert heldout[0]["messages"][1]["content"] == heldout[0]["reference"]
     assert counts["train"] == 1 and counts["train_in_heldout"] == 1
     assert read(tmp_path / "out/alignbench/train.jsonl")[0]["category"] == "Writing"
@@ -167,16 +234,29 @@ def test_reference_files(tmp_path):
     counts = prepare.prepare("blog", str(REFERENCE), out)
     assert (counts["train"] + counts["train_in_heldout"] + counts["train_repeats"], counts["heldout"]) == (469, 100)
     mine = tmp_path / "mine.jsonl"
-    write_json_lines(mine, [{"messages": [{"role": "user", "content": "问题"}, {"role": "assistant", "content": "回答"}]}])
+    write_json_lines(
+        mine, [{"messages": [{"role": "user", "content": "问题"}, {"role": "assistant", "content": "回答"}]}]
+    )
     counts = prepare.prepare("alignbench", str(REFERENCE), out, train_file=str(mine))
     assert counts["heldout"] == 683
-    assert set(counts["heldout_by_category"]) == {"Professional", "Mathematics", "Fundamental", "Logical", "Writing", "Chinese", "Roleplay", "Open-ended"}
+    assert set(counts["heldout_by_category"]) == {
+        "Professional",
+        "Mathematics",
+        "Fundamental",
+        "Logical",
+        "Writing",
+        "Chinese",
+        "Roleplay",
+        "Open-ended",
+    }
     counts = prepare.prepare("translation", str(REFERENCE), out)
     assert counts["heldout"] == 4000 and set(counts["heldout_by_category"].values()) == {500}
     assert counts["train"] + counts["train_in_heldout"] + counts["train_repeats"] == 20000
     # the paper's own split reuses held-out sentences in training, in the other direction
     assert counts["train_in_heldout"] > 100
-    rows = prepare.summarization_rows(((f"xsum:{line}", row) for line, row in prepare.read_rows(REFERENCE / "xsum" / "test.json")), "xsum")
+    rows = prepare.summarization_rows(
+        ((f"xsum:{line}", row) for line, row in prepare.read_rows(REFERENCE / "xsum" / "test.json")), "xsum"
+    )
     assert len(rows) == 1000 and rows[0]["messages"][0]["content"].startswith(SUMMARY_PROMPT_START)
 
 
@@ -196,15 +276,23 @@ def test_hub_sources_ids_splits_and_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare, "hub_rows", fake_hub_rows)
     counts = prepare.prepare("translation", "hub", tmp_path)
     assert sorted(c for c in calls if c[0] == "wmt/wmt19") == sorted(
-        [("wmt/wmt19", pair, "train", 5000) for pair in prepare.WMT19_PAIRS] + [("wmt/wmt19", pair, "validation", 1000) for pair in prepare.WMT19_PAIRS])
+        [("wmt/wmt19", pair, "train", 5000) for pair in prepare.WMT19_PAIRS]
+        + [("wmt/wmt19", pair, "validation", 1000) for pair in prepare.WMT19_PAIRS]
+    )
     assert counts["train_by_category"]["de-en"] == 2 and counts["train_by_category"]["en-de"] == 2
     train = read(tmp_path / "translation" / "train.jsonl")
-    assert train[0]["messages"][0]["content"] == "Translate the sentence into English.\ncs train 0"  # the reference training prompt
+    assert (
+        train[0]["messages"][0]["content"] == "Translate the sentence into English.\ncs train 0"
+    )  # the reference training prompt
     assert train[2]["messages"][0]["content"] == "Translate the sentence into Czech.\nen train 2"
     calls.clear()
     counts = prepare.prepare("summarization", "hub", tmp_path)
-    assert sorted(calls) == [("EdinburghNLP/xsum", None, "test", 1000), ("EdinburghNLP/xsum", None, "train", 5000),
-                             ("abisee/cnn_dailymail", "3.0.0", "test", 1000), ("abisee/cnn_dailymail", "3.0.0", "train", 5000)]
+    assert sorted(calls) == [
+        ("EdinburghNLP/xsum", None, "test", 1000),
+        ("EdinburghNLP/xsum", None, "train", 5000),
+        ("abisee/cnn_dailymail", "3.0.0", "test", 1000),
+        ("abisee/cnn_dailymail", "3.0.0", "train", 5000),
+    ]
     assert counts["train_by_category"] == {"xsum": 3, "cnn_dm": 3}
     heldout = read(tmp_path / "summarization" / "heldout.jsonl")
     assert heldout[-1]["messages"][1]["content"] == "hl 2" and "cnn test 2" in heldout[-1]["messages"][0]["content"]
@@ -212,7 +300,9 @@ def test_hub_sources_ids_splits_and_fields(tmp_path, monkeypatch):
 
 def test_hub_unreachable_says_how_to_work_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(SystemExit, match=r"could not load EdinburghNLP/xsum \[train\].*pass a local copy with --source"):
+    with pytest.raises(
+        SystemExit, match=r"could not load EdinburghNLP/xsum \[train\].*pass a local copy with --source"
+    ):
         prepare.hub_rows("EdinburghNLP/xsum", None, "train", 2, 0)
 
 
@@ -245,14 +335,16 @@ def paper_translation_files() -> dict[str, str]:
     files = {}
     for pair, language in (("cs-en", "Czech"), ("de-en", "German"), ("ru-en", "Russian"), ("zh-en", "Chinese")):
         other = pair[:2]
-        files[f"{PAPER}/generation_task/data/{pair}/train.json"] = json.dumps([
-            conversation(0, f"Translate the sentence into English.\n{other} sentence A", "English sentence A"),
-            conversation(1, f"Translate the sentence into {language}.\nEnglish sentence B", f"{other} sentence B"),
-            # held-out test row 0 in the other direction: the same pair of sentences
-            conversation(2, f"Translate the sentence into {language}.\nen test 0", f"{other} test 0"),
-            # held-out test row 3 in its own direction, with the training prompt's "." instead of ":"
-            conversation(3, f"Translate the sentence into {language}.\nen test 3", f"{other} test 3"),
-        ])
+        files[f"{PAPER}/generation_task/data/{pair}/train.json"] = json.dumps(
+            [
+                conversation(0, f"Translate the sentence into English.\n{other} sentence A", "English sentence A"),
+                conversation(1, f"Translate the sentence into {language}.\nEnglish sentence B", f"{other} sentence B"),
+                # held-out test row 0 in the other direction: the same pair of sentences
+                conversation(2, f"Translate the sentence into {language}.\nen test 0", f"{other} test 0"),
+                # held-out test row 3 in its own direction, with the training prompt's "." instead of ":"
+                conversation(3, f"Translate the sentence into {language}.\nen test 3", f"{other} test 3"),
+            ]
+        )
         test_rows = [{other: f"{other} test {i}", "en": f"en test {i}"} for i in range(4)]
         files[f"{PAPER}/generation_task/data/{pair}/test.json"] = json_lines(test_rows)
     return files
@@ -261,8 +353,11 @@ def paper_translation_files() -> dict[str, str]:
 def test_translation_comes_from_the_paper_and_leaks_are_caught_in_both_directions(tmp_path, monkeypatch, capsys):
     asked = serve(monkeypatch, paper_translation_files())
     assert prepare.main(["translation", "--out", str(tmp_path)]) == 0
-    expected = [f"{PAPER}/generation_task/data/{pair}/{split}.json"
-                for pair in prepare.WMT19_PAIRS for split in ("train", "test")]
+    expected = [
+        f"{PAPER}/generation_task/data/{pair}/{split}.json"
+        for pair in prepare.WMT19_PAIRS
+        for split in ("train", "test")
+    ]
     assert sorted(asked) == sorted(expected)
     train = read(tmp_path / "translation/train.jsonl")
     assert len(train) == 8 and not any("test" in r["messages"][0]["content"] for r in train)
@@ -277,10 +372,15 @@ def test_summarization_comes_from_the_papers_cnn_and_xsum_folders(tmp_path, monk
     files = {
         f"{data}/xsum/train.json": json.dumps([conversation(i, prompt(content=f"doc {i}"), f"s{i}") for i in range(3)]),
         f"{data}/xsum/test.json": json_lines([{"document": "bbc test", "summary": "s", "id": "1"}]),
-        f"{data}/cnn/train.json": json.dumps([conversation(0, prompt(content="cnn doc"), "hl"),
-                                              conversation(1, prompt(content=" cnn  test\n"), "the held-out article")]),
-        f"{data}/cnn/test.json": json_lines([{"article": "cnn test", "highlights": "hl 1"},
-                                             {"article": "cnn 2", "highlights": "hl 2"}]),
+        f"{data}/cnn/train.json": json.dumps(
+            [
+                conversation(0, prompt(content="cnn doc"), "hl"),
+                conversation(1, prompt(content=" cnn  test\n"), "the held-out article"),
+            ]
+        ),
+        f"{data}/cnn/test.json": json_lines(
+            [{"article": "cnn test", "highlights": "hl 1"}, {"article": "cnn 2", "highlights": "hl 2"}]
+        ),
     }
     asked = serve(monkeypatch, files)
     counts = prepare.prepare("summarization", None, tmp_path)
@@ -298,8 +398,10 @@ def test_source_directory_in_the_papers_layout_finds_cnn(tmp_path, monkeypatch):
     src = tmp_path / "src"
     write_json_lines(src / "cnn" / "test.json", [{"article": "local article", "highlights": "local hl"}])
     write_json_list(src / "cnn" / "train.json", [conversation(0, "Summarize: a local article", "local summary")])
-    files = {f"{PAPER}/generation_task/data/xsum/train.json": json.dumps([conversation(0, "Summarize: bbc", "s")]),
-             f"{PAPER}/generation_task/data/xsum/test.json": json_lines([{"document": "bbc test", "summary": "s"}])}
+    files = {
+        f"{PAPER}/generation_task/data/xsum/train.json": json.dumps([conversation(0, "Summarize: bbc", "s")]),
+        f"{PAPER}/generation_task/data/xsum/test.json": json_lines([{"document": "bbc test", "summary": "s"}]),
+    }
     asked = serve(monkeypatch, files)
     counts = prepare.prepare("summarization", str(src), tmp_path / "out")
     assert sorted(asked) == sorted(files), "cnn/ was found locally"
@@ -308,8 +410,10 @@ def test_source_directory_in_the_papers_layout_finds_cnn(tmp_path, monkeypatch):
 
 
 def test_changed_upstream_format_stops_naming_the_url_and_what_was_expected(tmp_path, monkeypatch):
-    files = {f"{PAPER}/generation_task/data/xsum/train.json": json.dumps([conversation(0, "Summarize: bbc", "s")]),
-             f"{PAPER}/generation_task/data/xsum/test.json": json_lines([{"text": "a renamed field", "label": "s"}])}
+    files = {
+        f"{PAPER}/generation_task/data/xsum/train.json": json.dumps([conversation(0, "Summarize: bbc", "s")]),
+        f"{PAPER}/generation_task/data/xsum/test.json": json_lines([{"text": "a renamed field", "label": "s"}]),
+    }
     serve(monkeypatch, files)
     with pytest.raises(prepare.DataFileError) as err:
         prepare.prepare("summarization", None, tmp_path)
@@ -325,19 +429,44 @@ def test_alignbench_downloads_questions_and_training_set_so_the_recipe_runs(tmp_
     from recipe import load_recipe
 
     files = {
-        f"{PAPER}/alignbench/data/data_release.jsonl": json_lines([
-            {"question_id": 1, "category": "数学计算", "subcategory": "初等数学", "question": "1+1=?", "reference": "2"},
-            {"question_id": 2, "category": "文本写作", "subcategory": "诗歌", "question": "写一首诗", "reference": "春眠不觉晓"}]),
-        f"{PAPER}/alignbench/data/gpt_generate_train.json": json.dumps([
-            conversation(0, "2+2=?", "4"), conversation(1, "写一首诗", "与评测题重复"), conversation(2, "介绍长城", "长城是……")]),
+        f"{PAPER}/alignbench/data/data_release.jsonl": json_lines(
+            [
+                {
+                    "question_id": 1,
+                    "category": "数学计算",
+                    "subcategory": "初等数学",
+                    "question": "1+1=?",
+                    "reference": "2",
+                },
+                {
+                    "question_id": 2,
+                    "category": "文本写作",
+                    "subcategory": "诗歌",
+                    "question": "写一首诗",
+                    "reference": "春眠不觉晓",
+                },
+            ]
+        ),
+        f"{PAPER}/alignbench/data/gpt_generate_train.json": json.dumps(
+            [
+                conversation(0, "2+2=?", "4"),
+                conversation(1, "写一首诗", "与评测题重复"),
+                conversation(2, "介绍长城", "长城是……"),
+            ]
+        ),
     }
     asked = serve(monkeypatch, files)
     counts = prepare.prepare("alignbench", None, tmp_path)
     assert sorted(asked) == sorted(files)
     assert counts["heldout_by_category"] == {"Mathematics": 1, "Writing": 1}
     assert counts["train"] == 2 and counts["train_in_heldout"] == 1 and counts["train_by_category"] == {"alignbench": 2}
-    recipe = load_recipe(["recipe=alignbench", f"train_file={tmp_path}/alignbench/train.jsonl",
-                          f"heldout_file={tmp_path}/alignbench/heldout.jsonl"])
+    recipe = load_recipe(
+        [
+            "recipe=alignbench",
+            f"train_file={tmp_path}/alignbench/train.jsonl",
+            f"heldout_file={tmp_path}/alignbench/heldout.jsonl",
+        ]
+    )
     train, heldout, notices = data_files(recipe)
     assert (train, heldout, notices) == (tmp_path / "alignbench/train.jsonl", tmp_path / "alignbench/heldout.jsonl", [])
 

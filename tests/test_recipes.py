@@ -51,7 +51,14 @@ def test_recipe_loads_for_every_preset(path: Path, preset: str):
         assert recipe.dtype == "bfloat16" and training["bf16"] and training["activation_checkpointing"]
         assert training["max_length"] == 2048
         assert recipe.lora.enabled and set(recipe.lora.target_modules) == {
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        }
 
 
 @pytest.mark.parametrize("path", TASK_RECIPES, ids=lambda p: p.stem)
@@ -65,7 +72,9 @@ def test_recipe_opens_with_purpose_and_launch_commands(path: Path):
 def test_alignbench_category_temperatures():
     recipe = load_recipe(["recipe=alignbench"])
     temps = recipe.probdiff.answer_temperature_by_category
-    assert sorted(temps) == sorted(["Professional", "Mathematics", "Fundamental", "Logical", "Writing", "Chinese", "Roleplay", "Open-ended"])
+    assert sorted(temps) == sorted(
+        ["Professional", "Mathematics", "Fundamental", "Logical", "Writing", "Chinese", "Roleplay", "Open-ended"]
+    )
     assert {k for k, v in temps.items() if v == 0.7} == {"Writing", "Roleplay", "Open-ended"}
     assert {v for k, v in temps.items() if k not in ("Writing", "Roleplay", "Open-ended")} == {0.1}
     assert recipe.probdiff.answer_temperature_for("Mathematics") == 0.1
@@ -81,7 +90,9 @@ def test_accelerate_configs_load(path: Path):
     from accelerate.utils import DistributedType
 
     config = load_config_from_file(str(path))
-    assert path.read_text().startswith("# ") and "accelerate launch --config_file recipes/accelerate/" in path.read_text()
+    assert (
+        path.read_text().startswith("# ") and "accelerate launch --config_file recipes/accelerate/" in path.read_text()
+    )
     assert config.num_processes >= 1 and config.mixed_precision == "bf16"
     if config.distributed_type == DistributedType.DEEPSPEED:
         assert config.deepspeed_config["zero_stage"] in (2, 3)
@@ -98,7 +109,14 @@ def test_accelerate_configs_cover_the_setups():
     for path in ACCELERATE_CONFIGS:
         config = load_config_from_file(str(path))
         ds = config.deepspeed_config or {}
-        kinds.add((str(config.distributed_type), ds.get("zero_stage"), ds.get("offload_param_device"), config.num_machines > 1))
+        kinds.add(
+            (
+                str(config.distributed_type),
+                ds.get("zero_stage"),
+                ds.get("offload_param_device"),
+                config.num_machines > 1,
+            )
+        )
     assert ("DistributedType.NO", None, None, False) in kinds
     assert ("DistributedType.MULTI_GPU", None, None, False) in kinds
     assert ("DistributedType.DEEPSPEED", 2, "none", False) in kinds
@@ -143,7 +161,9 @@ def test_renamed_and_fixed_sftconfig_keys_stop_with_the_name_to_use():
 
 
 def test_overrides_nested_and_precedence():
-    recipe = load_recipe(["recipe=blog", "model=tiny", "lora.r=8", "probdiff.delta=-0.02", "probdiff.n_queries=3", "max_steps=7"])
+    recipe = load_recipe(
+        ["recipe=blog", "model=tiny", "lora.r=8", "probdiff.delta=-0.02", "probdiff.n_queries=3", "max_steps=7"]
+    )
     assert recipe.lora.r == 8 and recipe.probdiff.delta == -0.02 and recipe.probdiff.n_queries == 3
     assert recipe.training["max_steps"] == 7  # the command line beats presets.tiny
     assert recipe.lora.alpha == 128  # presets.tiny beats the YAML body
@@ -153,7 +173,11 @@ def test_unknown_key_names_it_and_lists_valid_keys():
     top_level = r"unknown key 'learning_rat'.*Valid keys: .*lora, .*any field of trl.SFTConfig"
     with pytest.raises(RecipeError, match=top_level):
         load_recipe(["recipe=blog", "learning_rat=1e-4"])
-    with pytest.raises(RecipeError, match=r"unknown key 'lora.rank' \(did you mean 'lora.r'\?\). Valid keys in lora: enabled, r, alpha, dropout, target_modules"):
+    with pytest.raises(
+        RecipeError,
+        match=r"unknown key 'lora.rank' \(did you mean 'lora.r'\?\). "
+        r"Valid keys in lora: enabled, r, alpha, dropout, target_modules",
+    ):
         load_recipe(["recipe=blog", "lora.rank=8"])
     with pytest.raises(RecipeError, match=r"unknown key 'probdiff.dleta'.*Valid keys in probdiff: delta"):
         load_recipe(["recipe=blog", "probdiff.dleta=0"])
@@ -317,7 +341,10 @@ def test_resolve_run_resume_and_existing_checkpoints(tmp_path):
         (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     with pytest.raises(RecipeError, match="already has checkpoints .checkpoint-12.*resume=true"):
         resolve_run(recipe)
-    assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "resume=true"])) == (run, str(run / "checkpoint-12"))
+    assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "resume=true"])) == (
+        run,
+        str(run / "checkpoint-12"),
+    )
     other = load_recipe(["recipe=blog", "model=tiny", f"resume={run / 'checkpoint-4'}"])
     assert resolve_run(other) == (run, str(run / "checkpoint-4"))  # the checkpoint's own run goes on
     with pytest.raises(RecipeError, match="not a training checkpoint"):

@@ -16,16 +16,32 @@ from recipe import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 # A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
-CHEAP = ["model=tiny", "report_to=none", "max_steps=2", "eval_steps=1", "save_steps=1", "logging_steps=1",
-         "probdiff.n_queries=3", "probdiff.max_new_tokens=8", "max_eval_samples=2", "per_device_train_batch_size=2",
-         "per_device_eval_batch_size=2"]
+CHEAP = [
+    "model=tiny",
+    "report_to=none",
+    "max_steps=2",
+    "eval_steps=1",
+    "save_steps=1",
+    "logging_steps=1",
+    "probdiff.n_queries=3",
+    "probdiff.max_new_tokens=8",
+    "max_eval_samples=2",
+    "per_device_train_batch_size=2",
+    "per_device_eval_batch_size=2",
+]
 
 
 def run_sft(args: list[str], cwd: Path, launcher: str = "python", timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("OMP_NUM_THREADS", None)
     if launcher == "accelerate":
-        command = [shutil.which("accelerate") or "accelerate", "launch", "--num_processes", "1", str(ROOT / "train/sft.py")]
+        command = [
+            shutil.which("accelerate") or "accelerate",
+            "launch",
+            "--num_processes",
+            "1",
+            str(ROOT / "train/sft.py"),
+        ]
     else:
         command = [sys.executable, str(ROOT / "train/sft.py")]
     return subprocess.run(command + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -39,7 +55,9 @@ def assert_self_contained(directory: Path) -> None:
     assert (directory / "adapter_config.json").is_file() and (directory / "adapter_model.safetensors").is_file()
     assert (directory / "tokenizer_config.json").is_file() and (directory / "tokenizer.json").is_file()
     template = directory / "chat_template.jinja"
-    has_template = template.is_file() or "chat_template" in json.loads((directory / "tokenizer_config.json").read_text())
+    has_template = template.is_file() or "chat_template" in json.loads(
+        (directory / "tokenizer_config.json").read_text()
+    )
     assert has_template
     stops = json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
     assert 151645 in (stops if isinstance(stops, list) else [stops])  # <|im_end|>
@@ -75,7 +93,7 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
     assert f"{cores} CPU threads per process ({cores} cores / 1 local process)" in out
     # the summary table: step, loss, confidence with interval, mean d, and where everything is
     assert "step" in out and "eval loss" in out and "95% CI" in out and "mean d" in out
-    table = out[out.index("ProbDiff over training"):]
+    table = out[out.index("ProbDiff over training") :]
     assert len([line for line in table.splitlines() if line.strip().startswith(("0 ", "1 ", "2 "))]) >= 3
     # how many answers/revisions hit the cap (8 new tokens cut most of the tiny model's answers)
     assert "capped: answers/revisions that hit max_new_tokens=8" in table
@@ -92,7 +110,9 @@ def test_checkpoint_loads_for_probdiff_eval(blog_run):
     from probdiff_callback.models import load_model_and_tokenizer
 
     run_dir, _ = blog_run
-    model, tokenizer = load_model_and_tokenizer("tiny", adapter=str(run_dir / "checkpoint-2"), dtype="float32", device="cpu")
+    model, tokenizer = load_model_and_tokenizer(
+        "tiny", adapter=str(run_dir / "checkpoint-2"), dtype="float32", device="cpu"
+    )
     assert type(model).__name__ == "PeftModelForCausalLM" and tokenizer.chat_template
 
 
@@ -101,8 +121,16 @@ def test_resume_latest_checkpoint(blog_run):
     cwd = run_dir.parents[2]
     again = run_sft(["recipe=blog", *CHEAP, "output_dir=runs/blog/test"], cwd)
     assert again.returncode == 2 and "already has checkpoints" in again.stderr and "resume=true" in again.stderr
-    resumed = run_sft(["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], "max_steps=3",
-                       "output_dir=runs/blog/test", "resume=true"], cwd)
+    resumed = run_sft(
+        [
+            "recipe=blog",
+            *[a for a in CHEAP if not a.startswith("max_steps")],
+            "max_steps=3",
+            "output_dir=runs/blog/test",
+            "resume=true",
+        ],
+        cwd,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = history_rows(run_dir)
     assert [r["global_step"] for r in rows] == [0, 1, 2, 3]  # the earlier rows kept, step 3 added
@@ -116,7 +144,12 @@ def summarization_prompts_reaching(qwen_tokenizer, length: int) -> tuple[int, in
     counted from prompt lengths, independently of sft.py's assistant-mask count."""
     train = [json.loads(line) for line in (ROOT / "data/samples/summarization/train.jsonl").read_text().splitlines()]
     reaching = sum(
-        len(qwen_tokenizer.apply_chat_template(r["messages"][:-1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) >= length
+        len(
+            qwen_tokenizer.apply_chat_template(
+                r["messages"][:-1], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        >= length
         for r in train
     )
     return reaching, len(train)
@@ -139,7 +172,7 @@ def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenize
         assert all("reference" not in r["summary"] for r in rows)
     else:  # reference metrics in the history and the summary table, and the cross-check line
         names = {"translation": ["BLEU", "chrF"], "summarization": ["ROUGE-1", "ROUGE-2", "ROUGE-L"]}[task]
-        table = result.stdout[result.stdout.index("ProbDiff over training"):]
+        table = result.stdout[result.stdout.index("ProbDiff over training") :]
         assert all(name in table.splitlines()[1] for name in names) and "vs base" in table
         assert all(r["summary"]["reference"]["overall"] for r in rows)
         assert rows[1]["vs_base"] is not None and rows[1]["eval_loss"] is not None
@@ -156,7 +189,10 @@ def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenize
 def test_truncation_leaving_no_assistant_token_is_counted(qwen_tokenizer):
     long_prompt = "word " * 200
     rows = [
-        {"id": "long", "messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "answer"}]},
+        {
+            "id": "long",
+            "messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "answer"}],
+        },
         {"id": "short", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "answer"}]},
     ]
     assert count_without_assistant_tokens(qwen_tokenizer, rows, max_length=100) == ["long"]
@@ -171,7 +207,11 @@ def test_entry_point_errors(tmp_path):
     result = run_sft(["recipe=nope"], tmp_path)
     assert result.returncode == 2 and all(name in result.stderr for name in TASKS)
     result = run_sft(["recipe=alignbench", f"train_file={tmp_path}/missing.jsonl", "report_to=none"], tmp_path)
-    assert result.returncode == 2 and "AlignBench training data not found" in result.stderr and "--train FILE" in result.stderr
+    assert (
+        result.returncode == 2
+        and "AlignBench training data not found" in result.stderr
+        and "--train FILE" in result.stderr
+    )
     assert not (tmp_path / "runs").exists()  # a run that stops on its config or data leaves no directory behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')

@@ -126,11 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Pretraining the tiny model on {len(stream):,} tokens ({len(used):,} distinct ids) ...", flush=True)
     model, final_loss = pretrain_compact(stream, used)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt", "tokens": str(len(stream)), "final_loss": f"{final_loss:.4f}",
-                "pretrain": json.dumps(PRETRAIN)}
+    metadata = {
+        "format": "pt",
+        "tokens": str(len(stream)),
+        "final_loss": f"{final_loss:.4f}",
+        "pretrain": json.dumps(PRETRAIN),
+    }
     save_file(compact_tensors(model, used), args.out, metadata=metadata)
-    print(f"Wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB) in {time.time() - started:.0f}s; "
-          f"final loss {final_loss:.3f}", flush=True)
+    print(
+        f"Wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB) in {time.time() - started:.0f}s; "
+        f"final loss {final_loss:.3f}",
+        flush=True,
+    )
     return 0
 
 

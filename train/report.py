@@ -1,4 +1,5 @@
-"""The end of a run: ProbDiff over training as a table, the cross-check, the best checkpoint, and where everything is."""
+"""The end of a run: ProbDiff over training as a table, the cross-check, the best checkpoint, and where everything
+is."""
 
 from __future__ import annotations
 
