@@ -111,9 +111,8 @@ def _reuse_freed_memory() -> None:
     """Let glibc keep freed memory for reuse instead of returning it to the OS.
 
     By default large blocks (every [batch, 152k] logits tensor on CPU) are fresh mmap
-    pages that fault in on first touch, each decoding step again: measured, evaluating 32
-    blog queries on the tiny model took 4.2-4.9 s by default and 3.4-3.9 s with this
-    (jemalloc/tcmalloc do the same; PyTorch's CPU tuning guide recommends them).
+    pages that fault in on first touch, each decoding step again (jemalloc/tcmalloc keep
+    them too; PyTorch's CPU tuning guide recommends them).
     The process keeps its peak memory until it exits.
     """
     if not sys.platform.startswith("linux"):
@@ -329,10 +328,10 @@ def main(argv: list[str] | None = None) -> int:
 def entry_point() -> None:
     """The `probdiff` console script: `main`, plus settings only a process of its own may change.
 
-    Importing torch + transformers and loading a model leaves ~400k tracked objects and no
-    garbage: the collector's full passes over them cost ~0.8 s while loading and ~1 s at
-    interpreter exit (measured), so it is paused while loading and everything is frozen
-    out of its passes at the end. On CPU, freed memory is kept for reuse (see
+    Importing torch + transformers and loading a model leaves hundreds of thousands of tracked
+    objects and no garbage: the collector's full passes over them are wasted time while loading
+    and at interpreter exit, so it is paused while loading and everything is frozen out of its
+    passes at the end. On CPU, freed memory is kept for reuse (see
     `_reuse_freed_memory`).
     """
     global _own_process

@@ -102,7 +102,7 @@ def load_model_and_tokenizer(
         model, tokenizer = load_qwen_v1(path, torch_dtype=dtype, **model_kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
-        if name == "tiny":  # our converted Qwen v1 tokenizer: skip AutoTokenizer's 1 s of JSON parsing
+        if name == "tiny":  # our converted Qwen v1 tokenizer: skip AutoTokenizer's JSON parsing in Python
             from probdiff_callback.tokenizer import qwen_tokenizer_from_file
 
             tokenizer = qwen_tokenizer_from_file(Path(path) / "tokenizer.json")
