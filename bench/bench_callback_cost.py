@@ -60,7 +60,9 @@ def main() -> int:
     model.train()
     rows = read_jsonl(REPO / "data" / "samples" / "blog" / "train.jsonl")
     queries = load_queries(REPO / "data" / "samples" / "blog" / "heldout.jsonl")
-    config = ProbDiffConfig(max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch_size)
+    config = ProbDiffConfig(
+        max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch_size, n_queries=args.n_queries
+    )
     with tempfile.TemporaryDirectory() as out:
         trainer = SFTTrainer(
             model=model,
@@ -86,7 +88,7 @@ def main() -> int:
                 r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
             ),
         )
-        callback = ProbDiffCallback(trainer, queries, config, n_queries=args.n_queries)
+        callback = ProbDiffCallback(trainer, queries, config)
         started = time.perf_counter()
         trainer.train()
         train_seconds = time.perf_counter() - started
