@@ -29,9 +29,12 @@ def default_run_name(recipe: Recipe) -> str:
     return f"{model_tag(recipe.model)}-{digest}"
 
 
-def checkpoints(run_dir: Path) -> list[Path]:
-    found = [p for p in run_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The Trainer's newest `checkpoint-N` in `run_dir`, if any (transformers' own lookup)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(str(run_dir)) if run_dir.is_dir() else None
+    return None if found is None else Path(found)
 
 
 def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
@@ -50,15 +53,15 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
         run_dir = checkpoint.parent  # the checkpoint's own run goes on
     else:
         run_dir = RUNS_DIR / recipe.recipe / (run_name or default_run_name(recipe))
-    existing = checkpoints(run_dir)
+    latest = latest_checkpoint(run_dir)
     if resume_flag == "true":
-        if existing:
-            checkpoint = existing[-1]
+        if latest is not None:
+            checkpoint = latest
         else:
             print(f"resume=true: {run_dir} has no checkpoint yet; starting from step 0", flush=True)
-    elif checkpoint is None and existing and not recipe.overwrite:
+    elif checkpoint is None and latest is not None and not recipe.overwrite:
         raise RecipeError(
-            f"{run_dir} already has checkpoints ({existing[-1].name} the latest). "
+            f"{run_dir} already has checkpoints ({latest.name} the latest). "
             "Continue it with resume=true, start afresh with overwrite=true, or choose another run_name="
         )
     return run_dir, None if checkpoint is None else str(checkpoint)
