@@ -141,6 +141,11 @@ def _load(args):
         from probdiff_callback.models import default_device, load_model_and_tokenizer
 
         device = args.device or default_device()
+        if device == "cpu":
+            from probdiff_callback.threads import configure_threads
+
+            threads, why = configure_threads()
+            print(f"{threads} CPU thread{'s' if threads > 1 else ''} ({why})", file=sys.stderr)
         if _own_process and device == "cpu":  # on GPU runs the host memory of loading would stay
             _reuse_freed_memory()
         model, tokenizer = load_model_and_tokenizer(args.model, adapter=args.adapter, dtype=args.dtype, device=device)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from conversations import data_files
-from environment import configure_threads
 from model_setup import quantization_config
 from recipe import (
     RECIPES_DIR,
@@ -264,33 +263,6 @@ def test_missing_alignbench_training_file_stops_with_a_message(tmp_path):
     tiny = load_recipe(["recipe=alignbench", "model=tiny", f"train_file={tmp_path}/mine.jsonl"])
     train, _, notices = data_files(tiny)
     assert train.parts[-3:] == ("samples", "alignbench", "train.jsonl") and "offline samples" in notices[0]
-
-
-# --- threads ----------------------------------------------------------------------------------------
-def test_threads_accelerate_default_is_replaced_user_value_kept():
-    import torch
-
-    before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0))
-    try:
-        launched = {"ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1"}
-        count, why = configure_threads(environ=launched, launcher_environ={"PATH": "/bin"})  # the user had none
-        assert count == cores and torch.get_num_threads() == cores and "cores" in why
-        torch.set_num_threads(1)
-        count, why = configure_threads(environ=launched, launcher_environ={"OMP_NUM_THREADS": "1"})  # the user's own
-        assert count == 1 and "set by the user" in why
-        count, _ = configure_threads(environ={**launched, "LOCAL_WORLD_SIZE": "2"}, launcher_environ={})
-        assert count == max(1, cores // 2)
-        torchrun = {"TORCHELASTIC_RUN_ID": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
-        count, why = configure_threads(environ=torchrun, launcher_environ={"PATH": "/bin"})  # torchrun's default
-        assert count == max(1, cores // 2) and "2 local processes" in why
-        torch.set_num_threads(1)
-        count, why = configure_threads(environ={"OMP_NUM_THREADS": "1"})  # no launcher: the value is the user's
-        assert count == 1 and "set by the user" in why
-        count, why = configure_threads(threads=1, environ=launched)
-        assert count == 1 and torch.get_num_threads() == 1 and "recipe" in why
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- W&B and runs ----------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from training_arguments import (
 
 from probdiff_callback.config import ProbDiffConfig, did_you_mean, raise_if_problems, wrong_type_message
 from probdiff_callback.models import PRESETS
-from probdiff_callback.qwen_v1 import QWEN2_LORA_TARGET_MODULES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = PROJECT_ROOT / "recipes"
@@ -51,7 +50,7 @@ class LoraArgs:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: list(QWEN2_LORA_TARGET_MODULES))
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # or module names of the model
 
 
 @dataclass
