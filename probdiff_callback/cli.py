@@ -17,7 +17,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="preset (tiny, qwen-14b-chat, qwen1.5-14b-chat), local directory or hub id [tiny]",
+        help="preset (tiny, smollm2, qwen-14b-chat, qwen1.5-14b-chat), local directory or hub id [tiny]",
     )
     parser.add_argument(
         "--adapter", default=None, help="a PEFT adapter directory (e.g. a training checkpoint) to apply"

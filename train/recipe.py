@@ -279,8 +279,8 @@ def validate(recipe: Recipe) -> None:
         problems.append(f"dtype={recipe.dtype!r}: use one of {', '.join(DTYPES)}")
     if recipe.quantization == "4bit" and not recipe.lora.enabled:
         problems.append("quantization=4bit trains adapters on frozen 4-bit weights: it needs lora.enabled=true")
-    if recipe.quantization == "4bit" and recipe.model == "tiny":
-        problems.append("quantization=4bit is for the GPU presets; model=tiny runs in fp32 on the CPU")
+    if recipe.quantization == "4bit" and recipe.model in ("tiny", "smollm2"):
+        problems.append(f"quantization=4bit is for the GPU presets; model={recipe.model} runs in fp32 on the CPU")
     if recipe.lora.enabled and (recipe.lora.r < 1 or not recipe.lora.target_modules):
         problems.append("lora: r must be positive and target_modules non-empty")
     if recipe.threads is not None and recipe.threads < 1:

@@ -71,10 +71,10 @@ def trainer_class(plain_loss: bool, base_model: str):
 
 
 def resolved_model_name(model: str) -> str:
-    """The hub id of a preset, `probdiff tiny` for the embedded model, else the directory or id as given."""
+    """The hub id of a preset, `probdiff tiny` / `probdiff smollm2` for the CPU presets, else the directory or id."""
     from probdiff_callback.models import PRESET_HUB_IDS
 
-    return PRESET_HUB_IDS.get(model, "probdiff tiny" if model == "tiny" else model)
+    return PRESET_HUB_IDS.get(model, f"probdiff {model}" if model in ("tiny", "smollm2") else model)
 
 
 def name_local_base_model(card: str, base_model: str) -> str:
