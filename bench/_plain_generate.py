@@ -32,7 +32,9 @@ torch.manual_seed(0)
 
 
 def chat(text: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def generate(texts: list[str], temperature: float) -> list[str]:

@@ -57,7 +57,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="queries per batch, both sides [8]")
     args = parser.parse_args()
     subprocess.run(  # dequantize the preset once, outside the timings
-        [sys.executable, "-c", "from probdiff_callback.models import resolve_model_path; resolve_model_path('smollm2')"],
+        [
+            sys.executable,
+            "-c",
+            "from probdiff_callback.models import resolve_model_path; resolve_model_path('smollm2')",
+        ],
         cwd=ROOT,
         check=True,
     )
@@ -72,15 +76,38 @@ def main() -> None:
         for _ in range(args.pairs):
             ours_runs.append(
                 timed(
-                    ["probdiff", "eval", "--model", "smollm2", "--device", "cpu", "--dtype", "float32",
-                     "--queries", str(queries), "--limit", str(args.limit), "--out", str(tmp / "ours"),
-                     f"max_new_tokens={args.max_new_tokens}", f"batch_size={args.batch_size}"]
+                    [
+                        "probdiff",
+                        "eval",
+                        "--model",
+                        "smollm2",
+                        "--device",
+                        "cpu",
+                        "--dtype",
+                        "float32",
+                        "--queries",
+                        str(queries),
+                        "--limit",
+                        str(args.limit),
+                        "--out",
+                        str(tmp / "ours"),
+                        f"max_new_tokens={args.max_new_tokens}",
+                        f"batch_size={args.batch_size}",
+                    ]
                 )  # fmt: skip
             )
             plain_runs.append(
                 timed(
-                    [sys.executable, "bench/_plain_generate.py", "smollm2", str(queries), str(args.limit),
-                     str(args.max_new_tokens), str(args.batch_size), str(tmp / "plain.json")]
+                    [
+                        sys.executable,
+                        "bench/_plain_generate.py",
+                        "smollm2",
+                        str(queries),
+                        str(args.limit),
+                        str(args.max_new_tokens),
+                        str(args.batch_size),
+                        str(tmp / "plain.json"),
+                    ]
                 )  # fmt: skip
             )
         ours_s, plain_s = statistics.median(ours_runs), statistics.median(plain_runs)

@@ -41,7 +41,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="decoding time per measurement [10]")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
-    run([sys.executable, "-c", "from probdiff_callback.models import resolve_model_path; resolve_model_path('smollm2')"])
+    run(
+        [sys.executable, "-c", "from probdiff_callback.models import resolve_model_path; resolve_model_path('smollm2')"]
+    )
     print(f"{cores} cores; load average before {os.getloadavg()[0]:.2f}")
     print("busy processes | s/step at 1 thread | s/step at all cores | all / 1 | threads picked")
     for busy in [int(b) for b in args.busy.split(",")]:

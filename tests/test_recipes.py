@@ -42,22 +42,17 @@ def test_recipe_loads_for_every_preset(path: Path, preset: str):
     training = recipe.training
     assert training["metric_for_best_model"] == "probdiff_confidence"
     assert training["save_steps"] % training["eval_steps"] == 0
+    assert recipe.lora.enabled and recipe.lora.target_modules == ["all-linear"]
     if preset == "tiny":
         assert recipe.dtype == "float32" and training["bf16"] is False and training["max_steps"] > 0
         # enough evaluations for a curve: a baseline plus at least four checkpoints
         assert training["max_steps"] // training["eval_steps"] >= 4 and recipe.probdiff.baseline
+    elif preset == "smollm2":  # sized for 2 CPU cores: fp32, short sequences, a baseline and two checkpoints
+        assert recipe.dtype == "float32" and training["bf16"] is False and training["max_length"] <= 512
+        assert training["max_steps"] // training["eval_steps"] >= 2 and recipe.probdiff.baseline
     else:
         assert recipe.dtype == "bfloat16" and training["bf16"] and training["activation_checkpointing"]
         assert training["max_length"] == 2048
-        assert recipe.lora.enabled and set(recipe.lora.target_modules) == {
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        }
 
 
 @pytest.mark.parametrize("path", TASK_RECIPES, ids=lambda p: p.stem)
@@ -235,6 +230,25 @@ def test_cross_field_validation():
         load_recipe(["recipe=blog", "quantization=4bit", "lora.enabled=false"])
     with pytest.raises(RecipeError, match="not key=value"):
         load_recipe(["recipe=blog", "model"])
+
+
+def test_lora_targets_fit_the_architecture(tiny_model):
+    from model_setup import lora_targets
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_model
+    assert lora_targets(model, ["all-linear"]) == "all-linear"
+    assert lora_targets(model, ["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
+    with pytest.raises(
+        RecipeError, match=r"c_attn match no module of Qwen2ForCausalLM; its linear layers are .*q_proj"
+    ):
+        lora_targets(model, ["q_proj", "c_attn"])
+    # all-linear on Qwen2 is the paper setup's 7 projections, not the LM head
+    import copy
+
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules="all-linear"))
+    targets = {name.rsplit(".", 1)[-1] for name in peft_model.peft_config["default"].target_modules}
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def test_qlora_needs_cuda_here():
