@@ -110,6 +110,10 @@ class ProbDiffCallback(TrainerCallback):
         self._wandb = outputs.WandbRecords(self.config.wandb_table_rows)
         self._cost = CostReport()
 
+    def cost_summary(self) -> str | None:
+        """What the evaluations added to the run's time, measured (for the end of the run)."""
+        return self._cost.totals()
+
     @property
     def _output_dir(self) -> str:
         return self.trainer.args.output_dir
