@@ -11,7 +11,8 @@ On the `smollm2` preset and the paper's 1,000 XSum test documents (split into tr
 
 Every step runs the project's own commands (printed as they run) and skips what a previous run of this script already
 wrote, so an interrupted study continues. Answers and revisions that hit the cap are counted beside every figure, and
-each confidence is also given over the queries where neither hit it. It takes about two hours on two CPU cores.
+each confidence is also given over the queries where neither hit it. It takes about an hour on two CPU cores (two
+commands at a time).
 
 Run: python bench/trust_study.py [--work runs/trust-study] [--source ../shared/data/probdiff-reference]
 """
@@ -32,26 +33,45 @@ HELD_OUT = 200  # of the 1,000 XSum test documents; the other 800 are training d
 # What the study changes from the recipe's smollm2 preset: more evaluations for a curve, more queries per evaluation
 # and a cap that most of the base model's answers fit in.
 RUN_SETTINGS = [
-    "max_steps=36",
+    "max_steps=30",
     "eval_steps=6",
     "save_steps=6",
     "probdiff.n_queries=16",
+    "probdiff.batch_size=16",
     "probdiff.max_new_tokens=256",
     "max_eval_samples=32",
     "report_to=none",
 ]
 CROSS_MODEL_QUERIES = 16  # per query set
-CROSS_MODEL_SETTINGS = ["max_new_tokens=256", "batch_size=8", "max_prompt_tokens=512"]
+CROSS_MODEL_SETTINGS = ["max_new_tokens=256", "batch_size=16", "max_prompt_tokens=512"]
+# Two commands at a time, one thread each: on two cores a second torch thread gains little (docs/benchmarks.md)
+# while a second process doubles the work done.
+PARALLEL = 2
 
 
 def run(command: list[str], log: Path) -> None:
     """Run a project command, its output to `log`; stop the study on failure."""
-    print("$ " + " ".join(command), flush=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        sys.exit(f"failed ({done.returncode}); see {log}")
+    run_all([(command, log)])
+
+
+def run_all(jobs: list[tuple[list[str], Path]]) -> None:
+    """Run project commands PARALLEL at a time with one torch thread each, outputs to their logs; stop on a failure."""
+    pending = list(jobs)
+    running: list[tuple[subprocess.Popen, Path]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    while pending or running:
+        while pending and len(running) < PARALLEL:
+            command, log = pending.pop(0)
+            print("$ " + " ".join(command), flush=True)
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "w") as out:
+                process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+            running.append((process, log))
+        process, log = running.pop(0)
+        if process.wait() != 0:
+            for other, _ in running:
+                other.terminate()
+            sys.exit(f"failed ({process.returncode}); see {log}")
 
 
 def prepare_data(work: Path, source: Path) -> dict[str, Path]:
@@ -67,14 +87,18 @@ def prepare_data(work: Path, source: Path) -> dict[str, Path]:
     return {kind: folder / "summarization" for kind, folder in folders.items()}
 
 
-def train(work: Path, kind: str, data: Path, heldout: Path) -> Path:
-    run_dir = work / kind
-    if not (run_dir / "final").is_dir():
-        command = [sys.executable, "train/sft.py", "recipe=summarization", "model=smollm2",
-                   f"train_file={data / 'train.jsonl'}", f"heldout_file={heldout}", f"output_dir={run_dir}",
-                   *RUN_SETTINGS]  # fmt: skip
-        run(command, work / f"{kind}-train.log")
-    return run_dir
+def train(work: Path, data: dict[str, Path], heldout: Path) -> dict[str, Path]:
+    """The clean and the broken run side by side, both evaluated on the same held-out documents."""
+    runs, jobs = {}, []
+    for kind in ("clean", "broken"):
+        runs[kind] = work / kind
+        if not (runs[kind] / "final").is_dir():
+            command = [sys.executable, "train/sft.py", "recipe=summarization", "model=smollm2",
+                       f"train_file={data[kind] / 'train.jsonl'}", f"heldout_file={heldout}",
+                       f"output_dir={runs[kind]}", *RUN_SETTINGS]  # fmt: skip
+            jobs.append((command, work / f"{kind}-train.log"))
+    run_all(jobs)
+    return runs
 
 
 def history(run_dir: Path) -> list[dict]:
@@ -156,21 +180,26 @@ def cross_model(work: Path, source: Path, heldout: Path, clean: Path, broken: Pa
     }
     sets = query_files(work, source, heldout)
     pairs = reference_pairs(heldout, work / "models" / "xsum-reference-pairs.jsonl")
-    results: dict[str, dict[str, dict]] = {}
+    jobs = []
     for label, model in models.items():
         slug = label.split()[0].lower() if label == "tiny" else "-".join(label.split()[-2:]).lower()
-        results[label] = {}
         for name, path in sets.items():
             out = work / "models" / slug / name
             if not (out / "summary.json").is_file():
                 command = ["probdiff", "eval", *model, "--queries", str(path), "--limit", str(CROSS_MODEL_QUERIES),
                            "--out", str(out), *CROSS_MODEL_SETTINGS]  # fmt: skip
-                run(command, out.with_suffix(".log"))
-            results[label][name] = json.loads((out / "summary.json").read_text())
+                jobs.append((command, out.with_suffix(".log")))
         out = work / "models" / slug / "reference-loss"
         if not (out / "summary.json").is_file():
-            run(["probdiff", "score", *model, "--pairs", str(pairs), "--out", str(out)], out.with_suffix(".log"))
-        results[label]["reference"] = json.loads((out / "summary.json").read_text())
+            command = ["probdiff", "score", *model, "--pairs", str(pairs), "--out", str(out)]
+            jobs.append((command, out.with_suffix(".log")))
+    run_all(jobs)
+    results: dict[str, dict[str, dict]] = {}
+    for label in models:
+        slug = label.split()[0].lower() if label == "tiny" else "-".join(label.split()[-2:]).lower()
+        results[label] = {name: json.loads((work / "models" / slug / name / "summary.json").read_text())
+                          for name in [*sets, "reference-loss"]}  # fmt: skip
+        results[label]["reference"] = results[label].pop("reference-loss")
 
     lines = [
         "| model | MT-Bench confidence | mean d | capped | AlpacaEval confidence | mean d | capped | XSum confidence "
@@ -218,7 +247,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}; everything goes to {work}")
     data = prepare_data(work, source)
     heldout = data["clean"] / "heldout.jsonl"
-    runs = {kind: train(work, kind, data[kind], heldout) for kind in ("clean", "broken")}
+    runs = train(work, data, heldout)
     for kind, run_dir in runs.items():
         print(f"\n## {kind} run ({run_dir})\n\n{run_table(run_dir)}\n")
         done = subprocess.run(["probdiff", "crosscheck", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
