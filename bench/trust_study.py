@@ -7,11 +7,12 @@ On the `smollm2` preset and the paper's 1,000 XSum test documents (split into tr
   c. four models on the paper's MT-Bench and AlpacaEval queries (`tiny`, SmolLM2 as shipped, after a and after b),
      ranked by ProbDiff next to measures that do not come from the model's own judgement: ROUGE on held-out XSum
      documents, and each model's loss on their reference summaries (`probdiff score` with the reference as the
-     answer), with `probdiff compare` between them.
+     answer), with `probdiff compare` between them; SmolLM2 as shipped again with a 1,024-token cap, to see what the
+     256-token cap did to its figures.
 
 Every step runs the project's own commands (printed as they run) and skips what a previous run of this script already
 wrote, so an interrupted study continues. Answers and revisions that hit the cap are counted beside every figure, and
-each confidence is also given over the queries where neither hit it. It takes about an hour on two CPU cores (two
+each confidence is also given over the queries where neither hit it. It takes about two hours on two CPU cores (two
 commands at a time).
 
 Run: python bench/trust_study.py [--work runs/trust-study] [--source ../shared/data/probdiff-reference]
@@ -26,6 +27,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from probdiff_callback.metric import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = ROOT.parent / "shared" / "data" / "probdiff-reference"
@@ -44,6 +47,9 @@ RUN_SETTINGS = [
 ]
 CROSS_MODEL_QUERIES = 16  # per query set
 CROSS_MODEL_SETTINGS = ["max_new_tokens=256", "batch_size=16", "max_prompt_tokens=512"]
+# SmolLM2 as shipped writes long answers: the same queries again with a cap four times higher show what the 256-token
+# cap did to its figures.
+CAP_CHECK = 1024
 # Two commands at a time, one thread each: on two cores a second torch thread gains little (docs/benchmarks.md)
 # while a second process doubles the work done.
 PARALLEL = 2
@@ -126,22 +132,25 @@ def number(value: float | None, spec: str) -> str:
 
 def run_table(run_dir: Path) -> str:
     lines = [
-        "| step | confidence | mean d | capped answers / revisions | confidence, uncapped queries | ROUGE-1 | "
-        "ROUGE-L | eval loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | confidence | mean d | capped answers / revisions | confidence, uncapped queries | revision = answer "
+        "| answer tokens | ROUGE-1 | ROUGE-2 | ROUGE-L | eval loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in history(run_dir):
         s = row["summary"]
         if s is None:
-            lines.append(f"| {row['global_step']} | failed | | | | | | |")
+            lines.append(f"| {row['global_step']} | failed |" + " |" * 9)
             continue
         overall = (s.get("reference") or {}).get("overall", {})
         step_records = records(run_dir / "probdiff" / row["records"])
         kept, n_kept = uncapped_confidence(step_records, s["delta"])
+        # A revision that repeats the answer word for word has d = 0, which counts as confident at any delta <= 0.
+        unchanged = sum(r["revisions"][0].strip() == r["response"].strip() for r in step_records if r["revisions"])
         lines.append(
             f"| {row['global_step']} | {pct(s['confidence'])} | {number(s['d_mean'], '+.3f')} | "
-            f"{s['n_capped']} / {s['n_revision_capped']} of {s['n']} | {pct(kept)} (n {n_kept}) | "
-            f"{number(overall.get('rouge1'), '.1f')} | {number(overall.get('rougeL'), '.1f')} | "
+            f"{s['n_capped']} / {s['n_revision_capped']} of {s['n']} | {pct(kept)} (n {n_kept}) | {unchanged} | "
+            f"{number(s['len_response_mean'], '.0f')} | {number(overall.get('rouge1'), '.1f')} | "
+            f"{number(overall.get('rouge2'), '.2f')} | {number(overall.get('rougeL'), '.1f')} | "
             f"{number(row.get('eval_loss'), '.3f')} |"
         )
     return "\n".join(lines)
@@ -171,6 +180,11 @@ def reference_pairs(heldout: Path, out: Path) -> Path:
     return out
 
 
+def slug_of(label: str) -> str:
+    """The folder of a model's results: "tiny", "as-shipped", "clean-run", "broken-run"."""
+    return label if label == "tiny" else "-".join(label.split()[-2:]).lower()
+
+
 def cross_model(work: Path, source: Path, heldout: Path, clean: Path, broken: Path) -> str:
     models = {
         "tiny": ["--model", "tiny"],
@@ -182,7 +196,7 @@ def cross_model(work: Path, source: Path, heldout: Path, clean: Path, broken: Pa
     pairs = reference_pairs(heldout, work / "models" / "xsum-reference-pairs.jsonl")
     jobs = []
     for label, model in models.items():
-        slug = label.split()[0].lower() if label == "tiny" else "-".join(label.split()[-2:]).lower()
+        slug = slug_of(label)
         for name, path in sets.items():
             out = work / "models" / slug / name
             if not (out / "summary.json").is_file():
@@ -196,7 +210,7 @@ def cross_model(work: Path, source: Path, heldout: Path, clean: Path, broken: Pa
     run_all(jobs)
     results: dict[str, dict[str, dict]] = {}
     for label in models:
-        slug = label.split()[0].lower() if label == "tiny" else "-".join(label.split()[-2:]).lower()
+        slug = slug_of(label)
         results[label] = {name: json.loads((work / "models" / slug / name / "summary.json").read_text())
                           for name in [*sets, "reference-loss"]}  # fmt: skip
         results[label]["reference"] = results[label].pop("reference-loss")
@@ -216,22 +230,56 @@ def cross_model(work: Path, source: Path, heldout: Path, clean: Path, broken: Pa
         loss = -by_set["reference"]["logp_response_mean"]
         lines.append(f"| {label} | {' | '.join(cells)} | {pct(xsum['confidence'])} | {number(rouge, '.1f')} | "
                      f"{number(loss, '.3f')} |")  # fmt: skip
-    comparisons = []
+    # The figures of `probdiff compare A B`, one line per pair.
+    table = [
+        "| queries | A vs B | confidence A | confidence B | win / tie / lose | sign p | Wilcoxon p |",
+        "|---|---|---|---|---|---|---|",
+    ]
     labels = list(models)
-    for name in ("MT-Bench", "AlpacaEval"):
+    for name in ("MT-Bench", "AlpacaEval", "XSum"):
         for a, b in ((labels[2], labels[1]), (labels[3], labels[1]), (labels[2], labels[3]), (labels[1], labels[0])):
-            slug = {
-                lab: (lab.split()[0].lower() if lab == "tiny" else "-".join(lab.split()[-2:]).lower()) for lab in (a, b)
-            }
-            done = subprocess.run(
-                ["probdiff", "compare", str(work / "models" / slug[a] / name), str(work / "models" / slug[b] / name)],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                check=True,
+            pair = [records(work / "models" / slug_of(label) / name / "records.jsonl") for label in (a, b)]
+            result = compare(
+                pair[0],
+                pair[1],
+                json.loads((work / "models" / slug_of(a) / name / "summary.json").read_text())["delta"],
             )
-            comparisons.append(f"{name}, {a} vs {b}:\n{done.stdout.strip()}")
-    return "\n".join(lines) + "\n\n" + "\n\n".join(comparisons)
+            table.append(
+                f"| {name} | {a} vs {b} | {pct(result['confidence_a'])} | {pct(result['confidence_b'])} | "
+                f"{result['win']} / {result['tie']} / {result['lose']} | {number(result['sign_p'], '.3g')} | "
+                f"{number(result['wilcoxon_p'], '.3g')} |"
+            )
+    return "\n".join(lines) + "\n\n" + "\n".join(table)
+
+
+def cap_check(work: Path, source: Path, heldout: Path) -> str:
+    """SmolLM2 as shipped on the cross-model queries at a cap of CAP_CHECK tokens beside its figures at 256."""
+    sets = query_files(work, source, heldout)
+    jobs = []
+    for name, path in sets.items():
+        out = work / "models" / f"as-shipped-cap{CAP_CHECK}" / name
+        if not (out / "summary.json").is_file():
+            settings = [f"max_new_tokens={CAP_CHECK}", *CROSS_MODEL_SETTINGS[1:]]
+            command = ["probdiff", "eval", "--model", "smollm2", "--queries", str(path), "--limit",
+                       str(CROSS_MODEL_QUERIES), "--out", str(out), *settings]  # fmt: skip
+            jobs.append((command, out.with_suffix(".log")))
+    run_all(jobs)
+    lines = [
+        "| queries | cap | confidence | mean d | capped answers / revisions | confidence, uncapped queries | "
+        "answer length (tokens, mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in sets:
+        for cap, folder in ((256, "as-shipped"), (CAP_CHECK, f"as-shipped-cap{CAP_CHECK}")):
+            out = work / "models" / folder / name
+            s = json.loads((out / "summary.json").read_text())
+            kept, n_kept = uncapped_confidence(records(out / "records.jsonl"), s["delta"])
+            lines.append(
+                f"| {name} | {cap} | {pct(s['confidence'])} | {number(s['d_mean'], '+.3f')} | "
+                f"{s['n_capped']} / {s['n_revision_capped']} of {s['n']} | {pct(kept)} (n {n_kept}) | "
+                f"{number(s['len_response_mean'], '.0f')} |"
+            )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -255,6 +303,7 @@ def main() -> None:
         done = subprocess.run(["probdiff", "select", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
         print(done.stdout.strip())
     print("\n## across models\n\n" + cross_model(work, source, heldout, runs["clean"], runs["broken"]))
+    print(f"\n## SmolLM2 as shipped, cap 256 and {CAP_CHECK}\n\n" + cap_check(work, source, heldout))
 
 
 if __name__ == "__main__":
