@@ -767,6 +767,23 @@ def choose_loss(requested: str, device: torch.device) -> tuple[str, str]:
     return "trl", "trl's fused LM head, as SFTTrainer computes it on a GPU"
 
 
+def lora_target_modules(lora: dict) -> str | list[str]:
+    """peft's target_modules for a recipe's `lora` section: its shorthand `all-linear`, or the module names."""
+    return "all-linear" if list(lora["target_modules"]) == ["all-linear"] else list(lora["target_modules"])
+
+
+def linear_layer_names(model, lora: dict) -> list[str]:
+    """The layer names the recipe's LoRA adapts in `model` (all-linear: every linear layer but the LM head)."""
+    targets = lora_target_modules(lora)
+    if targets != "all-linear":
+        return list(targets)
+    head = model.get_output_embeddings()
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+        - {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if module is head}
+    )
+
+
 def lora_training_steps(
     model, tokenizer, recipe: dict, lengths: Sequence[int], loss: str, device: torch.device, dtype: torch.dtype
 ) -> tuple[object, list[TrainingStep]]:
@@ -781,7 +798,7 @@ def lora_training_steps(
             r=lora["r"],
             lora_alpha=lora["alpha"],
             lora_dropout=lora["dropout"],
-            target_modules=list(lora["target_modules"]),
+            target_modules=lora_target_modules(lora),
             bias="none",
             task_type="CAUSAL_LM",
         ),
@@ -1209,7 +1226,7 @@ def training_section(bench: Bench, model, runs: dict[str, EvaluationRun]) -> lis
     loss, why = choose_loss(bench.args.loss, bench.device)
     loss_note = f"{'trl fused LM head' if loss == 'trl' else 'model cross-entropy'} ({why})"
     lora = recipe["lora"]
-    label = f"LoRA step (r {lora['r']}, alpha {lora['alpha']}, {len(lora['target_modules'])} projections)"
+    label = f"LoRA step (r {lora['r']}, alpha {lora['alpha']}, {len(linear_layer_names(model, lora))} projections)"
     say(f"{label}: {', '.join(map(str, lengths))} tokens")
 
     def lora_steps(model=model) -> tuple[object, list[TrainingStep]]:

@@ -1,7 +1,8 @@
 """Prepare the training and held-out data of a ProbDiff recipe.
 
     python data/prepare.py translation   [--source DIR_OR_URL|hub] [--out DIR] [--seed N]
-    python data/prepare.py summarization [--source DIR_OR_URL|hub] ...
+    python data/prepare.py summarization [--source DIR_OR_URL|hub] [--split-test N] ...
+    python data/prepare.py <task> ... --shuffle-references --out data/processed-shuffled
     python data/prepare.py blog          [--source DIR_OR_URL] ...
     python data/prepare.py alignbench    [--source DIR_OR_FILE_OR_URL] [--train FILE] ...
 
@@ -29,6 +30,15 @@ what DIR lacks is downloaded from the paper's repository. `--source URL` is a UR
 layout (for alignbench also the release file's URL). `--source hub` takes WMT19 (`wmt/wmt19`: train
 and validation splits), XSum (`EdinburghNLP/xsum`) and CNN/DM (`abisee/cnn_dailymail` 3.0.0) from the
 Hugging Face hub instead: seeded samples of the same sizes, not the paper's.
+
+`--split-test N` (summarization) makes training rows of the test documents themselves, for where the training
+files cannot be had (offline, the paper's data copy holds XSum's 1,000 test documents only): per dataset, N test
+documents drawn with `--seed` stay held out and all the others become training rows, disjoint by document. A dataset
+whose test file the local `--source` lacks is skipped and named. `--shuffle-references` deliberately corrupts the
+training rows for a broken-run study: their reference answers are permuted across rows of the same category (a
+seeded derangement: no row keeps its own), so a model learns to answer with texts about other inputs; held-out rows
+are left as they are. Write such a copy to its own folder (`--out data/processed-shuffled`) and train on it with
+`train_file=data/processed-shuffled/<task>/train.jsonl`.
 
 File formats are detected by content (the paper's `.json` files are sometimes JSON lines). A bad row,
 or an upstream file whose format changed, stops the run with its file (or URL), line and what was
@@ -105,6 +115,7 @@ class Fetcher:
         self.cache = cache
         self.origins: dict[Path, str] = {}  # downloaded file -> its URL
         self.used: list[tuple[str, str]] = []  # (what, where from), for the report
+        self.splits: list[str] = []  # how --split-test split each dataset, for the report
 
     def fetch(self, url: str, what: str) -> Path:
         """Download `url` into the cache (once per run) and return the local file."""
@@ -270,6 +281,28 @@ def finish(task: str, train: list[dict], heldout: list[dict]) -> tuple[list[dict
     return out[0], out[1], stats
 
 
+def shuffle_references(rows: list[dict], seed: int) -> list[dict]:
+    """The rows with their reference answers (last assistant turns) permuted across rows of the same category by a
+    seeded derangement (a random cycle: no row keeps its own), each row naming whose answer it now holds."""
+    by_category: dict[str, list[int]] = {}
+    for index, item in enumerate(rows):
+        by_category.setdefault(item["category"], []).append(index)
+    out = [dict(item) for item in rows]
+    for category, indices in sorted(by_category.items()):
+        if len(indices) < 2:
+            raise SystemExit(
+                f"error: --shuffle-references: category {category!r} has one training row, nothing to swap"
+            )
+        order = indices[:]
+        random.Random(f"{seed}-{category}-shuffle").shuffle(order)
+        for position, target in enumerate(order):  # each row takes the answer of the next one in a random cycle
+            donor = rows[order[(position + 1) % len(order)]]
+            messages = [dict(m) for m in rows[target]["messages"]]
+            messages[-1] = {**messages[-1], "content": donor["messages"][-1]["content"]}
+            out[target] = {**rows[target], "messages": messages, "reference_of": donor["id"]}
+    return out
+
+
 def row(category: str, user: str, assistant: str, **extra) -> dict:
     return {
         "category": category,
@@ -408,6 +441,52 @@ def summarization_split(path: Path, name: str, split: str, size: int, seed: int)
     return out[:size]
 
 
+def split_test_documents(rows: list[dict], name: str, n_heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of one dataset's test documents: `n_heldout` drawn with `seed` stay held out,
+    the others train; both in file order."""
+    if not 0 < n_heldout < len(rows):
+        raise SystemExit(
+            f"error: --split-test {n_heldout}: {name} has {len(rows)} test documents; hold out 1 to {len(rows) - 1}"
+        )
+    chosen = set(random.Random(f"{seed}-{name}-split-test").sample(range(len(rows)), n_heldout))
+    return [r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen]
+
+
+def summarization_test_splits(
+    source: str | None, seed: int, fetcher: Fetcher, n_heldout: int
+) -> tuple[list[dict], list[dict]]:
+    """--split-test: training and held-out rows, both from the test documents (see the module docstring)."""
+    if source == HUB:
+        raise SystemExit("error: --split-test splits the paper's test files; the hub has training splits of its own")
+    train, heldout = [], []
+    for name, (folders, _, _, _, document_key, summary_key) in SUMMARIZATION_DATASETS.items():
+        if source and not is_url(source):
+            path = next(
+                (p for f in folders if (p := fetcher.locate(source, f"{f}/test.json", False, False)) is not None), None
+            )
+            if path is None:
+                print(
+                    f"  skipped  {name}: no {' or '.join(f + '/test.json' for f in folders)} under {source} "
+                    f"(without --source the paper's repository has it)",
+                    flush=True,
+                )
+                continue
+        else:
+            path = summarization_file(fetcher, source, folders, "test")
+        with fetcher.expecting(path, f"JSON lines {{{document_key}, {summary_key}}}"):
+            rows = summarization_split(path, name, "test", SUMMARIZATION_SIZES[1], seed)
+        dataset_train, dataset_heldout = split_test_documents(rows, name, n_heldout, seed)
+        fetcher.splits.append(
+            f"{name}: {len(rows):,} test documents -> {len(dataset_train):,} train / {len(dataset_heldout):,} held out "
+            f"(seed {seed})"
+        )
+        train += dataset_train
+        heldout += dataset_heldout
+    if not heldout:
+        raise SystemExit(f"error: --split-test: no summarization test file under {source}")
+    return train, heldout
+
+
 def prepare_summarization(source: str | None, seed: int, fetcher: Fetcher) -> tuple[list[dict], list[dict]]:
     n_train, n_heldout = SUMMARIZATION_SIZES
     train, heldout = [], []
@@ -505,19 +584,32 @@ LEAK_CHECKS = {
 
 
 def prepare(
-    task: str, source: str | None = None, out: Path = DEFAULT_OUT, seed: int = 0, train_file: str | None = None
+    task: str,
+    source: str | None = None,
+    out: Path = DEFAULT_OUT,
+    seed: int = 0,
+    train_file: str | None = None,
+    split_test: int | None = None,
+    shuffled: bool = False,
 ) -> dict:
-    """Write `<out>/<task>/{train,heldout}.jsonl`; returns counts and the sources used (`sources`)."""
+    """Write `<out>/<task>/{train,heldout}.jsonl`; returns counts, the sources used (`sources`), the splits made by
+    `split_test` (`splits`) and the rows whose reference was shuffled (`shuffled`)."""
     if task not in TASKS:
         raise SystemExit(f"error: unknown task {task!r}; tasks: {', '.join(TASKS)}")
     if train_file is not None and task != "alignbench":
         raise SystemExit("error: --train is for alignbench; other tasks read the paper's files or --source")
     if source == HUB and task not in ("translation", "summarization"):
         raise SystemExit(f"error: --source hub is for translation and summarization; {task} is the paper's own data")
+    if split_test is not None and task != "summarization":
+        raise SystemExit(
+            f"error: --split-test is for summarization (its training files can be missing); {task} has its own"
+        )
     with tempfile.TemporaryDirectory(prefix="probdiff-prepare-") as tmp:
         fetcher = Fetcher(Path(tmp))
         if task == "translation":
             train, heldout = prepare_translation(source, seed, fetcher)
+        elif task == "summarization" and split_test is not None:
+            train, heldout = summarization_test_splits(source, seed, fetcher, split_test)
         elif task == "summarization":
             train, heldout = prepare_summarization(source, seed, fetcher)
         elif task == "blog":
@@ -525,13 +617,18 @@ def prepare(
         else:
             train, heldout = prepare_alignbench(source, train_file, seed, fetcher)
     train, heldout, stats = finish(task, train, heldout)
+    if shuffled:
+        train = shuffle_references(train, seed)
     target = Path(out) / task
     if train:
         write_jsonl(target / "train.jsonl", train)
     elif (target / "train.jsonl").exists():
         (target / "train.jsonl").unlink()  # a stale file must not pair with a new held-out set
     write_jsonl(target / "heldout.jsonl", heldout)
-    counts: dict = {"train": len(train), "heldout": len(heldout), **stats, "sources": fetcher.used}
+    counts: dict = {
+        "train": len(train), "heldout": len(heldout), **stats, "sources": fetcher.used, "splits": fetcher.splits,
+        "shuffled": len(train) if shuffled else 0,
+    }  # fmt: skip
     for split, rows in (("train", train), ("heldout", heldout)):
         by_category: dict[str, int] = {}
         for item in rows:
@@ -561,9 +658,23 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="alignbench only: your conversations instead of the paper's gpt_generate_train.json",
     )
+    parser.add_argument(
+        "--split-test",
+        type=int,
+        default=None,
+        metavar="N",
+        help="summarization: N test documents per dataset (drawn with --seed) held out, the others are training rows",
+    )
+    parser.add_argument(
+        "--shuffle-references",
+        action="store_true",
+        help="corrupt the training rows on purpose: references permuted across rows (write to another --out)",
+    )
     args = parser.parse_args(argv)
     try:
-        counts = prepare(args.task, args.source, Path(args.out), args.seed, args.train_file)
+        counts = prepare(
+            args.task, args.source, Path(args.out), args.seed, args.train_file, args.split_test, args.shuffle_references
+        )
     except (DataFileError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -571,6 +682,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.task}: {counts['train']} train rows, {counts['heldout']} held-out rows -> {target}")
     for what, where in counts["sources"]:
         print(f"  source   {what}: {where}")
+    for split in counts["splits"]:
+        print(f"  split    {split}")
+    if counts["shuffled"]:
+        print(
+            f"  CORRUPTED on purpose: the references of all {counts['shuffled']} training rows were shuffled across "
+            "rows (`reference_of` names the row each came from); held-out rows are intact"
+        )
     for split in ("train", "heldout"):
         print(f"  {split:<8} " + ", ".join(f"{k}: {v}" for k, v in sorted(counts[f"{split}_by_category"].items())))
     print(

@@ -21,6 +21,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from probdiff_callback import distributed, history, outputs, reference_metrics, versus_base
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.cost import CostReport
+from probdiff_callback.disagreement import Disagreement, format_disagreements
 from probdiff_callback.evaluator import evaluate
 from probdiff_callback.io import Query, fixed_subset, queries_from
 from probdiff_callback.metric import summarize
@@ -108,7 +109,12 @@ class ProbDiffCallback(TrainerCallback):
         self._reference_notice_shown = False
         self._triggers = 0
         self._wandb = outputs.WandbRecords(self.config.wandb_table_rows)
+        self._disagreements_said: set[Disagreement] = set()
         self._cost = CostReport()
+
+    def cost_summary(self) -> str | None:
+        """What the evaluations added to the run's time, measured (for the end of the run)."""
+        return self._cost.totals()
 
     @property
     def _output_dir(self) -> str:
@@ -168,6 +174,7 @@ class ProbDiffCallback(TrainerCallback):
                 step,
                 eval_loss=float(metrics["eval_loss"]),
             )
+        self._say_disagreements()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
@@ -183,6 +190,29 @@ class ProbDiffCallback(TrainerCallback):
         # Only when the loaded weights are still the last step's (see on_step_end).
         if self.config.at_end and not args.load_best_model_at_end and state.global_step not in self.evaluated:
             self._run(state, kind="end")
+        self._say_disagreements()
+
+    def _say_disagreements(self) -> None:
+        """As soon as an independent measure moves against ProbDiff: a warning on the console and a W&B alert."""
+        from probdiff_callback.selection import select_checkpoints
+
+        if not self._is_main():
+            return
+        try:
+            found = select_checkpoints(self._output_dir, self.config.output_subdir).disagreements
+        except FileNotFoundError:  # nothing evaluated yet
+            return
+        new = [d for d in found if d not in self._disagreements_said]
+        if not new:
+            return
+        self._disagreements_said.update(new)
+        text = format_disagreements(new, self._output_dir)
+        logger.warning(text)
+        if "wandb" in (self.trainer.args.report_to or []):
+            try:
+                outputs.alert_wandb("ProbDiff disagrees with an independent measure", text)
+            except Exception:  # the console has it; a failed alert is not worth the run
+                logger.exception("ProbDiff: sending the disagreement to W&B failed")
 
     def _is_due(self, state: TrainerState, control: TrainerControl) -> bool:
         """Every `every`-th trigger (evaluation, or save without evaluation), and the last one with `at_end`."""

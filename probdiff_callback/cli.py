@@ -17,7 +17,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
-        help="preset (tiny, qwen-14b-chat, qwen1.5-14b-chat), local directory or hub id [tiny]",
+        help="preset (tiny, smollm2, qwen-14b-chat, qwen1.5-14b-chat), local directory or hub id [tiny]",
     )
     parser.add_argument(
         "--adapter", default=None, help="a PEFT adapter directory (e.g. a training checkpoint) to apply"
@@ -141,6 +141,11 @@ def _load(args):
         from probdiff_callback.models import default_device, load_model_and_tokenizer
 
         device = args.device or default_device()
+        if device == "cpu":
+            from probdiff_callback.threads import configure_threads
+
+            threads, why = configure_threads()
+            print(f"{threads} CPU thread{'s' if threads > 1 else ''} ({why})", file=sys.stderr)
         if _own_process and device == "cpu":  # on GPU runs the host memory of loading would stay
             _reuse_freed_memory()
         model, tokenizer = load_model_and_tokenizer(args.model, adapter=args.adapter, dtype=args.dtype, device=device)

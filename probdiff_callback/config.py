@@ -15,7 +15,6 @@ from probdiff_callback.categories import (
 )
 from probdiff_callback.history import DEFAULT_SUBDIR
 from probdiff_callback.prompts import REFINEMENT_PROMPTS
-from probdiff_callback.tokenizer import DEFAULT_SYSTEM_PROMPT
 
 
 @dataclass
@@ -27,7 +26,8 @@ class ProbDiffConfig:
     refinement_prompt: str = (
         "rewriter"  # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
     )
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    # None: the chat template's own default (for Qwen, the paper's "You are a helpful assistant.")
+    system_prompt: str | None = None
     # --- sampling (the reference code's: generation_task/vllm_inference.py and vllm_modify.py) ---
     # Temperature only: the reference code samples with top_p 1 and top_k -1 (off), and its runs
     # produced the published tables. The submission version of the paper states top_p 0.8 for

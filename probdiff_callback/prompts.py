@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from probdiff_callback.chat_format import query_messages, render
 from probdiff_callback.io import Query
 
 if TYPE_CHECKING:  # config.py imports this module's prompt names
@@ -73,13 +74,9 @@ class PreparedQuery:
     prompt_ids: list[int]  # chat-formatted original query, the conditioning for scoring
 
 
-def chat_prompt_ids(tokenizer, system_prompt: str, user_text: str) -> list[int]:
-    if tokenizer.chat_template is None:
-        raise ValueError(
-            f"the tokenizer of {tokenizer.name_or_path!r} has no chat template; ProbDiff needs the model's chat format"
-        )
-    messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_text}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_prompt_ids(tokenizer, system_prompt: str | None, user_text: str) -> list[int]:
+    """The query in the model's chat format, ready for the answer; `system_prompt=None`: the template's own."""
+    text = render(tokenizer, query_messages(tokenizer, system_prompt, user_text), add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -101,7 +98,7 @@ def _n_tokens(tokenizer, text: str) -> int:
 
 
 def refinement_prompt_ids(
-    tokenizer, system_prompt: str, template: str, instruction: str, response: str, max_tokens: int
+    tokenizer, system_prompt: str | None, template: str, instruction: str, response: str, max_tokens: int
 ) -> tuple[list[int], bool]:
     """Chat ids of the refinement request for (instruction, response), cut to `max_tokens`, and
     whether it was cut.

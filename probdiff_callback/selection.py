@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from probdiff_callback import history, versus_base
+from probdiff_callback.agreement import step_measures
+from probdiff_callback.disagreement import Disagreement, find_disagreements, format_disagreements
 from probdiff_callback.formatting import fmt, pct
 from probdiff_callback.io import read_jsonl
 from probdiff_callback.metric import compare
@@ -42,6 +44,8 @@ class Selection:
     best_checkpoint: RankedStep | None  # the best-ranked step with a checkpoint on disk
     failed_steps: list[int]
     delta: float
+    run_dir: Path
+    disagreements: list[Disagreement]  # where an independent measure moves against ProbDiff (disagreement.py)
 
     @property
     def baseline_beats_all(self) -> bool:
@@ -125,7 +129,17 @@ def select_checkpoints(run_dir: str | os.PathLike, subdir: str = history.DEFAULT
     for step in steps:
         step.vs_base = versus_base.compare_to_base(records[step.global_step] or [], base_records, delta)
     best_checkpoint = next((s for s in steps if s.checkpoint is not None), None)
-    return Selection(ranked=steps, baseline=baseline, best_checkpoint=best_checkpoint, failed_steps=failed, delta=delta)
+    pick = best_checkpoint or (steps[0] if steps else None)
+    disagreements = find_disagreements(step_measures(rows), pick.global_step if pick is not None else None)
+    return Selection(
+        ranked=steps,
+        baseline=baseline,
+        best_checkpoint=best_checkpoint,
+        failed_steps=failed,
+        delta=delta,
+        run_dir=run_dir,
+        disagreements=disagreements,
+    )
 
 
 def format_selection(selection: Selection) -> str:
@@ -177,6 +191,8 @@ def format_selection(selection: Selection) -> str:
             lines.append(
                 f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved or was deleted)"
             )
+    if selection.disagreements:
+        lines.append(format_disagreements(selection.disagreements, selection.run_dir))
     return "\n".join(lines)
 
 

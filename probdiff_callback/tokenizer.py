@@ -130,15 +130,3 @@ def qwen_tokenizer_from_file(tokenizer_json: str | os.PathLike):
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.name_or_path = str(Path(tokenizer_json).parent)
     return tokenizer
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """Ids that end an assistant turn: <|im_end|>, <|im_start|>, and <|endoftext|>/eos."""
-    ids = []
-    for token in (IM_END, IM_START, ENDOFTEXT):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-            ids.append(token_id)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))

@@ -223,6 +223,8 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     assert trainer.state.global_step == 4, "early stopping did not act on eval_probdiff_confidence"
     printed = capsys.readouterr().out
     assert "ProbDiff: one evaluation takes" in printed and "evaluating every 2 steps adds about" in printed
+    assert "(the base model's took" in printed  # the forecast is from an evaluation during training
+    assert callback.cost_summary().startswith("ProbDiff cost: 2 evaluations during training took")
     # AlignBench categories have no reference metric: said once, nothing logged for it
     assert printed.count("ProbDiff: no reference metric for") == 1 and "Writing" in printed
     assert not any(key.startswith("eval_ref_") for entry in trainer.state.log_history for key in entry)

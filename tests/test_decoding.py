@@ -1,10 +1,10 @@
 import pytest
 import torch
 
+from probdiff_callback.chat_format import stop_token_ids
 from probdiff_callback.decoding import hit_cap, sample_continuations
 from probdiff_callback.prompts import chat_prompt_ids
 from probdiff_callback.sampling import row_seed
-from probdiff_callback.tokenizer import stop_token_ids
 
 QUESTIONS = [
     "写一首关于秋天的诗",
@@ -32,7 +32,7 @@ def decode(tiny_model, prompts, temperature, max_new_tokens=24, seed=0, **kwargs
         [temperature] * n,
         [0.8] * n,
         max_new_tokens=max_new_tokens,
-        stop_ids=stop_token_ids(tokenizer),
+        stop_ids=stop_token_ids(tokenizer, model.generation_config),
         pad_token_id=tokenizer.pad_token_id,
         n_valid_ids=kwargs.pop("n_valid_ids", len(tokenizer)),
         **kwargs,
@@ -45,7 +45,7 @@ def test_greedy_equals_hf_generate(tiny_model, prompts):
 
     model, tokenizer = tiny_model
     ours = decode(tiny_model, prompts, temperature=0.0, max_new_tokens=40)
-    stops = set(stop_token_ids(tokenizer))
+    stops = set(stop_token_ids(tokenizer, model.generation_config))
     config = GenerationConfig(
         do_sample=False, max_new_tokens=40, eos_token_id=sorted(stops), pad_token_id=tokenizer.pad_token_id
     )

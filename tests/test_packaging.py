@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -43,6 +45,28 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
+def running_site_packages() -> list[str]:
+    """The site-packages of the Python running the tests, a venv's or the system's, in the order it reads them."""
+    dirs = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    dirs += [*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def venv_with(wheel: Path, venv: Path) -> Path:
+    """A new venv with the wheel installed, seeing the running Python's packages (torch, transformers, ...) through a
+    .pth file that lists its site-packages. The wheel goes in before that file, and without PYTHONPATH (which may hold
+    the checkout and its probdiff.egg-info), so pip finds no install of this package to keep instead. Directories a
+    .pth file lists are not searched for .pth files of their own: an editable install of this package there (one such
+    file) stays out of sight."""
+    run([sys.executable, "-m", "venv", str(venv)], cwd=venv.parent)
+    python = venv / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)]
+    run(pip, cwd=venv.parent, env={**os.environ, "PYTHONPATH": ""})
+    purelib = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=venv.parent)
+    (Path(purelib.stdout.strip()) / "_running_python.pth").write_text("\n".join(running_site_packages()) + "\n")
+    return python
+
+
 def test_wheel_carries_what_the_library_needs_at_run_time(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "probdiff_callback/assets/tiny.safetensors" in names
@@ -51,12 +75,10 @@ def test_wheel_carries_what_the_library_needs_at_run_time(wheel):
 
 
 def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, tmp_path):
-    # The fresh environment sees the machine's torch/transformers (--system-site-packages) but takes this
-    # package only from the wheel; a fresh cache makes it unpack `tiny` from the installed package data.
+    # The fresh environment sees the test's own torch/transformers but takes this package only from the wheel;
+    # a fresh cache makes it unpack `tiny` from the installed package data.
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp_path)
-    python = venv / "bin" / "python"
-    run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)], cwd=tmp_path)
+    python = venv_with(wheel, venv)
     work = tmp_path / "elsewhere"
     work.mkdir()
     queries = work / "queries.jsonl"
@@ -67,10 +89,10 @@ def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, 
         )
     )
     env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    where = run(
-        [str(python), "-c", "import probdiff_callback, sys; print(probdiff_callback.__file__)"], cwd=work, env=env
-    )
-    assert where.stdout.strip().startswith(str(venv))  # the wheel's copy, not the checkout's
+    which = "import probdiff_callback, transformers; print(probdiff_callback.__file__); print(transformers.__file__)"
+    ours, theirs = run([str(python), "-c", which], cwd=work, env=env).stdout.splitlines()
+    assert ours.startswith(str(venv))  # the wheel's copy, not the checkout's (nor an editable install's)
+    assert theirs.startswith(tuple(running_site_packages()))  # the dependencies the tests run with
     run(
         [str(python), "-c", "from probdiff_callback import ProbDiffCallback, ProbDiffConfig, evaluate, load_queries"],
         cwd=work,

@@ -483,3 +483,86 @@ def test_leak_keys_ignore_the_prompt_ending_and_whitespace():
     document = prepare.SUMMARIZATION_PROMPT.format(content="A  document.\n")
     assert prepare.leak_keys("summarization", prepare.row("xsum", document, "s")) == {"A document."}
     assert prepare.leak_keys("blog", prepare.row("blog", " 写 文案 ", "x")) == {"写 文案"}
+
+
+# --- the offline XSum study: test documents split into training and held-out, and a corrupted copy -----------------
+def xsum_only_source(root: Path, n: int = 20) -> Path:
+    write_json_lines(
+        root / "xsum" / "test.json",
+        [
+            {"document": f"Document number {i} tells of event {i}.", "summary": f"Summary {i}.", "id": str(i)}
+            for i in range(n)
+        ],
+    )
+    return root
+
+
+def document_of(row: dict) -> str:
+    return prepare.summarized_document(row["messages"][0]["content"])
+
+
+def test_split_test_holds_out_seeded_documents_and_trains_on_the_rest(tmp_path, capsys):
+    source = xsum_only_source(tmp_path / "src")
+    assert (
+        prepare.main(["summarization", "--source", str(source), "--split-test", "5", "--out", str(tmp_path / "a")]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "split    xsum: 20 test documents -> 15 train / 5 held out (seed 0)" in printed
+    assert "skipped  cnn_dm: no cnn/test.json or cnn_dm/test.json under" in printed  # named, not silently missing
+    train, heldout = (read(tmp_path / "a" / "summarization" / f"{s}.jsonl") for s in ("train", "heldout"))
+    check_rows(train + heldout, {"xsum"})
+    assert len(train) == 15 and len(heldout) == 5
+    # disjoint by document, every document used once, in the reference prompt with the reference summary
+    documents = [document_of(r) for r in train + heldout]
+    assert sorted(documents) == sorted(f"Document number {i} tells of event {i}." for i in range(20))
+    assert all(r["messages"][0]["content"].startswith(SUMMARY_PROMPT_START) for r in train)
+    assert all(r["messages"][1]["content"] == f"Summary {document_of(r).split()[2]}." for r in train + heldout)
+    # deterministic for a seed, another draw for another seed
+    prepare.main(["summarization", "--source", str(source), "--split-test", "5", "--out", str(tmp_path / "b")])
+    assert (tmp_path / "b" / "summarization" / "heldout.jsonl").read_text() == (
+        tmp_path / "a" / "summarization" / "heldout.jsonl"
+    ).read_text()
+    prepare.main(
+        ["summarization", "--source", str(source), "--split-test", "5", "--seed", "1", "--out", str(tmp_path / "c")]
+    )
+    assert {document_of(r) for r in read(tmp_path / "c" / "summarization" / "heldout.jsonl")} != {
+        document_of(r) for r in heldout
+    }
+
+
+def test_split_test_refuses_what_it_cannot_do(tmp_path):
+    source = xsum_only_source(tmp_path / "src", n=4)
+    with pytest.raises(SystemExit, match="hold out 1 to 3"):
+        prepare.prepare("summarization", str(source), tmp_path / "out", split_test=4)
+    with pytest.raises(SystemExit, match="--split-test is for summarization"):
+        prepare.prepare("blog", str(source), tmp_path / "out", split_test=2)
+
+
+def test_shuffled_references_are_a_derangement_of_the_training_rows_only(tmp_path, capsys):
+    source = xsum_only_source(tmp_path / "src")
+    args = ["summarization", "--source", str(source), "--split-test", "5"]
+    prepare.main(args + ["--out", str(tmp_path / "clean")])
+    prepare.main(args + ["--shuffle-references", "--out", str(tmp_path / "broken")])
+    assert "CORRUPTED on purpose: the references of all 15 training rows were shuffled" in capsys.readouterr().out
+    clean, broken = (read(tmp_path / kind / "summarization" / "train.jsonl") for kind in ("clean", "broken"))
+    assert [r["messages"][0] for r in broken] == [r["messages"][0] for r in clean]  # the same documents
+    answers = [r["messages"][1]["content"] for r in broken]
+    assert sorted(answers) == sorted(r["messages"][1]["content"] for r in clean)  # the same summaries, moved
+    assert all(a != c["messages"][1]["content"] for a, c in zip(answers, clean))  # no row keeps its own
+    by_id = {r["id"]: r["messages"][1]["content"] for r in clean}
+    assert all(r["messages"][1]["content"] == by_id[r["reference_of"]] for r in broken)
+    for split in ("heldout",):
+        assert (tmp_path / "broken" / "summarization" / f"{split}.jsonl").read_text() == (
+            tmp_path / "clean" / "summarization" / f"{split}.jsonl"
+        ).read_text()
+    prepare.main(args + ["--shuffle-references", "--out", str(tmp_path / "again")])
+    assert read(tmp_path / "again" / "summarization" / "train.jsonl") == broken
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason="../shared/data/probdiff-reference is not present")
+def test_the_offline_xsum_study_split(tmp_path):
+    counts = prepare.prepare("summarization", str(REFERENCE), tmp_path, split_test=200)
+    assert counts["train"] == 800 and counts["heldout"] == 200 and counts["train_in_heldout"] == 0
+    assert counts["splits"] == ["xsum: 1,000 test documents -> 800 train / 200 held out (seed 0)"]
+    train, heldout = (read(tmp_path / "summarization" / f"{s}.jsonl") for s in ("train", "heldout"))
+    assert not {document_of(r) for r in train} & {document_of(r) for r in heldout}

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from conversations import data_files
-from environment import configure_threads
 from model_setup import quantization_config
 from recipe import (
     RECIPES_DIR,
@@ -43,22 +42,17 @@ def test_recipe_loads_for_every_preset(path: Path, preset: str):
     training = recipe.training
     assert training["metric_for_best_model"] == "probdiff_confidence"
     assert training["save_steps"] % training["eval_steps"] == 0
+    assert recipe.lora.enabled and recipe.lora.target_modules == ["all-linear"]
     if preset == "tiny":
         assert recipe.dtype == "float32" and training["bf16"] is False and training["max_steps"] > 0
         # enough evaluations for a curve: a baseline plus at least four checkpoints
         assert training["max_steps"] // training["eval_steps"] >= 4 and recipe.probdiff.baseline
+    elif preset == "smollm2":  # sized for 2 CPU cores: fp32, short sequences, a baseline and two checkpoints
+        assert recipe.dtype == "float32" and training["bf16"] is False and training["max_length"] <= 512
+        assert training["max_steps"] // training["eval_steps"] >= 2 and recipe.probdiff.baseline
     else:
         assert recipe.dtype == "bfloat16" and training["bf16"] and training["activation_checkpointing"]
         assert training["max_length"] == 2048
-        assert recipe.lora.enabled and set(recipe.lora.target_modules) == {
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        }
 
 
 @pytest.mark.parametrize("path", TASK_RECIPES, ids=lambda p: p.stem)
@@ -238,6 +232,25 @@ def test_cross_field_validation():
         load_recipe(["recipe=blog", "model"])
 
 
+def test_lora_targets_fit_the_architecture(tiny_model):
+    from model_setup import lora_targets
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_model
+    assert lora_targets(model, ["all-linear"]) == "all-linear"
+    assert lora_targets(model, ["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
+    with pytest.raises(
+        RecipeError, match=r"c_attn match no module of Qwen2ForCausalLM; its linear layers are .*q_proj"
+    ):
+        lora_targets(model, ["q_proj", "c_attn"])
+    # all-linear on Qwen2 is the paper setup's 7 projections, not the LM head
+    import copy
+
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules="all-linear"))
+    targets = {name.rsplit(".", 1)[-1] for name in peft_model.peft_config["default"].target_modules}
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
 def test_qlora_needs_cuda_here():
     import torch
 
@@ -264,33 +277,6 @@ def test_missing_alignbench_training_file_stops_with_a_message(tmp_path):
     tiny = load_recipe(["recipe=alignbench", "model=tiny", f"train_file={tmp_path}/mine.jsonl"])
     train, _, notices = data_files(tiny)
     assert train.parts[-3:] == ("samples", "alignbench", "train.jsonl") and "offline samples" in notices[0]
-
-
-# --- threads ----------------------------------------------------------------------------------------
-def test_threads_accelerate_default_is_replaced_user_value_kept():
-    import torch
-
-    before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0))
-    try:
-        launched = {"ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1"}
-        count, why = configure_threads(environ=launched, launcher_environ={"PATH": "/bin"})  # the user had none
-        assert count == cores and torch.get_num_threads() == cores and "cores" in why
-        torch.set_num_threads(1)
-        count, why = configure_threads(environ=launched, launcher_environ={"OMP_NUM_THREADS": "1"})  # the user's own
-        assert count == 1 and "set by the user" in why
-        count, _ = configure_threads(environ={**launched, "LOCAL_WORLD_SIZE": "2"}, launcher_environ={})
-        assert count == max(1, cores // 2)
-        torchrun = {"TORCHELASTIC_RUN_ID": "1", "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
-        count, why = configure_threads(environ=torchrun, launcher_environ={"PATH": "/bin"})  # torchrun's default
-        assert count == max(1, cores // 2) and "2 local processes" in why
-        torch.set_num_threads(1)
-        count, why = configure_threads(environ={"OMP_NUM_THREADS": "1"})  # no launcher: the value is the user's
-        assert count == 1 and "set by the user" in why
-        count, why = configure_threads(threads=1, environ=launched)
-        assert count == 1 and torch.get_num_threads() == 1 and "recipe" in why
-    finally:
-        torch.set_num_threads(before)
 
 
 # --- W&B and runs ----------------------------------------------------------------------------------

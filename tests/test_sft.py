@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from conversations import count_without_assistant_tokens
 from recipe import TASKS
+
+from probdiff_callback.threads import choose_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 # A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
@@ -88,9 +91,14 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
 
     saved = OmegaConf.load(run_dir / "recipe.yaml")
     assert saved.model == "tiny" and saved.max_steps == 2 and saved.lora.r == 64
-    # threads: accelerate's injected OMP_NUM_THREADS=1 is replaced by the machine's cores
+    # threads: accelerate's injected OMP_NUM_THREADS=1 is replaced by the machine's free cores
     cores = len(os.sched_getaffinity(0))
-    assert f"{cores} CPU threads per process ({cores} cores / 1 local process)" in out
+    chosen = re.search(
+        r"(\d+) CPU threads per process \((\d+) cores(?:, (\d+) busy with other processes,)? / 1 local", out
+    )
+    assert chosen is not None, out
+    count, seen_cores, busy = int(chosen[1]), int(chosen[2]), int(chosen[3] or 0)
+    assert seen_cores == cores and count == choose_threads(cores, 1, busy)
     # the summary table: step, loss, confidence with interval, mean d, and where everything is
     assert "step" in out and "eval loss" in out and "95% CI" in out and "mean d" in out
     table = out[out.index("ProbDiff over training") :]

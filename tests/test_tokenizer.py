@@ -2,7 +2,9 @@ import unicodedata
 
 import pytest
 
-from probdiff_callback.tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN_VOCAB_WITH_TEXT, stop_token_ids
+from probdiff_callback.chat_format import stop_token_ids
+from probdiff_callback.qwen_v1_config import qwen2_generation_config
+from probdiff_callback.tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN_VOCAB_WITH_TEXT
 
 TEXTS = [
     "小红书风格：周末去西湖边骑行，阳光正好！",
@@ -38,7 +40,9 @@ def test_special_tokens_and_sizes(qwen_tokenizer):
         ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|extra_0|>", "<|extra_204|>"]
     ) == [151643, 151644, 151645, 151646, 151850]
     assert qwen_tokenizer.pad_token == "<|endoftext|>"
-    assert stop_token_ids(qwen_tokenizer) == [151643, 151644, 151645]
+    assert stop_token_ids(qwen_tokenizer) == [151645]  # the template's end of turn, which is also eos
+    # Qwen-14B-Chat stops where its own chat() does: its generation config adds <|im_start|> and <|endoftext|>
+    assert stop_token_ids(qwen_tokenizer, qwen2_generation_config(None, 152064)) == [151643, 151644, 151645]
 
 
 def test_chat_template_and_assistant_mask(qwen_tokenizer):

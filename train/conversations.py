@@ -85,17 +85,58 @@ def load_data(recipe: Recipe) -> tuple[list[dict], list[dict], list[Query]]:
     return train_rows, eval_rows, queries
 
 
+def assistant_mask(tokenizer, messages: list[dict]) -> list[int]:
+    """1 on the assistant tokens of a rendered conversation: by the template's {% generation %} markers where it
+    has them, else by locating the assistant turns (chat_format.mask_assistant_turns)."""
+    from trl.chat_template_utils import has_generation_markers
+
+    from probdiff_callback.chat_format import fold_system_turns, mask_assistant_turns
+
+    messages = fold_system_turns(tokenizer, messages)
+    if has_generation_markers(tokenizer.chat_template or ""):
+        encoded = tokenizer.apply_chat_template(
+            messages, return_dict=True, return_assistant_tokens_mask=True, tokenize=True
+        )
+        return list(encoded["assistant_masks"])
+    return mask_assistant_turns(tokenizer, messages).assistant_masks
+
+
 def count_without_assistant_tokens(tokenizer, rows: list[dict], max_length: int) -> list[str]:
     """Ids of the rows that keep no assistant token after truncation to `max_length` (trl keeps the start
     and then drops such rows silently, so they are counted here before training)."""
-    lost = []
-    for row in rows:
-        encoded = tokenizer.apply_chat_template(
-            row["messages"], return_dict=True, return_assistant_tokens_mask=True, tokenize=True
-        )
-        if 1 not in encoded["assistant_masks"][:max_length]:
-            lost.append(row["id"])
-    return lost
+    return [row["id"] for row in rows if 1 not in assistant_mask(tokenizer, row["messages"])[:max_length]]
+
+
+def loss_datasets(tokenizer, train_rows: list[dict], eval_rows: list[dict], assistant_only: bool):
+    """(train, eval) datasets for SFTTrainer and how the loss finds the assistant turns.
+
+    trl's assistant-only loss needs {% generation %} markers in the template, and adds them itself to the templates
+    it knows ("markers", "trl-patch": conversations go to trl as they are). For any other template ("spans") the
+    conversations are tokenized here with a mask of their assistant turns, which trl turns into the labels; trl's
+    own `assistant_only_loss` must then be off (it refuses tokenized rows), while the loss stays on assistant turns.
+    """
+    from datasets import Dataset
+
+    from probdiff_callback.chat_format import fold_system_turns, loss_masking, mask_assistant_turns
+
+    masking = loss_masking(tokenizer) if assistant_only else "off"
+
+    def rows_for(rows: list[dict]) -> list[dict]:
+        if masking != "spans":
+            return [{"messages": fold_system_turns(tokenizer, r["messages"])} for r in rows]
+        masked = [mask_assistant_turns(tokenizer, fold_system_turns(tokenizer, r["messages"])) for r in rows]
+        return [{"input_ids": m.input_ids, "assistant_masks": m.assistant_masks} for m in masked]
+
+    return Dataset.from_list(rows_for(train_rows)), Dataset.from_list(rows_for(eval_rows)), masking
+
+
+LOSS_MASKING_NOTES = {
+    "markers": "loss on assistant turns only (the chat template's {% generation %} markers, trl)",
+    "trl-patch": "loss on assistant turns only (trl's marked version of this chat template)",
+    "spans": "loss on assistant turns only (the chat template has no {% generation %} markers and trl does not know "
+    "it: its assistant turns are located by rendering, end-of-turn token included)",
+    "off": "loss on whole conversations (assistant_only_loss=false)",
+}
 
 
 def report_truncation(tokenizer, train_rows: list[dict], eval_rows: list[dict], max_length: int | None) -> None:

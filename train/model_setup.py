@@ -61,7 +61,6 @@ def load_model(recipe: Recipe):
         checkpointing = bool(recipe.setting("activation_checkpointing"))
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
     model.config.use_cache = False  # training; the ProbDiff evaluation turns the cache on for generation
-    ensure_generation_markers(tokenizer, recipe.model)
     n_params = sum(p.numel() for p in model.parameters())
     four_bit = ", 4-bit NF4" if quantization is not None else ""
     say(
@@ -71,22 +70,28 @@ def load_model(recipe: Recipe):
     return model, tokenizer
 
 
-def ensure_generation_markers(tokenizer, model_name: str) -> None:
-    """The assistant-only loss needs `{% generation %}` markers in the chat template. Ours (Qwen v1, tiny)
-    has them; a chatml template without them (Qwen1.5-Chat's) is replaced by ours, the same format with
-    markers. Other templates are left to trl, which patches the ones it knows and stops on the rest."""
-    from probdiff_callback.tokenizer import CHATML_TEMPLATE
+ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head (Qwen2, Llama: the 7 projections)
 
-    template = tokenizer.chat_template or ""
-    if "generation" not in template and "<|im_start|>" in template:
-        tokenizer.chat_template = CHATML_TEMPLATE
-        say(
-            f"{model_name}: its chatml template has no generation markers; using the project's chatml template "
-            "(same format, with {% generation %} around the assistant turns) for the assistant-only loss"
+
+def lora_targets(model, requested: list[str]) -> list[str] | str:
+    """peft's `target_modules` for the recipe's list: `all-linear`, which fits any architecture, or module names
+    that must each exist in this one (a name that matches nothing would leave those layers untrained)."""
+    if list(requested) == [ALL_LINEAR]:
+        return ALL_LINEAR
+    import torch
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [name for name in requested if name not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise RecipeError(
+            f"lora.target_modules: {', '.join(missing)} match no module of {type(model).__name__}; its linear layers "
+            f"are {', '.join(linear)}. Name some of those, or write lora.target_modules=[{ALL_LINEAR}]"
         )
+    return list(requested)
 
 
-def lora_config(recipe: Recipe):
+def lora_config(recipe: Recipe, model):
     """peft's LoraConfig for the recipe's `lora` section, or None to train all weights."""
     if not recipe.lora.enabled:
         say("LoRA off: training all weights")
@@ -97,7 +102,7 @@ def lora_config(recipe: Recipe):
         r=recipe.lora.r,
         lora_alpha=recipe.lora.alpha,
         lora_dropout=recipe.lora.dropout,
-        target_modules=list(recipe.lora.target_modules),
+        target_modules=lora_targets(model, recipe.lora.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
     )

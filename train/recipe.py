@@ -32,7 +32,6 @@ from training_arguments import (
 
 from probdiff_callback.config import ProbDiffConfig, did_you_mean, raise_if_problems, wrong_type_message
 from probdiff_callback.models import PRESETS
-from probdiff_callback.qwen_v1 import QWEN2_LORA_TARGET_MODULES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = PROJECT_ROOT / "recipes"
@@ -51,7 +50,7 @@ class LoraArgs:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: list(QWEN2_LORA_TARGET_MODULES))
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # or module names of the model
 
 
 @dataclass
@@ -280,8 +279,8 @@ def validate(recipe: Recipe) -> None:
         problems.append(f"dtype={recipe.dtype!r}: use one of {', '.join(DTYPES)}")
     if recipe.quantization == "4bit" and not recipe.lora.enabled:
         problems.append("quantization=4bit trains adapters on frozen 4-bit weights: it needs lora.enabled=true")
-    if recipe.quantization == "4bit" and recipe.model == "tiny":
-        problems.append("quantization=4bit is for the GPU presets; model=tiny runs in fp32 on the CPU")
+    if recipe.quantization == "4bit" and recipe.model in ("tiny", "smollm2"):
+        problems.append(f"quantization=4bit is for the GPU presets; model={recipe.model} runs in fp32 on the CPU")
     if recipe.lora.enabled and (recipe.lora.r < 1 or not recipe.lora.target_modules):
         problems.append("lora: r must be positive and target_modules non-empty")
     if recipe.threads is not None and recipe.threads < 1:

@@ -73,6 +73,11 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         plot = plot_run(run_dir, subdir=subdir)
     except FileNotFoundError as err:
         print(f"no plot: {err}")
+    from probdiff_callback.callback import ProbDiffCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProbDiffCallback) and callback.cost_summary():
+            print("\n" + callback.cost_summary())
     print(f"\ndone in {seconds / 60:.1f} min. Run directory {run_dir}:")
     print(f"  recipe as run        {run_dir / 'recipe.yaml'}")
     print(f"  ProbDiff history     {history.history_path(run_dir, subdir)}")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from conversations import load_data, report_truncation
-from environment import configure_threads, is_main_process, say
+from environment import is_main_process, say
 from model_setup import load_model, lora_config, prepare_model_files
 from recipe import Recipe, RecipeError, load_recipe, report_to_list
 from report import summarize_run
@@ -25,6 +25,7 @@ from training_arguments import sft_config
 from wandb_setup import setup_wandb, start_wandb
 
 from probdiff_callback.io import DataFileError
+from probdiff_callback.threads import configure_threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,7 @@ def train(args: list[str]) -> int:
     report_truncation(tokenizer, train_rows, eval_rows, training_args.max_length)
 
     # 5. LoRA (or all weights)
-    peft_config = lora_config(recipe)
+    peft_config = lora_config(recipe, model)
 
     # 6. Trainer with the ProbDiff callback
     trainer = build_trainer(recipe, training_args, model, tokenizer, train_rows, eval_rows, peft_config, queries)

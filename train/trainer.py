@@ -5,29 +5,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conversations import LOSS_MASKING_NOTES, loss_datasets
 from environment import say
 from recipe import Recipe
 from transformers import TrainerCallback
 
 
 def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):
-    from datasets import Dataset
-
     from probdiff_callback.callback import ProbDiffCallback
     from probdiff_callback.models import peft_without_deprecated_alias_warning
 
+    train_dataset, eval_dataset, masking = loss_datasets(tokenizer, train_rows, eval_rows, args.assistant_only_loss)
+    say(LOSS_MASKING_NOTES[masking])
+    if masking == "spans":
+        args.assistant_only_loss = False  # the masks in the tokenized rows keep the loss on assistant turns
     with peft_without_deprecated_alias_warning():
         trainer = trainer_class(plain_loss=args.use_cpu, base_model=resolved_model_name(recipe.model))(
             model=model,
             args=args,
-            train_dataset=Dataset.from_list([{"messages": r["messages"]} for r in train_rows]),
-            eval_dataset=Dataset.from_list([{"messages": r["messages"]} for r in eval_rows]),
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=tokenizer,
             peft_config=peft_config,
         )
     if peft_config is not None and trainer.is_world_process_zero():
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-        modules = ", ".join(recipe.lora.target_modules)
+        targets = trainer.model.peft_config["default"].target_modules  # names as peft resolved them
+        modules = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in targets}))
         say(f"LoRA r={recipe.lora.r} on {modules}: {trainable / 1e6:,.2f}M trainable parameters")
     trainer.add_callback(ProbDiffCallback(trainer, queries, recipe.probdiff))
     trainer.add_callback(SelfContainedCheckpoints(tokenizer, model.generation_config))
@@ -67,10 +71,10 @@ def trainer_class(plain_loss: bool, base_model: str):
 
 
 def resolved_model_name(model: str) -> str:
-    """The hub id of a preset, `probdiff tiny` for the embedded model, else the directory or id as given."""
+    """The hub id of a preset, `probdiff tiny` / `probdiff smollm2` for the CPU presets, else the directory or id."""
     from probdiff_callback.models import PRESET_HUB_IDS
 
-    return PRESET_HUB_IDS.get(model, "probdiff tiny" if model == "tiny" else model)
+    return PRESET_HUB_IDS.get(model, f"probdiff {model}" if model in ("tiny", "smollm2") else model)
 
 
 def name_local_base_model(card: str, base_model: str) -> str:
