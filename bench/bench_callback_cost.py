@@ -52,8 +52,8 @@ def main() -> int:
 
     from probdiff_callback.callback import ProbDiffCallback
     from probdiff_callback.config import ProbDiffConfig
-    from probdiff_callback.io import load_queries, read_jsonl
     from probdiff_callback.models import load_model_and_tokenizer
+    from probdiff_callback.queries import load_queries, read_jsonl
     from probdiff_callback.scoring import SCORE_ROWS_PER_FORWARD
 
     model, tokenizer = load_model_and_tokenizer("tiny", dtype="float32")

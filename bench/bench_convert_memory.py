@@ -113,7 +113,7 @@ def write_checkpoint(root: Path, config: dict, shards: list, fmt: str, seed: int
     """One shard in memory at a time; returns each shard's size in bytes."""
     from safetensors.torch import save_file
 
-    from probdiff_callback.tokenizer import bundled_tiktoken_file
+    from probdiff_callback.models.tokenizer import bundled_tiktoken_file
 
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps(config))

@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     # build (or find) the tiny model first, outside the timings
     subprocess.run(
-        [sys.executable, "-c", "from probdiff_callback.tiny import tiny_model_dir; tiny_model_dir()"],
+        [sys.executable, "-c", "from probdiff_callback.models.presets import tiny_model_dir; tiny_model_dir()"],
         cwd=ROOT,
         check=True,
     )

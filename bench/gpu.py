@@ -59,11 +59,11 @@ sys.path.insert(0, str(ROOT))  # measure the library of this checkout, whatever 
 from probdiff_callback import evaluator, prompts  # noqa: E402  (after the path above)
 from probdiff_callback.config import ProbDiffConfig  # noqa: E402
 from probdiff_callback.decoding import left_padded, sample_continuations  # noqa: E402
-from probdiff_callback.io import Query, load_queries  # noqa: E402
+from probdiff_callback.models.presets import TINY_ARCHITECTURE  # noqa: E402
+from probdiff_callback.models.tokenizer import load_qwen_tokenizer  # noqa: E402
 from probdiff_callback.prompts import refinement_request, refinement_template  # noqa: E402
+from probdiff_callback.queries import Query, load_queries  # noqa: E402
 from probdiff_callback.sampling import counter_uniforms, sample_tokens  # noqa: E402
-from probdiff_callback.tiny import TINY_ARCHITECTURE  # noqa: E402
-from probdiff_callback.tokenizer import load_qwen_tokenizer  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "blog.yaml"
 HELDOUT_PROMPTS = ROOT / "data" / "samples" / "blog" / "heldout.jsonl"
@@ -447,7 +447,7 @@ def training_batch(tokenizer, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor
 def model_config(shape: str):
     from transformers import Qwen2Config
 
-    from probdiff_callback.qwen_v1 import qwen2_config_from_v1
+    from probdiff_callback.models.qwen_v1 import qwen2_config_from_v1
 
     if shape == "tiny":
         return Qwen2Config(**TINY_ARCHITECTURE)

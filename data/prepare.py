@@ -58,8 +58,15 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from probdiff_callback.categories import ALIGNBENCH, canonical_category, is_alignbench
-from probdiff_callback.io import DataFileError, chat_messages, read_rows, write_jsonl
+from probdiff_callback.queries import (
+    ALIGNBENCH,
+    DataFileError,
+    canonical_category,
+    chat_messages,
+    is_alignbench,
+    read_rows,
+    write_jsonl,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "data" / "processed"

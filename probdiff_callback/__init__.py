@@ -16,7 +16,7 @@ _PUBLIC = {
     "ProbDiffCallback": "probdiff_callback.callback",
     "ProbDiffConfig": "probdiff_callback.config",
     "evaluate": "probdiff_callback.evaluator",
-    "load_queries": "probdiff_callback.io",
+    "load_queries": "probdiff_callback.queries",
     "load_model_and_tokenizer": "probdiff_callback.models",
 }
 __all__ = ["ProbDiffCallback", "ProbDiffConfig", "evaluate", "load_model_and_tokenizer", "load_queries"]
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from probdiff_callback.callback import ProbDiffCallback
     from probdiff_callback.config import ProbDiffConfig
     from probdiff_callback.evaluator import evaluate
-    from probdiff_callback.io import load_queries
     from probdiff_callback.models import load_model_and_tokenizer
+    from probdiff_callback.queries import load_queries
 
 
 def __getattr__(name: str) -> Any:

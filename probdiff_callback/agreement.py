@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from probdiff_callback import history
 from probdiff_callback.formatting import fmt, is_finite
-from probdiff_callback.io import read_jsonl
+from probdiff_callback.queries import read_jsonl
 from probdiff_callback.reference_metrics import METRIC_LABELS
 
 PROBDIFF_MEASURES = {"confidence": "confidence", "d_mean": "mean d"}

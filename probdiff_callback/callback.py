@@ -23,8 +23,8 @@ from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.cost import CostReport
 from probdiff_callback.disagreement import Disagreement, format_disagreements
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.io import Query, fixed_subset, queries_from
 from probdiff_callback.metric import summarize
+from probdiff_callback.queries import Query, fixed_subset, queries_from
 from probdiff_callback.unwrap import model_for_evaluation
 
 logger = logging.getLogger(__name__)

@@ -161,8 +161,8 @@ def _load(args):
 
 
 def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra: dict) -> dict:
-    from probdiff_callback.io import write_json, write_jsonl
     from probdiff_callback.metric import summarize
+    from probdiff_callback.queries import write_json, write_jsonl
     from probdiff_callback.reference_metrics import summarize_references
 
     summary = summarize(records, config.delta, config.sweep)
@@ -178,7 +178,7 @@ def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra:
 
 def cmd_eval(args) -> int:
     from probdiff_callback.evaluator import evaluate
-    from probdiff_callback.io import load_queries
+    from probdiff_callback.queries import load_queries
     from probdiff_callback.reference_metrics import plan_references, score_records
 
     config = _config(args.overrides)
@@ -230,7 +230,7 @@ def cmd_eval(args) -> int:
 
 def cmd_score(args) -> int:
     from probdiff_callback.evaluator import score_pairs
-    from probdiff_callback.io import load_pairs
+    from probdiff_callback.queries import load_pairs
 
     config = _config(args.overrides)
     pairs = load_pairs(args.pairs)
@@ -249,8 +249,8 @@ def cmd_score(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from probdiff_callback.io import read_jsonl
     from probdiff_callback.metric import compare
+    from probdiff_callback.queries import read_jsonl
 
     records = []
     for directory in (args.dir_a, args.dir_b):
@@ -271,7 +271,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from probdiff_callback.qwen_v1 import convert_qwen_checkpoint
+    from probdiff_callback.models.qwen_v1 import convert_qwen_checkpoint
 
     out = convert_qwen_checkpoint(args.src, args.dst, max_shard_size=args.max_shard_size)
     print(f"wrote a Qwen2ForCausalLM checkpoint to {out}")
@@ -305,8 +305,8 @@ def cmd_plot(args) -> int:
 def cmd_crosscheck(args) -> int:
     from probdiff_callback.agreement import crosscheck, format_crosscheck, load_run
     from probdiff_callback.history import probdiff_dir
-    from probdiff_callback.io import write_json
     from probdiff_callback.plotting import plot_crosscheck
+    from probdiff_callback.queries import write_json
     from probdiff_callback.verdicts import check_verdicts
 
     rows, records = load_run(args.run_dir, args.subdir)

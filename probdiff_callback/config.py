@@ -7,14 +7,14 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from probdiff_callback.categories import (
+from probdiff_callback.history import DEFAULT_SUBDIR
+from probdiff_callback.prompts import REFINEMENT_PROMPTS
+from probdiff_callback.queries import (
     ALIGNBENCH,
     canonical_category,
     describe,
     unmatched_keys,
 )
-from probdiff_callback.history import DEFAULT_SUBDIR
-from probdiff_callback.prompts import REFINEMENT_PROMPTS
 
 
 @dataclass

@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 from probdiff_callback.chat_format import stop_token_ids
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.decoding import hit_cap, sample_continuations
-from probdiff_callback.io import Query
 from probdiff_callback.metric import discrepancy, finite_mean, is_confident
 from probdiff_callback.prompts import PreparedQuery, prepare_queries, refinement_prompt_ids, refinement_template
+from probdiff_callback.queries import Query
 from probdiff_callback.sampling import row_seed
 from probdiff_callback.scoring import score_batch
 
@@ -130,7 +130,9 @@ def evaluate(
     Callers that hold the whole query set check `config.check_categories` on it first (the CLI and
     the callback do); here the queries may be one rank's share.
     """
-    prepared = prepare_queries(tokenizer, queries, config)
+    prepared = prepare_queries(
+        tokenizer, queries, system_prompt=config.system_prompt, max_prompt_tokens=config.max_prompt_tokens
+    )
     chains = [(qi, s) for qi in range(len(prepared)) for s in range(config.n_samples)]
     # Similar lengths together waste less padding; the sampler makes the order irrelevant to the texts.
     order = sorted(range(len(chains)), key=lambda c: -len(prepared[chains[c][0]].prompt_ids))
@@ -245,7 +247,12 @@ def score_pairs(
     progress: bool = True,
 ) -> list[dict]:
     """Records for texts generated elsewhere: rows of (query, response, revised)."""
-    prepared = prepare_queries(tokenizer, [q for q, _, _ in pairs], config)
+    prepared = prepare_queries(
+        tokenizer,
+        [q for q, _, _ in pairs],
+        system_prompt=config.system_prompt,
+        max_prompt_tokens=config.max_prompt_tokens,
+    )
     records = []
     with inference_mode(model):
         for start in tqdm(range(0, len(pairs), config.batch_size), desc="Scoring", unit="batch", disable=not progress):

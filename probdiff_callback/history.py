@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from probdiff_callback.io import read_jsonl, write_json, write_jsonl
+from probdiff_callback.queries import read_jsonl, write_json, write_jsonl
 
 DEFAULT_SUBDIR = "probdiff"
 HISTORY_FILE = "history.jsonl"

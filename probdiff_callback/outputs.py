@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from probdiff_callback import history
-from probdiff_callback.io import read_jsonl
 from probdiff_callback.metric import delta_key
+from probdiff_callback.queries import read_jsonl
 
 METRIC_PREFIX = "eval_probdiff_"
 WANDB_HISTOGRAM_KEY = "eval/probdiff_d"

@@ -17,8 +17,8 @@ from pathlib import Path
 from probdiff_callback import history
 from probdiff_callback.agreement import LABELS, LOSS, PROBDIFF_MEASURES
 from probdiff_callback.formatting import fmt, is_finite
-from probdiff_callback.io import read_jsonl
 from probdiff_callback.metric import finite_values
+from probdiff_callback.queries import read_jsonl
 from probdiff_callback.reference_metrics import METRIC_LABELS
 
 

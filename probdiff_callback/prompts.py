@@ -6,13 +6,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from probdiff_callback.chat_format import query_messages, render
-from probdiff_callback.io import Query
-
-if TYPE_CHECKING:  # config.py imports this module's prompt names
-    from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.queries import Query
 
 REWRITER = (
     "I want you to act as a Response Rewriter.\n"
@@ -129,11 +125,14 @@ def refinement_prompt_ids(
     return ids, True
 
 
-def prepare_queries(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[PreparedQuery]:
-    overhead = len(chat_prompt_ids(tokenizer, config.system_prompt, ""))
-    budget = max(config.max_prompt_tokens - overhead, 16)
+def prepare_queries(
+    tokenizer, queries: Sequence[Query], *, system_prompt: str | None, max_prompt_tokens: int
+) -> list[PreparedQuery]:
+    """Each query in its chat prompt, the query cut in the middle where the prompt would pass `max_prompt_tokens`."""
+    overhead = len(chat_prompt_ids(tokenizer, system_prompt, ""))
+    budget = max(max_prompt_tokens - overhead, 16)
     prepared = []
     for query in queries:
         text, truncated = truncate_middle(tokenizer, query.text, budget)
-        prepared.append(PreparedQuery(query, text, truncated, chat_prompt_ids(tokenizer, config.system_prompt, text)))
+        prepared.append(PreparedQuery(query, text, truncated, chat_prompt_ids(tokenizer, system_prompt, text)))
     return prepared

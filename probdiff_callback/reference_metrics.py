@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from probdiff_callback.formatting import fmt
-from probdiff_callback.io import Query
 from probdiff_callback.metric import finite_mean
+from probdiff_callback.queries import Query
 
 TRANSLATION = "translation"
 SUMMARIZATION = "summarization"

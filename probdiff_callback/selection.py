@@ -16,8 +16,8 @@ from probdiff_callback import history, versus_base
 from probdiff_callback.agreement import step_measures
 from probdiff_callback.disagreement import Disagreement, find_disagreements, format_disagreements
 from probdiff_callback.formatting import fmt, pct
-from probdiff_callback.io import read_jsonl
 from probdiff_callback.metric import compare
+from probdiff_callback.queries import read_jsonl
 
 
 @dataclass

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from probdiff_callback.formatting import fmt, pct
-from probdiff_callback.io import DataFileError, read_rows
 from probdiff_callback.metric import compare, is_confident
+from probdiff_callback.queries import DataFileError, read_rows
 
 PAIRWISE = "pairwise"
 REVISION = "revision"

@@ -33,7 +33,7 @@ def probdiff_config(**options):
 
 
 def held_out_queries():
-    from probdiff_callback.io import load_queries
+    from probdiff_callback.queries import load_queries
 
     return load_queries(QUERY_FILE)
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     callback_module.evaluate = real_evaluate
     seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
 
-    from probdiff_callback.io import write_json
+    from probdiff_callback.queries import write_json
 
     write_json(Path(args.out) / f"rank-{rank}.json", seen)
     trainer.accelerator.wait_for_everyone()

@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
-    from probdiff_callback.tokenizer import load_qwen_tokenizer
+    from probdiff_callback.models.tokenizer import load_qwen_tokenizer
 
     return load_qwen_tokenizer()
 
@@ -26,7 +26,7 @@ def qwen_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """Directory of the `tiny` preset (shipped with the package, unpacked under PROBDIFF_CACHE)."""
-    from probdiff_callback.tiny import tiny_model_dir
+    from probdiff_callback.models.presets import tiny_model_dir
 
     return tiny_model_dir()
 

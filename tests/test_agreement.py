@@ -21,7 +21,7 @@ from probdiff_callback.agreement import (
     step_measures,
 )
 from probdiff_callback.cli import main
-from probdiff_callback.io import DataFileError, write_jsonl
+from probdiff_callback.queries import DataFileError, write_jsonl
 from probdiff_callback.verdicts import (
     check_verdicts,
     conflict_degree,

@@ -19,9 +19,9 @@ from probdiff_callback import distributed, history
 from probdiff_callback.callback import ProbDiffCallback, select_queries
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.io import DataFileError, Query, read_jsonl
 from probdiff_callback.metric import compare, summarize
 from probdiff_callback.outputs import metrics_from_summary
+from probdiff_callback.queries import DataFileError, Query, read_jsonl
 from probdiff_callback.selection import select_checkpoints
 from probdiff_callback.unwrap import preserved_rng_state
 from probdiff_callback.wandb_files import history_row

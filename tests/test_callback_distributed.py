@@ -20,7 +20,7 @@ from _distributed_eval import N_QUERIES, held_out_queries, load_tiny, probdiff_c
 from probdiff_callback import history
 from probdiff_callback.callback import select_queries
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.io import read_jsonl
+from probdiff_callback.queries import read_jsonl
 
 SCRIPT = Path(__file__).with_name("_distributed_eval.py")
 LAUNCH_TIMEOUT_S = 420  # a hang (unequal collective calls) fails the test instead of blocking CI

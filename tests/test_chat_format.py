@@ -27,7 +27,7 @@ from probdiff_callback.chat_format import (
 )
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.io import Query
+from probdiff_callback.queries import Query
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION = [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback.cache import is_complete
+from probdiff_callback.models.cache import is_complete
 
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = [

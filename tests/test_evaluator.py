@@ -5,7 +5,6 @@ import pytest
 
 from probdiff_callback.config import ProbDiffConfig, apply_overrides
 from probdiff_callback.evaluator import build_record, evaluate, score_pairs
-from probdiff_callback.io import Query, load_queries
 from probdiff_callback.prompts import (
     REWRITER,
     PreparedQuery,
@@ -14,6 +13,7 @@ from probdiff_callback.prompts import (
     refinement_request,
     truncate_middle,
 )
+from probdiff_callback.queries import Query, load_queries
 
 SAMPLES = "data/samples/blog/heldout.jsonl"
 

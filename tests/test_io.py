@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback.io import DataFileError, load_pairs, load_queries, read_jsonl, to_json, write_jsonl
+from probdiff_callback.queries import DataFileError, load_pairs, load_queries, read_jsonl, to_json, write_jsonl
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "probdiff-reference"
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from probdiff_callback import qwen_v1
-from probdiff_callback.tokenizer import QWEN_VOCAB_WITH_TEXT, bundled_tiktoken_file
+from probdiff_callback.models.tokenizer import QWEN_VOCAB_WITH_TEXT, bundled_tiktoken_file
 
 HIDDEN, HEADS, LAYERS, FFN = 64, 4, 2, 96
 VOCAB = 151936  # >= QWEN_VOCAB_WITH_TEXT; 85 padded rows without text, like the real 152064 has 213

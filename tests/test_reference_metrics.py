@@ -12,7 +12,7 @@ import pytest
 import sacrebleu
 from rouge_score import rouge_scorer
 
-from probdiff_callback.io import Query, load_queries
+from probdiff_callback.queries import Query, load_queries
 from probdiff_callback.reference_metrics import (
     ReferencePlan,
     bleu_tokenizer,

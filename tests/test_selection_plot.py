@@ -9,8 +9,8 @@ from pathlib import Path
 
 from probdiff_callback import history
 from probdiff_callback.cli import main
-from probdiff_callback.io import write_jsonl
 from probdiff_callback.metric import summarize
+from probdiff_callback.queries import write_jsonl
 from probdiff_callback.selection import select_checkpoints
 
 DELTA = -0.05

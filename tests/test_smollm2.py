@@ -10,7 +10,7 @@ import json
 import pytest
 
 from probdiff_callback import smollm2
-from probdiff_callback.cache import is_complete
+from probdiff_callback.models.cache import is_complete
 
 # sha256 of the dequantized float32 weights (names, shapes, dtypes and bytes), as tiny's digest
 SMOLLM2_WEIGHTS_SHA256 = "570aa7f9f5a7e3ba7567b2d1623bc91e23b0ccb3fb96b3aaf582166f69ed0d14"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback.cache import COMPLETE_MARKER, build_once, is_complete
-from probdiff_callback.tiny import ASSET, TINY_ARCHITECTURE, expanded_state_dict, weights_digest
+from probdiff_callback.models.cache import COMPLETE_MARKER, build_once, is_complete
+from probdiff_callback.models.presets import ASSET, TINY_ARCHITECTURE, expanded_state_dict, weights_digest
 
 # sha256 of the expanded fp32 weights (names, shapes, dtypes, bytes) unpacked from assets/tiny.safetensors.
 # Rebuilding the asset on purpose (train/build_tiny.py) changes it; nothing else may.
@@ -22,7 +22,7 @@ def expanded_digest_in_subprocess(threads: int) -> str:
     code = (
         f"import torch; torch.set_num_threads({threads});"
         "from safetensors.torch import load_file;"
-        "from probdiff_callback.tiny import ASSET, expanded_state_dict, weights_digest;"
+        "from probdiff_callback.models.presets import ASSET, expanded_state_dict, weights_digest;"
         "print(weights_digest(expanded_state_dict(load_file(ASSET))))"
     )
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -97,7 +97,7 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path):
 
 def test_concurrent_processes_unpack_once(tmp_path):
     """Two processes asking for the tiny model in an empty cache: one unpacks, the other waits and reuses it."""
-    code = "from probdiff_callback.tiny import tiny_model_dir; print(tiny_model_dir())"
+    code = "from probdiff_callback.models.presets import tiny_model_dir; print(tiny_model_dir())"
     env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache")}
     procs = [
         subprocess.Popen(

@@ -3,8 +3,8 @@ import unicodedata
 import pytest
 
 from probdiff_callback.chat_format import stop_token_ids
-from probdiff_callback.qwen_v1_config import qwen2_generation_config
-from probdiff_callback.tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN_VOCAB_WITH_TEXT
+from probdiff_callback.models.qwen_v1_weights import qwen2_generation_config
+from probdiff_callback.models.tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN_VOCAB_WITH_TEXT
 
 TEXTS = [
     "小红书风格：周末去西湖边骑行，阳光正好！",

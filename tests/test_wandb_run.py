@@ -18,8 +18,8 @@ from transformers import TrainerCallback
 
 from probdiff_callback import history
 from probdiff_callback.callback import ProbDiffCallback
-from probdiff_callback.io import load_queries, read_jsonl
 from probdiff_callback.metric import compare
+from probdiff_callback.queries import load_queries, read_jsonl
 from probdiff_callback.wandb_files import Segment, effective_history, last_step_at_or_before, read_segment
 from probdiff_callback.wandb_run import (
     RUN_ID_FILE,

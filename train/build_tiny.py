@@ -3,7 +3,7 @@
     python train/build_tiny.py            # -> probdiff_callback/assets/tiny.safetensors
 
 Users never run this: the weights ship with the package and are unpacked on first use
-(probdiff_callback/tiny.py). Run it only to change the tiny model on purpose, then update the
+(probdiff_callback/models/presets.py). Run it only to change the tiny model on purpose, then update the
 pinned hash in tests/test_tiny.py and regenerate the README's example run.
 
 A full-vocabulary softmax would make each step ~20x dearer than the rest of this model, although the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from probdiff_callback.tiny import (
+from probdiff_callback.models.presets import (
     ASSET,
     EMBED_FILL,
     EMBED_NOISE_STD,
@@ -29,7 +29,7 @@ from probdiff_callback.tiny import (
     TINY_ARCHITECTURE,
     USED_IDS,
 )
-from probdiff_callback.tokenizer import load_qwen_tokenizer
+from probdiff_callback.models.tokenizer import load_qwen_tokenizer
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data" / "samples"
 PRETRAIN = dict(block_size=256, batch_size=8, steps=200, learning_rate=4e-3, warmup_steps=20, seed=1234)

@@ -8,7 +8,7 @@ from pathlib import Path
 from environment import say
 from recipe import PROJECT_ROOT, Recipe, RecipeError
 
-from probdiff_callback.io import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
+from probdiff_callback.queries import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
 
 PROCESSED_DIR = PROJECT_ROOT / "data" / "processed"
 SAMPLES_DIR = PROJECT_ROOT / "data" / "samples"

@@ -24,7 +24,7 @@ from trainer import build_trainer, save_inference_files
 from training_arguments import sft_config
 from wandb_setup import setup_wandb, start_wandb
 
-from probdiff_callback.io import DataFileError
+from probdiff_callback.queries import DataFileError
 from probdiff_callback.threads import configure_threads
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from probdiff_callback.cache import build_once, cache_dir
+from probdiff_callback.models.cache import build_once, cache_dir
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

