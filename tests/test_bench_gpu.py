@@ -15,6 +15,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "bench" / "gpu.py"
+sys.path.insert(0, str(KIT.parent))  # the kit's modules, bench/gpu_kit, as bench/gpu.py finds them
+
+from gpu_kit.decoding_paths import generate_continuations  # noqa: E402
+from gpu_kit.floor import Hardware, ModelCost, decode_floor, steps_per_row  # noqa: E402
+from gpu_kit.workload import build_model, model_config  # noqa: E402
+
 # A GPU machine may have only torch, transformers, peft and this package: the kit must run without these.
 NOT_NEEDED = ("trl", "wandb", "deepspeed", "datasets", "omegaconf", "scipy", "matplotlib", "bitsandbytes")
 PATH_LABELS = ("ours (sample_continuations)", "generate", "generate + static cache")
@@ -135,8 +141,8 @@ def test_unknown_shape_lists_the_valid_ones(kit, capsys):
     assert "qwen-14b, qwen-7b, tiny" in capsys.readouterr().err
 
 
-def test_qwen_14b_shape_and_bytes_per_step(kit):
-    config = kit.model_config("qwen-14b")
+def test_qwen_14b_shape_and_bytes_per_step():
+    config = model_config("qwen-14b")
     shape = (
         config.num_hidden_layers,
         config.hidden_size,
@@ -147,11 +153,11 @@ def test_qwen_14b_shape_and_bytes_per_step(kit):
         config.tie_word_embeddings,
     )
     assert shape == (40, 5120, 40, 40, 13696, 152064, False)
-    cost = kit.ModelCost.from_config(config, torch.bfloat16)
+    cost = ModelCost.from_config(config, torch.bfloat16)
     layer = 4 * 5120 * 5120 + 3 * 5120 * 13696
     assert cost.weight_bytes_per_step == (40 * layer + 152064 * 5120) * 2
     assert cost.kv_bytes_per_token == 2 * 40 * 5120 * 2  # no grouped-query attention: 0.82 MB per token
-    config_7b = kit.model_config("qwen-7b")
+    config_7b = model_config("qwen-7b")
     assert (config_7b.num_hidden_layers, config_7b.hidden_size, config_7b.intermediate_size, config_7b.vocab_size) == (
         32,
         4096,
@@ -160,25 +166,25 @@ def test_qwen_14b_shape_and_bytes_per_step(kit):
     )
 
 
-def test_decode_floor_counts_weights_per_step_and_kv_of_live_rows(kit):
-    cost = kit.ModelCost(
+def test_decode_floor_counts_weights_per_step_and_kv_of_live_rows():
+    cost = ModelCost(
         layers=1, attention_width=1, decoder_matmul_params=50, head_params=50, element_size=2, kv_bytes_per_token=10
     )
-    hardware = kit.Hardware(bandwidth=100.0, flops=1e12)
+    hardware = Hardware(bandwidth=100.0, flops=1e12)
     # two rows, prompts of 3 and 5 tokens, live for 4 and 2 steps: 4 weight reads of 200 bytes; KV tokens
     # (3+4+5+6) + (5+6) = 29, 290 bytes
-    floor = kit.decode_floor(cost, hardware, [3, 5], [4, 2])
+    floor = decode_floor(cost, hardware, [3, 5], [4, 2])
     assert floor.weights == pytest.approx(4 * 200 / 100)
     assert floor.kv_cache == pytest.approx(290 / 100)
     assert floor.prefill == pytest.approx(200 / 100)  # one weight read: far more than its FLOPs at 1 TFLOP/s
-    assert kit.steps_per_row([3, 8, 0], cap=8) == [4, 8, 1]
+    assert steps_per_row([3, 8, 0], cap=8) == [4, 8, 1]
 
 
-def test_generate_with_the_row_sampler_draws_what_our_loop_draws(kit):
+def test_generate_with_the_row_sampler_draws_what_our_loop_draws():
     """The `generate` path does the same work as ours: same seeds and steps give the same tokens."""
     from probdiff_callback.decoding import sample_continuations
 
-    model = kit.build_model(kit.model_config("tiny"), torch.device("cpu"), torch.float32)
+    model = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     arguments = dict(
         prompts=[[151644, 872, 198, 9707], [151644, 872, 198, 14990, 1879, 11]],
         seeds=[11, 12],
@@ -190,6 +196,6 @@ def test_generate_with_the_row_sampler_draws_what_our_loop_draws(kit):
         n_valid_ids=151851,
     )
     ours = sample_continuations(model, **arguments)
-    through_generate = kit.generate_continuations(model, **arguments)
+    through_generate = generate_continuations(model, **arguments)
     assert through_generate == ours
     assert [len(row) for row in ours] == [3, 3]

@@ -1,0 +1,251 @@
+"""One ProbDiff evaluation, its stages timed (answer decoding, revision decoding, scoring) and each against its
+floor, through every decoding path asked for; then one evaluation batch of each decode batch size."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from probdiff_callback import evaluator
+from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.decoding import sample_continuations
+from probdiff_callback.queries import Query
+
+from .decoding_paths import PATHS, decoding_paths
+from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory
+from .floor import Hardware, ModelCost, decode_floor, scoring_floor, steps_per_row
+from .report import Figure, plural, say, seconds
+from .workload import Bench, cycled_queries, probdiff_config
+
+
+@dataclass
+class DecodeCall:
+    prompt_lengths: list[int]
+    generated_lengths: list[int]
+
+
+@dataclass
+class EvaluationRun:
+    records: list[dict] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=lambda: {"answer": 0.0, "revision": 0.0, "scoring": 0.0})
+    total_seconds: float = 0.0
+    decode_calls: dict[str, list[DecodeCall]] = field(default_factory=lambda: {"answer": [], "revision": []})
+    scored: list[tuple[int, str]] = field(default_factory=list)  # (prompt length, text) of every scored text
+    memory_detail: str = ""
+    memory_numbers: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def patched(module, name: str, replacement) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device: torch.device) -> Iterator[None]:
+    """Time the evaluator's stages by wrapping the functions `evaluate` calls by their module-level names: for
+    each batch it calls generate_texts once for the answers, once per revision round, then score_texts.
+    `decode` replaces sample_continuations, which generate_texts calls; it also records lengths for the floor."""
+    original_generate_texts, original_score_texts = evaluator.generate_texts, evaluator.score_texts
+    last_call: list[DecodeCall] = []
+
+    def recording_decode(model, prompts, *args, **kwargs):
+        generated = decode(model, prompts, *args, **kwargs)
+        last_call.append(DecodeCall([len(p) for p in prompts], [len(g) for g in generated]))
+        return generated
+
+    def timed_generate_texts(*args, **kwargs):
+        calls_so_far = sum(len(calls) for calls in run.decode_calls.values())
+        stage = "answer" if calls_so_far % (1 + n_revisions) == 0 else "revision"
+        started = clock(device)
+        texts = original_generate_texts(*args, **kwargs)
+        run.seconds[stage] += clock(device) - started
+        run.decode_calls[stage].append(last_call.pop())
+        return texts
+
+    def timed_score_texts(model, tokenizer, prompts, texts, *args, **kwargs):
+        started = clock(device)
+        scores = original_score_texts(model, tokenizer, prompts, texts, *args, **kwargs)
+        run.seconds["scoring"] += clock(device) - started
+        run.scored.extend((len(p), t) for p, t in zip(prompts, texts))
+        return scores
+
+    with (
+        patched(evaluator, "sample_continuations", recording_decode),
+        patched(evaluator, "generate_texts", timed_generate_texts),
+        patched(evaluator, "score_texts", timed_score_texts),
+    ):
+        yield
+
+
+def run_evaluation(
+    model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, decode: Callable, device: torch.device
+) -> EvaluationRun:
+    run = EvaluationRun()
+    before = allocated_memory(device)
+    reset_peak_memory(device)
+    with instrumented(run, decode, config.n_revisions, device):
+        started = clock(device)
+        run.records = evaluator.evaluate(model, tokenizer, queries, config, progress=sys.stderr.isatty())
+        run.total_seconds = clock(device) - started
+    run.memory_detail, run.memory_numbers = memory_detail(device, before)
+    return run
+
+
+def warm_up(model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, decode: Callable) -> None:
+    """One batch of one new token first: CUDA context, kernel selection and allocator growth stay out of the
+    timings."""
+    short = dataclasses.replace(config, max_new_tokens=1)
+    with patched(evaluator, "sample_continuations", decode):
+        evaluator.evaluate(model, tokenizer, queries[: config.batch_size], short, progress=False)
+
+
+@dataclass
+class Floors:
+    answer: float
+    revision: float
+    scoring: float
+
+    @property
+    def total(self) -> float:
+        return self.answer + self.revision + self.scoring
+
+
+def evaluation_floors(run: EvaluationRun, tokenizer, cost: ModelCost, hardware: Hardware, cap: int) -> Floors:
+    def stage(calls: list[DecodeCall]) -> float:
+        return sum(
+            decode_floor(cost, hardware, c.prompt_lengths, steps_per_row(c.generated_lengths, cap)).total for c in calls
+        )
+
+    response_lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for _, text in run.scored]
+    prompt_lengths = [length for length, _ in run.scored]
+    return Floors(
+        stage(run.decode_calls["answer"]),
+        stage(run.decode_calls["revision"]),
+        scoring_floor(cost, hardware, prompt_lengths, response_lengths),
+    )
+
+
+def identical_share(run: EvaluationRun, reference: EvaluationRun | None) -> str:
+    if reference is None:
+        return ""
+    same = sum(
+        a["response"] == b["response"] and a["revisions"] == b["revisions"]
+        for a, b in zip(run.records, reference.records)
+    )
+    return f"; texts identical to ours for {same}/{len(run.records)} queries"
+
+
+def evaluation_figures(
+    label: str, run: EvaluationRun, floors: Floors, cap: int, reference: EvaluationRun | None
+) -> list[Figure]:
+    staged = sum(run.seconds.values())
+    figures = [
+        Figure(
+            f"{label}: evaluation",
+            seconds(run.total_seconds),
+            f"{plural(len(run.records), 'query', 'queries')}; floor {seconds(floors.total)}, "
+            f"{run.total_seconds / floors.total:.2f}x the floor; "
+            f"other (prompts, tokenizing) {seconds(run.total_seconds - staged)}; memory {run.memory_detail}"
+            + identical_share(run, reference),
+            {
+                "seconds_s": run.total_seconds,
+                "floor_s": floors.total,
+                "ratio_to_floor": run.total_seconds / floors.total,
+                **run.memory_numbers,
+            },
+        )
+    ]
+    for stage, floor in (("answer", floors.answer), ("revision", floors.revision)):
+        calls = run.decode_calls[stage]
+        steps = sum(max(steps_per_row(c.generated_lengths, cap)) for c in calls)
+        tokens = sum(sum(c.generated_lengths) for c in calls)
+        rows = sum(len(c.generated_lengths) for c in calls)
+        at_cap = sum(length == cap for c in calls for length in c.generated_lengths)
+        took = run.seconds[stage]
+        figures.append(
+            Figure(
+                f"{label}: {stage} decoding",
+                seconds(took),
+                f"{plural(len(calls), 'batch', 'batches')}, {steps} decode steps: {steps / took:.1f} steps/s; "
+                f"{tokens} tokens "
+                f"({at_cap}/{rows} rows ran to the cap); floor {seconds(floor)}, {took / floor:.2f}x the floor",
+                {
+                    "seconds_s": took,
+                    "decode_steps": steps,
+                    "steps_per_s": steps / took,
+                    "tokens": tokens,
+                    "floor_s": floor,
+                    "ratio_to_floor": took / floor,
+                },
+            )
+        )
+    took = run.seconds["scoring"]
+    figures.append(
+        Figure(
+            f"{label}: scoring",
+            seconds(took),
+            f"{len(run.scored)} texts; compute floor {seconds(floors.scoring)}, {took / floors.scoring:.2f}x the floor",
+            {"seconds_s": took, "floor_s": floors.scoring, "ratio_to_floor": took / floors.scoring},
+        )
+    )
+    return figures
+
+
+def evaluation_section(bench: Bench, model) -> tuple[dict[str, EvaluationRun], list[Figure]]:
+    """One evaluation through each decoding path, after a warm-up; stage times against the floor."""
+    figures: list[Figure] = []
+    cap = bench.workload.max_new_tokens
+    queries = cycled_queries(bench.workload.queries)
+    config = probdiff_config(bench.recipe, bench.workload)
+    paths, skipped = decoding_paths(bench.args.paths, bench.device)
+    runs: dict[str, EvaluationRun] = {}
+    for name, decode in paths.items():
+        say(f"evaluation through {PATHS[name]}: {len(queries)} queries, max_new_tokens {cap}")
+
+        def evaluation(decode: Callable = decode) -> EvaluationRun:
+            warm_up(model, bench.tokenizer, queries, config, decode)
+            return run_evaluation(model, bench.tokenizer, queries, config, decode, bench.device)
+
+        run = guarded(figures, f"{PATHS[name]}: evaluation", bench.device, evaluation)
+        if run is not None:
+            runs[name] = run
+            floors = evaluation_floors(run, bench.tokenizer, bench.cost, bench.hardware, cap)
+            reference = runs.get("ours") if name != "ours" else None
+            figures += evaluation_figures(PATHS[name], run, floors, cap, reference)
+    return runs, figures + skipped
+
+
+def decode_batch_section(bench: Bench, model) -> list[Figure]:
+    """One evaluation batch of each size through the library's loop: time per query and peak memory."""
+    figures: list[Figure] = []
+    for batch in bench.workload.decode_batches:
+        say(f"decode batch {batch}: one evaluation batch through ours")
+        config = probdiff_config(bench.recipe, bench.workload, batch_size=batch)
+        queries = cycled_queries(batch)
+        measurement = functools.partial(
+            run_evaluation, model, bench.tokenizer, queries, config, sample_continuations, bench.device
+        )
+        run = guarded(figures, f"decode batch {batch}", bench.device, measurement)
+        if run is not None:
+            figures.append(
+                Figure(
+                    f"decode batch {batch}",
+                    f"{seconds(run.total_seconds / batch)} per query",
+                    f"one batch of {batch} queries through ours (answers, revisions, scoring) in "
+                    f"{seconds(run.total_seconds)}; memory {run.memory_detail}",
+                    {"seconds_per_query_s": run.total_seconds / batch, "seconds_s": run.total_seconds}
+                    | run.memory_numbers,
+                )
+            )
+    return figures
