@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.queries import Query, load_queries
 from probdiff_callback.models.presets import TINY_ARCHITECTURE
+from probdiff_callback.queries import Query, load_queries
 
 from . import ROOT
 from .device import allocated_memory, clock
