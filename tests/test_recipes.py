@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conversations import data_files
@@ -303,7 +304,10 @@ def test_wandb_run_config_holds_the_project_keys(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setenv("WANDB_MODE", "offline")
-    sync = start_wandb(load_recipe(["recipe=blog", "model=tiny"]), tmp_path, None, "blog/run")
+    added = []
+    trainer = SimpleNamespace(args=SimpleNamespace(run_name="blog/run"), add_callback=added.append)
+    sync = start_wandb(load_recipe(["recipe=blog", "model=tiny"]), tmp_path, None, trainer)
+    assert [type(c).__name__ for c in added] == ["WandbStepRecord"]
     config = calls[0]["config"]["recipe"]
     assert config["model"] == "tiny" and config["lora"]["r"] == 64 and config["probdiff"]["n_queries"] == 12
     assert config["task"] == "blog" and "learning_rate" not in config

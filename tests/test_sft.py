@@ -144,6 +144,8 @@ def test_resume_latest_checkpoint(blog_run):
     assert [r["global_step"] for r in rows] == [0, 1, 2, 3]  # the earlier rows kept, step 3 added
     state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+    # every step's eval loss logged once: the resumed process does not evaluate step 2 again at its start
+    assert [entry["step"] for entry in state["log_history"] if "eval_loss" in entry] == [0, 1, 2, 3]
     assert_self_contained(run_dir / "checkpoint-3")
 
 

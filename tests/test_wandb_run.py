@@ -1,42 +1,73 @@
-"""One W&B run per training run across resumes: the stored run id, the rewind point read from the local
-run files, and an interrupted, resumed tiny training run read back from its offline W&B files."""
+"""One W&B run per training run across resumes: the stored run id, the W&B step recorded in each checkpoint, the
+rewind (or resume) planned from it, and an interrupted, resumed tiny training run in offline W&B."""
 
 from __future__ import annotations
 
 import glob
 import json
 import shlex
-import shutil
-import subprocess
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from _distributed_eval import REPO, build_trainer, probdiff_config
+from recipe import load_recipe
 from transformers import TrainerCallback
+from transformers.integrations import WandbCallback
+from wandb_setup import start_wandb
 
 from probdiff_callback import history
 from probdiff_callback.callback import ProbDiffCallback
-from probdiff_callback.metric import compare
-from probdiff_callback.queries import load_queries, read_jsonl
-from probdiff_callback.wandb_files import Segment, effective_history, last_step_at_or_before, read_segment
+from probdiff_callback.queries import load_queries
 from probdiff_callback.wandb_run import (
     RUN_ID_FILE,
+    STEP_RECORD_FILE,
+    StepRecord,
+    WandbStepRecord,
     choose_run_id,
     plan_init,
     read_run_id,
-    rewind_point,
-    segment_files,
+    read_step_record,
     start_run,
+    step_recorder,
     sync_command,
+    write_step_record,
 )
 
 TRANSLATION_QUERIES = REPO / "data" / "samples" / "translation" / "heldout.jsonl"
 
 
-def rows(steps_and_globals: list[tuple[int, int]]) -> list[dict]:
-    return [{"_step": s, "train/global_step": g} for s, g in steps_and_globals]
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_wandb(tmp_path, monkeypatch):
+    """wandb offline in `tmp_path`; its process-wide settings are dropped afterwards, so a later test's
+    WANDB_DIR is read again (wandb reads the environment once per setup)."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_PROJECT", "probdiff-test")
+    wandb.teardown()
+    yield wandb
+    wandb.teardown()
+
+
+def checkpoint(run: Path, step: int, record: StepRecord | None = None) -> Path:
+    path = run / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if record is not None:
+        write_step_record(path, record)
+    return path
 
 
 # ---- no training ----
@@ -54,34 +85,67 @@ def test_the_run_id_is_kept_in_the_run_directory_and_reused_only_on_resume(tmp_p
         choose_run_id(tmp_path, resuming=True)
 
 
-def test_effective_history_applies_each_rewind_and_finds_the_rewind_point(tmp_path):
-    # segment 1 logged global steps 0..3 (two rows at steps 0 and 3), then died; segment 2 resumed from
-    # global step 1 (rewound to _step 2) and died at step 4; segment 3 resumes from global step 3.
-    first = Segment(tmp_path / "a", "r", None, rows([(0, 0), (1, 0), (2, 1), (3, 2), (4, 3), (5, 3)]))
-    second = Segment(tmp_path / "b", "r", 2, rows([(3, 2), (4, 3), (5, 4)]))
-    assert [r["train/global_step"] for r in effective_history([first, second])] == [0, 0, 1, 2, 3, 4]
-    assert [r["_step"] for r in effective_history([first, second])] == [0, 1, 2, 3, 4, 5]
-    assert rewind_point([first, second], 3) == 4
-    assert rewind_point([first], 1) == 2 and rewind_point([first], 0) == 1
-    assert last_step_at_or_before(rows([(0, 5)]), 4) is None
+def test_a_step_record_reads_back_and_a_bad_one_is_named(tmp_path):
+    path = checkpoint(tmp_path, 6, StepRecord("abc123", 6, 17))
+    assert read_step_record(path, 6) == StepRecord("abc123", 6, 17)
+    assert json.loads((path / STEP_RECORD_FILE).read_text()) == {
+        "run_id": "abc123",
+        "global_step": 6,
+        "last_wandb_step": 17,
+    }
+    assert read_step_record(checkpoint(tmp_path, 8), 8) is None
+    with pytest.raises(ValueError, match=f"checkpoint-6/{STEP_RECORD_FILE}: .*checkpoint of step 4"):
+        read_step_record(path, 4)  # a record copied from another checkpoint
+    (path / STEP_RECORD_FILE).write_text('{"run_id": "abc123", "global_step": 6')
+    with pytest.raises(ValueError, match=f"checkpoint-6/{STEP_RECORD_FILE}: not a W&B step record"):
+        read_step_record(path, 6)
 
 
-def test_plan_init_rewinds_resumes_or_starts():
-    segment = Segment(Path("x"), "r1", None, rows([(0, 0), (1, 2), (2, 4)]))
-    assert plan_init("r1", False, [], None)[:2] == ({"id": "r1"}, None)
-    kwargs, point, message = plan_init("r1", True, [segment], 2)
-    assert kwargs == {"resume_from": "r1?_step=1"} and point == 1 and "rewound to _step 1" in message
-    kwargs, point, message = plan_init("r1", True, [], 2)
-    assert kwargs == {"id": "r1", "resume": "allow"} and point is None and "without rewinding" in message
-    kwargs, _, message = plan_init("new1", False, [], 2)
+def test_plan_init_rewinds_to_the_recorded_step_resumes_or_starts():
+    assert plan_init("r1", False, None, None)[:2] == ({"id": "r1"}, None)
+    kwargs, point, message = plan_init("r1", True, 2, StepRecord("r1", 2, 9))
+    assert kwargs == {"resume_from": "r1?_step=9"} and point == 9 and "rewound to _step 9" in message
+    kwargs, point, message = plan_init("r1", True, 2, None)
+    assert kwargs == {"id": "r1", "resume": "allow"} and point is None
+    assert "without rewinding: checkpoint-2 has no wandb_step.json" in message
+    kwargs, point, message = plan_init("r1", True, 2, StepRecord("other1", 2, 9))
+    assert kwargs == {"id": "r1", "resume": "allow"} and point is None and "of W&B run other1" in message
+    kwargs, _, message = plan_init("new1", False, 2, StepRecord("r1", 2, 9))
     assert kwargs == {"id": "new1"} and "stay separate" in message
 
 
-def test_a_refused_rewind_falls_back_to_resuming(tmp_path, monkeypatch, capsys):
+def resumable_run(tmp_path: Path, record: StepRecord | None) -> Path:
     run = tmp_path / "run"
-    (run / "checkpoint-2").mkdir(parents=True)
-    (run / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+    checkpoint(run, 2, record)
     (run / RUN_ID_FILE).write_text("abc123\n")
+    return run
+
+
+def test_start_run_rewinds_to_the_step_recorded_in_the_checkpoint(tmp_path):
+    run = resumable_run(tmp_path, StepRecord("abc123", 2, 7))
+    calls = []
+    started = start_run(run, run / "checkpoint-2", project="p", name="n", init=lambda **kw: calls.append(kw))
+    assert calls == [{"project": "p", "name": "n", "resume_from": "abc123?_step=7"}]
+    assert started.rewound_to == 7 and "rewound to _step 7" in started.message
+
+
+def test_a_checkpoint_without_a_record_resumes_with_a_message(tmp_path):
+    run = resumable_run(tmp_path, None)
+    calls = []
+    started = start_run(run, run / "checkpoint-2", project="p", name="n", init=lambda **kw: calls.append(kw))
+    assert calls == [{"project": "p", "name": "n", "id": "abc123", "resume": "allow"}]
+    assert started.rewound_to is None
+    assert started.message == (
+        "W&B run abc123 resumed without rewinding: checkpoint-2 has no wandb_step.json (saved without W&B, or by an "
+        "older version), so rows logged after step 2 by the interrupted process stay in the run"
+    )
+    # offline, such a process counts its own segment's steps from 0: its checkpoints get no record
+    assert step_recorder(started, offline=True) is None
+    assert isinstance(step_recorder(started, offline=False), WandbStepRecord)
+
+
+def test_a_refused_rewind_falls_back_to_resuming(tmp_path, capsys):
+    run = resumable_run(tmp_path, StepRecord("abc123", 2, 7))
     calls = []
 
     def refusing_init(**kwargs):
@@ -89,29 +153,64 @@ def test_a_refused_rewind_falls_back_to_resuming(tmp_path, monkeypatch, capsys):
         if "resume_from" in kwargs:
             raise RuntimeError("cannot rewind a run that is not in a terminal state")
 
-    monkeypatch.setattr("probdiff_callback.wandb_run.segment_files", lambda directory, run_id: [Path("seg")])
-    monkeypatch.setattr(
-        "probdiff_callback.wandb_run.read_segment",
-        lambda path: Segment(Path(path), "abc123", None, rows([(0, 0), (7, 2)])),
-    )
-    started = start_run(
-        run, run / "checkpoint-2", project="p", name="n", wandb_dir=tmp_path / "wandb", init=refusing_init
-    )
+    started = start_run(run, run / "checkpoint-2", project="p", name="n", init=refusing_init)
     assert [c.get("resume_from") for c in calls] == ["abc123?_step=7", None]
     assert calls[1] == {"project": "p", "name": "n", "id": "abc123", "resume": "allow"}
-    assert started.rewound_to is None and "appear twice" in started.message
+    assert started.rewound_to is None and "after step 2 appear twice" in started.message
     assert "refused to rewind" in capsys.readouterr().err
+    # online, the resumed run's counter continues the run's own: its checkpoints are recorded
+    assert isinstance(step_recorder(started, offline=False), WandbStepRecord)
 
 
-def test_segment_files_are_this_runs_in_start_order(tmp_path):
+def test_the_sync_command_names_the_runs_segments(tmp_path):
     for name in ("offline-run-20260102_000000-abc", "run-20260101_000000-abc", "offline-run-20260103_000000-xyz"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / f"run-{name.rsplit('-', 1)[1]}.wandb").write_bytes(b"")
-    assert [p.parent.name for p in segment_files(tmp_path, "abc")] == [
-        "run-20260101_000000-abc",
-        "offline-run-20260102_000000-abc",
-    ]
     assert sync_command(tmp_path, "abc") == f"wandb sync --id abc {tmp_path}/offline-run-*-abc"
+    assert [Path(p).name for p in glob.glob(shlex.split(sync_command(tmp_path, "abc"))[-1])] == [
+        "offline-run-20260102_000000-abc"
+    ]
+
+
+def test_resuming_skips_the_evaluation_at_the_start(tmp_path):
+    """The checkpoint's step was evaluated and logged before it was saved; `eval_on_start` would log its eval loss
+    again at the same step."""
+    from sft import sft_training_args
+
+    recipe = load_recipe(["recipe=blog", "model=tiny"])
+    assert sft_training_args(recipe, tmp_path).eval_on_start
+    assert not sft_training_args(recipe, tmp_path, resuming=True).eval_on_start
+
+
+# ---- wandb's step counter, offline ----
+
+
+def save(recorder: WandbStepRecord, run: Path, step: int) -> StepRecord | None:
+    (run / f"checkpoint-{step}").mkdir(parents=True, exist_ok=True)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=step)
+    recorder.on_save(SimpleNamespace(output_dir=str(run)), state, None)
+    if not (run / f"checkpoint-{step}" / STEP_RECORD_FILE).is_file():
+        return None
+    return read_step_record(run / f"checkpoint-{step}", step)
+
+
+def test_the_recorded_step_is_the_last_row_logged_also_right_after_a_rewind(tmp_path, fresh_wandb):
+    wandb = fresh_wandb
+    run = tmp_path / "run"
+    wandb.init(id="count001")
+    assert save(WandbStepRecord(), run, 1) is None, "no row logged yet: nothing to rewind to"
+    for i in range(3):
+        wandb.log({"x": i})
+    assert save(WandbStepRecord(), run, 2) == StepRecord("count001", 2, 2)  # rows 0, 1, 2
+    wandb.log({"x": 3})
+    wandb.finish()
+
+    wandb.init(resume_from="count001?_step=2")
+    recorder = WandbStepRecord(rewound_to=2)
+    # offline, wandb's counter reads 0 until the first row after the rewind
+    assert save(recorder, run, 3) == StepRecord("count001", 3, 2)
+    wandb.log({"x": 4})
+    assert save(recorder, run, 4) == StepRecord("count001", 4, 3), "the first row after the rewind is _step 3"
+    wandb.finish()
 
 
 # ---- an interrupted run, resumed ----
@@ -133,135 +232,117 @@ class InterruptAt(TrainerCallback):
             raise Interrupted(f"interrupted after the evaluation of step {self.step}")
 
 
-def finished_segments(wandb_dir: Path, run_id: str, count: int) -> list[Segment]:
-    """The run's segments once wandb-core (its own process) has written their exit records."""
-    deadline = time.monotonic() + 60
-    while True:
-        paths = segment_files(wandb_dir, run_id)
-        try:
-            segments = [read_segment(p) for p in paths]
-        except ValueError:  # a file with no record yet
-            segments = []
-        if len(segments) == count and all("exit" in s.record_types for s in segments):
-            return segments
-        assert time.monotonic() < deadline, (
-            f"run files not finished: {paths}, {[s.record_types[-5:] for s in segments]}"
-        )
-        time.sleep(0.5)
+class Process:
+    """What one training process sent to W&B: each `wandb.log` call (one row each, as every caller commits) with
+    the W&B `_step` it got, and the Trainer's step when each checkpoint was saved."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.saved_after_rows: dict[int, int] = {}  # global step -> rows logged before its checkpoint
+
+    def spy(self, wandb) -> None:
+        logged = wandb.log  # the run's own, which wandb.finish() puts back
+
+        def log(data, *args, **kwargs):
+            assert not args and not kwargs, "a row that is not committed on its own"
+            logged(data)
+            # read after the call: offline, right after a rewind, wandb counts from 0 until the first row
+            self.rows.append({**data, "_step": wandb.run.step - 1})
+
+        wandb.log = log
+
+    def callback(self) -> TrainerCallback:
+        process = self
+
+        class SavedAfter(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):
+                process.saved_after_rows[state.global_step] = len(process.rows)
+
+        return SavedAfter()
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def fresh_wandb(tmp_path, monkeypatch):
-    """wandb offline in `tmp_path`; its process-wide settings are dropped afterwards, so a later test's
-    WANDB_DIR is read again (wandb reads the environment once per setup)."""
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    wandb.teardown()
-    yield wandb
-    wandb.teardown()
-
-
-def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(tmp_path, tiny_model_path, fresh_wandb):
+def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
+    tmp_path, tiny_model_path, fresh_wandb, monkeypatch
+):
     wandb = fresh_wandb
     run = tmp_path / "run"
-    wandb_dir = tmp_path / "wandb"
+    recipe = load_recipe(["recipe=translation", "model=tiny"])
     queries = load_queries(TRANSLATION_QUERIES)
-    settings = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=2, report_to="wandb")
+    inits: list[dict] = []
+    real_init = wandb.init
 
-    def train(resume: Path | None, interrupt_at: int | None):
-        trainer = build_trainer(tiny_model_path, run, **settings)
-        trainer.add_callback(ProbDiffCallback(trainer, queries, probdiff_config(n_queries=8, wandb_table_rows=0)))
-        if interrupt_at is not None:
-            trainer.add_callback(
-                InterruptAt(interrupt_at)
-            )  # after ProbDiff: its evaluation of the step is logged first
-        started = start_run(
+    def init(**kwargs):
+        inits.append(kwargs)
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", init)
+
+    def train(process: Process, resume: Path | None, interrupt_at: int | None) -> list[type]:
+        trainer = build_trainer(
+            tiny_model_path,
             run,
-            resume,
-            project="probdiff-test",
-            name="resume-test",
-            wandb_dir=wandb_dir,
-            init=lambda **kw: wandb.init(dir=str(tmp_path), **kw),
+            max_steps=4,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_steps=2,
+            report_to="wandb",
+            eval_on_start=resume is None,  # as train/sft.py sets it
         )
+        trainer.add_callback(ProbDiffCallback(trainer, queries, probdiff_config(n_queries=8, wandb_table_rows=0)))
+        if interrupt_at is not None:  # after ProbDiff: its evaluation of the step is logged first
+            trainer.add_callback(InterruptAt(interrupt_at))
+        start_wandb(recipe, run, str(resume) if resume else None, trainer)
+        trainer.add_callback(process.callback())
+        process.spy(wandb)
         try:
             trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         finally:
             wandb.finish()
-        return started
+        return [type(c) for c in trainer.callback_handler.callbacks]
 
+    first = Process()
     with pytest.raises(Interrupted):
-        train(None, interrupt_at=3)
-    assert (run / "checkpoint-2").is_dir() and not (run / "checkpoint-4").exists()
-    first_rows = history.read_history(history.history_path(run))
-    assert [r["global_step"] for r in first_rows] == [0, 1, 2, 3]
-    resumed = train(run / "checkpoint-2", interrupt_at=None)
-
+        train(first, None, interrupt_at=3)
     run_id = read_run_id(run)
-    assert resumed.run_id == run_id and resumed.rewound_to is not None
-    segments = finished_segments(wandb_dir, run_id, 2)
-    assert {s.run_id for s in segments} == {run_id}, "one W&B run"
-    assert segments[0].branch_step is None and segments[1].branch_step == resumed.rewound_to
+    assert inits[0]["id"] == run_id and "resume_from" not in inits[0]
+    assert (run / "checkpoint-2").is_dir() and not (run / "checkpoint-4").exists()
+    assert [row["_step"] for row in first.rows] == list(range(len(first.rows))), "one row per call, from 0"
+    recorded = read_step_record(run / "checkpoint-2", 2)
+    assert recorded == StepRecord(run_id, 2, first.saved_after_rows[2] - 1), "the last row before the save"
+    assert len(first.rows) > first.saved_after_rows[2], "the interrupted process logged step 3 after it"
 
-    def probdiff_steps(logged: list[dict]) -> list[int]:
-        return [row["train/global_step"] for row in logged if "eval/probdiff_confidence" in row]
-
-    # without the rewind, step 3 (evaluated by the interrupted process) would be uploaded twice
-    assert probdiff_steps(segments[0].rows + segments[1].rows) == [0, 1, 2, 3, 3, 4]
-    uploaded = effective_history(segments)
-    assert probdiff_steps(uploaded) == [0, 1, 2, 3, 4]
-    assert [row["train/global_step"] for row in uploaded if "eval/loss" in row] == [1, 2, 3, 4]
-    assert [row["_step"] for row in uploaded] == sorted({row["_step"] for row in uploaded}), (
-        "W&B steps increase without repeats"
+    resumed = Process()
+    callbacks = train(resumed, run / "checkpoint-2", interrupt_at=None)
+    assert inits[1]["resume_from"] == f"{run_id}?_step={recorded.last_wandb_step}" and "id" not in inits[1]
+    # the step record comes after the Trainer's W&B integration and after ProbDiff's evaluations
+    assert callbacks.index(WandbCallback) < callbacks.index(ProbDiffCallback) < callbacks.index(WandbStepRecord)
+    steps = [row["_step"] for row in resumed.rows]
+    assert steps == list(range(recorded.last_wandb_step + 1, recorded.last_wandb_step + 1 + len(steps))), (
+        "the resumed rows follow the recorded step"
     )
+    assert read_step_record(run / "checkpoint-4", 4) == StepRecord(run_id, 4, steps[resumed.saved_after_rows[4] - 1])
 
+    # what the run holds once the rewind applies: the first process's rows up to the record, then the resumed ones
+    uploaded = first.rows[: recorded.last_wandb_step + 1] + resumed.rows
+
+    def logged_at(key: str) -> list[int]:
+        return [row["train/global_step"] for row in uploaded if key in row]
+
+    assert logged_at("eval/probdiff_confidence") == [0, 1, 2, 3, 4]
+    assert logged_at("eval/probdiff_d") == [0, 1, 2, 3, 4]  # the histograms
+    assert logged_at("eval/loss") == [0, 1, 2, 3, 4], "the resumed process does not evaluate step 2 again"
+    assert logged_at("train/loss") == [1, 2, 3, 4]
     # what W&B holds at each step is what the history holds: the resumed process's evaluation of step 3
     by_step = {row["train/global_step"]: row for row in uploaded if "eval/probdiff_confidence" in row}
-    rows_now = history.read_history(history.history_path(run))
-    base_records = read_jsonl(run / "probdiff" / rows_now[0]["records"])
-    for row in rows_now:
+    for row in history.read_history(history.history_path(run)):
         logged = by_step[row["global_step"]]
-        summary = row["summary"]
-        assert logged["eval/probdiff_confidence"] == summary["confidence"]
-        assert logged["eval/ref_bleu"] == pytest.approx(summary["reference"]["overall"]["bleu"])
-        assert logged["eval/ref_chrf"] == pytest.approx(summary["reference"]["overall"]["chrf"])
-        for category, scores in summary["reference"]["by_category"].items():
-            assert logged[f"eval/ref_bleu_{category}"] == pytest.approx(scores["bleu"])
-        if row["kind"] == "baseline":
-            assert row["vs_base"] is None
-            continue
-        # the resumed process compared its steps with the baseline records it read back from the history
-        expected = compare(read_jsonl(run / "probdiff" / row["records"]), base_records, probdiff_config().delta)
-        assert row["vs_base"] == json.loads(json.dumps(expected))
-        assert [logged[f"eval/probdiff_vs_base_{k}"] for k in ("win", "tie", "lose")] == [
-            row["vs_base"][k] for k in ("win", "tie", "lose")
-        ]
-        logged_loss = next(
-            r["eval/loss"] for r in uploaded if r.get("train/global_step") == row["global_step"] and "eval/loss" in r
-        )
-        assert row["eval_loss"] == pytest.approx(logged_loss)
+        assert logged["eval/probdiff_confidence"] == row["summary"]["confidence"]
+        assert logged["eval/ref_chrf"] == pytest.approx(row["summary"]["reference"]["overall"]["chrf"])
+        if row["kind"] != "baseline":
+            assert [logged[f"eval/probdiff_vs_base_{k}"] for k in ("win", "tie", "lose")] == [
+                row["vs_base"][k] for k in ("win", "tie", "lose")
+            ]
 
-    # the printed sync command names exactly these segments, and wandb's dry run would upload them as one run
-    command = sync_command(wandb_dir, run_id)
-    pattern = shlex.split(command)[-1]
-    assert sorted(glob.glob(pattern)) == sorted(str(s.path.parent) for s in segments)
-    executable = shutil.which("wandb")
-    if executable is not None:
-        dry = subprocess.run(
-            [executable, "sync", "--dry-run", "--id", run_id, *sorted(glob.glob(pattern))],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        listed = [line for line in (dry.stdout + dry.stderr).splitlines() if line.strip().endswith(".wandb")]
-        assert sorted(Path(line.split()[-1]).resolve() for line in listed) == sorted(s.path.resolve() for s in segments)
+    # offline: two segments of the one run, and the printed command uploads exactly them
+    segments = sorted(glob.glob(shlex.split(sync_command(tmp_path / "wandb", run_id))[-1]))
+    assert len(segments) == 2 and segments == sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))

@@ -53,7 +53,7 @@ def train(args: list[str]) -> int:
     # 3. Model files, made before any distributed or DeepSpeed context exists (every rank waits for the one copy);
     #    then the SFTConfig, before the model loads, so that ZeRO-3 can partition the weights while they load
     prepare_model_files(recipe.model)
-    training_args = sft_training_args(recipe, run_dir)
+    training_args = sft_training_args(recipe, run_dir, resuming=resume_from is not None)
     if is_main_process():
         run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved_recipe(recipe, run_dir / "recipe.yaml")
@@ -70,7 +70,7 @@ def train(args: list[str]) -> int:
 
     # 7. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start)
     if "wandb" in report_to_list(recipe) and is_main_process():
-        wandb_sync = start_wandb(recipe, run_dir, resume_from, training_args.run_name) or wandb_sync
+        wandb_sync = start_wandb(recipe, run_dir, resume_from, trainer) or wandb_sync
     trainer.train(resume_from_checkpoint=resume_from)
 
     # 8. Save the final weights, select and name the best checkpoint, say where everything is
@@ -83,12 +83,15 @@ def train(args: list[str]) -> int:
     return 0
 
 
-def sft_training_args(recipe: Recipe, run_dir: Path):
+def sft_training_args(recipe: Recipe, run_dir: Path, resuming: bool = False):
     """The recipe's SFTConfig keys as trl.SFTConfig; SFTConfig's own checks stop like the recipe's."""
     try:
-        return sft_config(recipe.training, run_dir, f"{recipe.recipe}/{run_dir.name}", report_to_list(recipe))
+        args = sft_config(recipe.training, run_dir, f"{recipe.recipe}/{run_dir.name}", report_to_list(recipe))
     except ValueError as err:
         raise RecipeError(f"SFTConfig: {err}") from None
+    if resuming:  # the Trainer would evaluate the checkpoint's step again, logging its eval loss twice
+        args.eval_on_start = False
+    return args
 
 
 def save_resolved_recipe(recipe: Recipe, path: Path) -> None:

@@ -45,24 +45,32 @@ def setup_wandb(recipe: Recipe, run_dir: Path) -> str | None:
     return None
 
 
-def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, run_name: str) -> str | None:
-    """Start (or continue, rewinding it) the training run's W&B run on the main process; the `wandb sync` command
-    when offline, else None. The Trainer's integration logs the SFTConfig into the run's config; the project's own
-    keys (model, LoRA, ProbDiff, data) go in with it here, as `recipe`."""
+def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, trainer) -> str | None:
+    """Start (or continue, rewinding it) the training run's W&B run on the main process, and add to `trainer` the
+    callback that records each checkpoint's W&B step (after ProbDiffCallback, so its rows are counted). The
+    `wandb sync` command when offline, else None. The Trainer's integration logs the SFTConfig into the run's config;
+    the project's own keys (model, LoRA, ProbDiff, data) go in with it here, as `recipe`."""
     import wandb
 
-    from probdiff_callback.wandb_run import start_run, sync_command
+    from probdiff_callback.wandb_run import start_run, step_recorder, sync_command
 
-    wandb_dir = Path(os.environ.get("WANDB_DIR") or run_dir) / "wandb"
+    offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
     started = start_run(
         run_dir,
         resume_from,
         project=os.environ.get("WANDB_PROJECT") or f"probdiff-{recipe.recipe}",
-        name=run_name,
-        wandb_dir=wandb_dir,
+        name=trainer.args.run_name,
         init=partial(wandb.init, config={"recipe": recipe.project_dict()}),
     )
     say(started.message)
-    if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
-        return sync_command(wandb_dir, started.run_id)
+    recorder = step_recorder(started, offline)
+    if recorder is None:
+        say(
+            f"W&B run {started.run_id}: offline and resumed without rewinding, so this process's W&B steps are not "
+            "the run's; its checkpoints get no W&B step record, and resuming from them will not rewind either"
+        )
+    else:
+        trainer.add_callback(recorder)
+    if offline:
+        return sync_command(Path(os.environ.get("WANDB_DIR") or run_dir) / "wandb", started.run_id)
     return None
