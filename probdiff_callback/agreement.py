@@ -11,22 +11,20 @@ reference score, then over the steps its median and how many steps have rho > 0 
 way. Within a step the queries are independent draws; pooling the steps would count each query
 several times and mix the steps' shifts into the correlation, so the steps are kept apart.
 
-Pure functions over the history rows and step records; the CLI prints `format_crosscheck`, writes
-the report as JSON and a scatter plot (`plotting.plot_crosscheck`, one point per step).
+Pure functions over the history rows and step records (`run_files.read_run` reads them); the CLI prints
+`format_crosscheck`, writes the report as JSON and a scatter plot (`plotting.plot_crosscheck`, one point per step).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import warnings
 from collections.abc import Mapping, Sequence
 
-from probdiff_callback import history
 from probdiff_callback.formatting import fmt, is_finite
-from probdiff_callback.queries import read_jsonl
 from probdiff_callback.reference_metrics import METRIC_LABELS
+from probdiff_callback.run_files import HistoryRow, as_row
 
 PROBDIFF_MEASURES = {"confidence": "confidence", "d_mean": "mean d"}
 LOSS = "eval_loss"
@@ -76,22 +74,22 @@ def rank_correlation(xs: Sequence[float | None], ys: Sequence[float | None]) -> 
 
 
 # --- the steps ---------------------------------------------------------------------------------
-def step_measures(rows: Sequence[dict]) -> list[dict]:
+def step_measures(rows: Sequence[HistoryRow | Mapping]) -> list[dict]:
     """One entry per successfully evaluated step: ProbDiff's measures, the overall reference metrics,
-    per-category confidence and metrics, and the eval loss."""
+    per-category confidence and metrics, and the eval loss (NaN where the step has none)."""
     steps = []
-    for row in sorted(rows, key=lambda r: r["global_step"]):
-        summary = row.get("summary")
+    for row in sorted(map(as_row, rows), key=lambda r: r.global_step):
+        summary = row.summary
         if summary is None:
             continue
         reference = summary.get("reference") or {}
         steps.append(
             {
-                "step": row["global_step"],
-                "kind": row.get("kind"),
+                "step": row.global_step,
+                "kind": row.kind,
                 "confidence": summary["confidence"],
                 "d_mean": summary["d_mean"],
-                LOSS: row.get(LOSS),
+                LOSS: row.eval_loss,
                 "metrics": dict(reference.get("overall", {})),
                 "by_category": {
                     category: {
@@ -187,25 +185,7 @@ def per_query(records_by_step: Mapping[int, Sequence[dict]]) -> list[dict]:
 
 
 # --- the run -----------------------------------------------------------------------------------
-def load_run(
-    run_dir: str | os.PathLike, subdir: str = history.DEFAULT_SUBDIR
-) -> tuple[list[dict], dict[int, list[dict]]]:
-    """(successful history rows, records per step) of a run directory."""
-    directory = history.probdiff_dir(run_dir, subdir)
-    rows = [r for r in history.read_history(directory / history.HISTORY_FILE) if r.get("summary") is not None]
-    if not rows:
-        raise FileNotFoundError(
-            f"{directory / history.HISTORY_FILE}: no successful evaluations; was the run trained with ProbDiffCallback?"
-        )
-    records = {}
-    for row in rows:
-        path = directory / row["records"] if row.get("records") else None
-        if path is not None and path.is_file():
-            records[row["global_step"]] = read_jsonl(path)
-    return rows, records
-
-
-def crosscheck(rows: Sequence[dict], records_by_step: Mapping[int, Sequence[dict]]) -> dict:
+def crosscheck(rows: Sequence[HistoryRow | Mapping], records_by_step: Mapping[int, Sequence[dict]]) -> dict:
     """The whole report, JSON-ready."""
     steps = step_measures(rows)
     return {

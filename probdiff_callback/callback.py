@@ -1,13 +1,14 @@
 """ProbDiffCallback: the model being trained evaluated with ProbDiff at every evaluation or checkpoint.
 
 The callback decides when to evaluate; the rest lives beside it: `evaluator` (the evaluation), `distributed`
-(shares across ranks), `unwrap` (the model ready to generate mid-training), `outputs` (metrics, W&B,
-history files) and `cost` (what evaluating adds to the run's time).
+(shares across ranks), `unwrap` (the model ready to generate mid-training), `run_files` (the history, step records
+and checkpoint summaries), `outputs` (metrics, W&B) and `cost` (what evaluating adds to the run's time).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import traceback
@@ -18,13 +19,14 @@ from typing import Any
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback import distributed, history, outputs, reference_metrics, versus_base
+from probdiff_callback import distributed, outputs, reference_metrics, versus_base
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.cost import CostReport
 from probdiff_callback.disagreement import Disagreement, format_disagreements
 from probdiff_callback.evaluator import evaluate
 from probdiff_callback.metric import summarize
 from probdiff_callback.queries import Query, fixed_subset, queries_from
+from probdiff_callback.run_files import HistoryRow, Record, RunFiles
 from probdiff_callback.unwrap import model_for_evaluation
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,9 @@ class ProbDiffCallback(TrainerCallback):
         self.reference_plan = reference_metrics.plan_references(self.queries)
         self.evaluated: dict[int, dict[str, float]] = {}  # global step -> its metrics
         self.last_outcome: EvaluationOutcome | None = None
-        self._baseline_records: list[dict] | None = None
+        self._baseline_records: list[Record] | None = None
+        self._baseline_due = False  # the baseline waits for the Trainer's evaluation at step 0 (eval_on_start)
+        self._files = RunFiles(trainer.args.output_dir, self.config.output_subdir)  # written on the main process
         self._reference_notice_shown = False
         self._triggers = 0
         self._wandb = outputs.WandbRecords(self.config.wandb_table_rows)
@@ -132,8 +136,12 @@ class ProbDiffCallback(TrainerCallback):
         self._triggers = 0
         self._show_reference_notice()
         kept, self._baseline_records = distributed.broadcast(self.trainer.accelerator, self._history_to_continue(state))
-        self.evaluated = {row["global_step"]: self._metrics(row["summary"], row.get("vs_base")) for row in kept}
-        if self.config.baseline and state.global_step == 0 and 0 not in self.evaluated:
+        self.evaluated = {row.global_step: self._metrics(row.summary, row.vs_base) for row in kept}
+        self._baseline_due = self.config.baseline and state.global_step == 0 and 0 not in self.evaluated
+        # With eval_on_start the Trainer evaluates step 0 next: the baseline runs in that on_evaluate, so its row is
+        # written once, with the base model's eval loss. The numbers are the same either way: the evaluation draws
+        # from its own seeds and leaves the training RNG as it found it.
+        if self._baseline_due and not args.eval_on_start:
             self._run(state, kind="baseline", base_model=True)
         self._cost.training_started(state.global_step)
 
@@ -150,7 +158,7 @@ class ProbDiffCallback(TrainerCallback):
             and not control.should_evaluate
             and not (args.eval_strategy == "no" and control.should_save)
         ):
-            self._run(state, kind="end")
+            self._run(state, kind="end", checkpoint=self._checkpoint_to_come(args, state, control))
 
     def on_evaluate(
         self,
@@ -163,17 +171,18 @@ class ProbDiffCallback(TrainerCallback):
         if metrics is None:
             return
         step = state.global_step
-        if step not in self.evaluated:
+        # The Trainer computed the eval loss before calling on_evaluate: it goes into the step's row as written.
+        eval_loss = float(metrics.get("eval_loss", math.nan))
+        if step == 0 and self._baseline_due:
+            self._run(state, kind="baseline", base_model=True, eval_loss=eval_loss)
+        elif step not in self.evaluated:
             if not self._is_due(state, control):
                 return
-            self._run(state, kind="evaluate")
+            checkpoint = self._checkpoint_to_come(args, state, control)
+            self._run(state, kind="evaluate", checkpoint=checkpoint, eval_loss=eval_loss)
+        elif self._is_main():  # evaluated already: at the end of training, or the row of a resumed run
+            self._files.set_eval_loss(step, eval_loss)
         metrics.update(self.evaluated[step])
-        if self._is_main() and metrics.get("eval_loss") is not None:
-            history.update_row(
-                history.history_path(self._output_dir, self.config.output_subdir),
-                step,
-                eval_loss=float(metrics["eval_loss"]),
-            )
         self._say_disagreements()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -182,7 +191,7 @@ class ProbDiffCallback(TrainerCallback):
         if step not in self.evaluated and args.eval_strategy == "no" and self._is_due(state, control):
             self._run(state, kind="save", checkpoint=checkpoint)
         elif step in self.evaluated and self._is_main() and os.path.isdir(checkpoint):
-            outputs.link_checkpoint(self._output_dir, self.config.output_subdir, step, checkpoint)
+            self._files.link_checkpoint(step, checkpoint)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -194,14 +203,11 @@ class ProbDiffCallback(TrainerCallback):
 
     def _say_disagreements(self) -> None:
         """As soon as an independent measure moves against ProbDiff: a warning on the console and a W&B alert."""
-        from probdiff_callback.selection import select_checkpoints
+        from probdiff_callback.selection import disagreements
 
         if not self._is_main():
             return
-        try:
-            found = select_checkpoints(self._output_dir, self.config.output_subdir).disagreements
-        except FileNotFoundError:  # nothing evaluated yet
-            return
+        found = disagreements(self._files.rows(), self._output_dir)
         new = [d for d in found if d not in self._disagreements_said]
         if not new:
             return
@@ -213,6 +219,14 @@ class ProbDiffCallback(TrainerCallback):
                 outputs.alert_wandb("ProbDiff disagrees with an independent measure", text)
             except Exception:  # the console has it; a failed alert is not worth the run
                 logger.exception("ProbDiff: sending the disagreement to W&B failed")
+
+    @staticmethod
+    def _checkpoint_to_come(args: TrainingArguments, state: TrainerState, control: TrainerControl) -> str | None:
+        """The checkpoint the Trainer saves right after this hook, named in the step's row from the start (readers
+        check that it exists). With `save_strategy="best"` the Trainer decides after on_evaluate: on_save names it."""
+        if not control.should_save:
+            return None
+        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
     def _is_due(self, state: TrainerState, control: TrainerControl) -> bool:
         """Every `every`-th trigger (evaluation, or save without evaluation), and the last one with `at_end`."""
@@ -245,12 +259,11 @@ class ProbDiffCallback(TrainerCallback):
                     f"every={self.config.every}: set every=1 and space evaluations with eval_steps instead"
                 )
 
-    def _history_to_continue(self, state: TrainerState) -> tuple[list[dict], list[dict] | None]:
+    def _history_to_continue(self, state: TrainerState) -> tuple[list[HistoryRow], list[Record] | None]:
         """(history rows up to the step training starts from, the baseline's records); main process only."""
         if not self._is_main():
             return [], None
-        path = history.history_path(self._output_dir, self.config.output_subdir)
-        kept, dropped = history.continue_history(path, state.global_step)
+        kept, dropped = self._files.continue_from(state.global_step)
         if dropped and state.global_step == 0:
             logger.warning(
                 f"ProbDiff: a new run in {self._output_dir}: replacing the {dropped} rows of an earlier history"
@@ -260,7 +273,7 @@ class ProbDiffCallback(TrainerCallback):
                 f"ProbDiff: resumed at step {state.global_step}; dropped {dropped} history rows of later steps "
                 "(they are trained and evaluated again)"
             )
-        return kept, outputs.read_baseline_records(self._output_dir, self.config.output_subdir, kept)
+        return kept, self._files.baseline_records()
 
     def _show_reference_notice(self) -> None:
         notice = self.reference_plan.notice()
@@ -270,26 +283,38 @@ class ProbDiffCallback(TrainerCallback):
 
     # ---- one evaluation ----
     def _run(
-        self, state: TrainerState, *, kind: str, base_model: bool = False, checkpoint: str | None = None
+        self,
+        state: TrainerState,
+        *,
+        kind: str,
+        base_model: bool = False,
+        checkpoint: str | None = None,
+        eval_loss: float = math.nan,
     ) -> EvaluationOutcome:
         outcome = self.evaluate_model(base_model=base_model)
         step = state.global_step
-        if kind == "baseline" and outcome.error is None:
-            self._baseline_records = outcome.records
+        if kind == "baseline":
+            self._baseline_due = False
+            if outcome.error is None:
+                self._baseline_records = outcome.records
         vs_base = None
         if kind != "baseline":
             vs_base = versus_base.compare_to_base(outcome.records, self._baseline_records, self.config.delta)
         outcome.metrics = self._metrics(outcome.summary, vs_base)
         self.evaluated[step] = outcome.metrics
         self.last_outcome = outcome
-        self._cost.evaluated(outcome.seconds)
+        self._cost.evaluated(outcome.seconds, before_training=kind == "baseline")
         if outcome.error is not None:
             logger.error(f"ProbDiff evaluation at step {step} failed; training goes on:\n{outcome.error}")
         # Trainer.evaluate logs its metrics before on_evaluate, so ours need their own log call (W&B,
         # TensorBoard and log_history then get them at this step).
         self.trainer.log(dict(outcome.metrics))
         if self._is_main():
-            self._write_outputs(state, kind, base_model, checkpoint, outcome, vs_base)
+            self._log_to_wandb(step, outcome.records)
+            row = HistoryRow(step, state.epoch, kind, base_model, checkpoint, summary=outcome.summary,
+                             error=outcome.error, seconds=round(outcome.seconds, 3), vs_base=vs_base,
+                             eval_loss=eval_loss)  # fmt: skip
+            self._files.add(row, outcome.records if outcome.error is None else None)
         if outcome.error is not None and self.config.fail_on_error:
             raise RuntimeError(f"ProbDiff evaluation at step {step} failed (fail_on_error=True):\n{outcome.error}")
         return outcome
@@ -330,6 +355,13 @@ class ProbDiffCallback(TrainerCallback):
         seconds = time.perf_counter() - started
         return EvaluationOutcome(records, summary, error, seconds, metrics=self._metrics(summary, None))
 
+    def _log_to_wandb(self, step: int, records: list[Record]) -> None:
+        if "wandb" in (self.trainer.args.report_to or []):
+            try:
+                self._wandb.log(step, records)
+            except Exception:  # the scalars went through trainer.log; the extras are not worth the run
+                logger.exception(f"ProbDiff: logging the histogram and table of step {step} to W&B failed")
+
     def _metrics(self, summary: dict | None, vs_base: dict | None) -> dict[str, float]:
         """Every metric of one evaluation for the Trainer: eval_probdiff_*, eval_ref_* (where the queries have
         reference metrics) and eval_probdiff_vs_base_* (when the baseline is evaluated)."""
@@ -339,32 +371,3 @@ class ProbDiffCallback(TrainerCallback):
         if self.config.baseline:
             metrics.update(versus_base.trainer_metrics(vs_base))
         return metrics
-
-    def _write_outputs(
-        self,
-        state: TrainerState,
-        kind: str,
-        base_model: bool,
-        checkpoint: str | None,
-        outcome: EvaluationOutcome,
-        vs_base: dict | None,
-    ) -> None:
-        if "wandb" in (self.trainer.args.report_to or []):
-            try:
-                self._wandb.log(state.global_step, outcome.records)
-            except Exception:  # the scalars went through trainer.log; the extras are not worth the run
-                logger.exception(f"ProbDiff: logging the histogram and table of step {state.global_step} to W&B failed")
-        row = {
-            "global_step": state.global_step,
-            "epoch": state.epoch,
-            "kind": kind,
-            "base_model": base_model,
-            "checkpoint": checkpoint if checkpoint is not None and os.path.isdir(checkpoint) else None,
-            "records": None,
-            "summary": outcome.summary,
-            "error": outcome.error,
-            "seconds": round(outcome.seconds, 3),
-            "vs_base": vs_base,
-        }
-        records = outcome.records if outcome.error is None else None
-        outputs.write_evaluation(self._output_dir, self.config.output_subdir, row, records)

@@ -279,13 +279,10 @@ def cmd_convert(args) -> int:
 
 
 def cmd_select(args) -> int:
-    from probdiff_callback.selection import (
-        format_selection,
-        point_best,
-        select_checkpoints,
-    )
+    from probdiff_callback.run_files import read_run
+    from probdiff_callback.selection import format_selection, point_best, select
 
-    selection = select_checkpoints(args.run_dir, args.subdir)
+    selection = select(read_run(args.run_dir, args.subdir))
     print(format_selection(selection))
     if args.link or args.copy:
         if selection.best_checkpoint is None:
@@ -297,19 +294,21 @@ def cmd_select(args) -> int:
 
 def cmd_plot(args) -> int:
     from probdiff_callback.plotting import plot_run
+    from probdiff_callback.run_files import read_run
 
-    print(f"wrote {plot_run(args.run_dir, args.out, args.subdir)}")
+    print(f"wrote {plot_run(read_run(args.run_dir, args.subdir), args.out)}")
     return 0
 
 
 def cmd_crosscheck(args) -> int:
-    from probdiff_callback.agreement import crosscheck, format_crosscheck, load_run
-    from probdiff_callback.history import probdiff_dir
+    from probdiff_callback.agreement import crosscheck, format_crosscheck
     from probdiff_callback.plotting import plot_crosscheck
     from probdiff_callback.queries import write_json
+    from probdiff_callback.run_files import read_run
     from probdiff_callback.verdicts import check_verdicts
 
-    rows, records = load_run(args.run_dir, args.subdir)
+    run = read_run(args.run_dir, args.subdir)
+    rows, records = run.successful_or_raise("; was the run trained with ProbDiffCallback?"), run.records
     report = crosscheck(rows, records)
     verdict_text = None
     if args.verdicts is not None:
@@ -317,10 +316,9 @@ def cmd_crosscheck(args) -> int:
     print(format_crosscheck(report))
     if verdict_text is not None:
         print(verdict_text)
-    directory = probdiff_dir(args.run_dir, args.subdir)
-    json_path = Path(args.json) if args.json else directory / "crosscheck.json"
+    json_path = Path(args.json) if args.json else run.directory / "crosscheck.json"
     write_json(json_path, report)
-    plot_path = plot_crosscheck(report, args.plot or directory / "crosscheck.png")
+    plot_path = plot_crosscheck(report, args.plot or run.directory / "crosscheck.png")
     print(f"wrote {json_path} and {plot_path}")
     return 0
 

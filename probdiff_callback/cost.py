@@ -33,9 +33,13 @@ class CostReport:
     def training_started(self, step: int) -> None:
         self.training_started_at, self.start_step, self.during_training = time.perf_counter(), step, []
 
-    def evaluated(self, seconds: float) -> None:
-        if self.training_started_at is None:
+    def evaluated(self, seconds: float, before_training: bool = False) -> None:
+        """One evaluation's seconds; `before_training` for the base model's, which may run in the Trainer's
+        evaluation at step 0 (`eval_on_start`), after training started: its time is then not training time."""
+        if before_training or self.training_started_at is None:
             self.before_training += seconds
+            if self.training_started_at is not None:
+                self.training_started_at += seconds
         else:
             self.during_training.append(seconds)
 

@@ -1,16 +1,13 @@
-"""Where an evaluation's results go: the Trainer's metrics, the W&B histogram and table, and the history files
-(one row per evaluated step, its records, a summary in the checkpoint). Main process only, except the metrics."""
+"""Where an evaluation's results go besides the run's files (`run_files`): the Trainer's metrics, and the W&B
+histogram, table and alert (main process only)."""
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
-from probdiff_callback import history
 from probdiff_callback.metric import delta_key
-from probdiff_callback.queries import read_jsonl
 
 METRIC_PREFIX = "eval_probdiff_"
 WANDB_HISTOGRAM_KEY = "eval/probdiff_d"
@@ -34,24 +31,22 @@ def metrics_from_summary(summary: dict | None, sweep: Sequence[float], categorie
             "confidence_sweep": {delta_key(d): nan for d in sweep},
         }  # fmt: skip
 
-    def number(value) -> float:
-        return nan if value is None else float(value)
-
+    # summaries hold NaN, not null (run_files reads a stored one back that way)
     metrics = {
-        metric_name("confidence"): number(summary["confidence"]),
-        metric_name("confidence_ci_low"): number(summary["confidence_ci"][0]),
-        metric_name("confidence_ci_high"): number(summary["confidence_ci"][1]),
-        metric_name("d_mean"): number(summary["d_mean"]),
-        metric_name("d_median"): number(summary["d_median"]),
-        metric_name("logp_response"): number(summary["logp_response_mean"]),
-        metric_name("logp_revised"): number(summary["logp_revised_mean"]),
-        metric_name("n_invalid"): number(summary["n_invalid"]),
+        metric_name("confidence"): float(summary["confidence"]),
+        metric_name("confidence_ci_low"): float(summary["confidence_ci"][0]),
+        metric_name("confidence_ci_high"): float(summary["confidence_ci"][1]),
+        metric_name("d_mean"): float(summary["d_mean"]),
+        metric_name("d_median"): float(summary["d_median"]),
+        metric_name("logp_response"): float(summary["logp_response_mean"]),
+        metric_name("logp_revised"): float(summary["logp_revised_mean"]),
+        metric_name("n_invalid"): float(summary["n_invalid"]),
     }
     for key, value in summary["confidence_sweep"].items():
-        metrics[metric_name(f"confidence_at_{key}")] = number(value)
-    for category in categories:
-        confidence = summary["by_category"].get(category, {}).get("confidence")
-        metrics[metric_name(f"confidence_{category}")] = number(confidence)
+        metrics[metric_name(f"confidence_at_{key}")] = float(value)
+    for category in categories:  # a category this subset lacks has no confidence
+        confidence = summary["by_category"].get(category, {}).get("confidence", nan)
+        metrics[metric_name(f"confidence_{category}")] = float(confidence)
     return metrics
 
 
@@ -96,33 +91,3 @@ def alert_wandb(title: str, text: str) -> None:
     previous = wandb.run.summary.get("probdiff/disagreement")
     wandb.run.summary["probdiff/disagreement"] = f"{previous}\n{text}" if previous else text
     wandb.run.alert(title=title, text=text, level=wandb.AlertLevel.WARN)
-
-
-def write_evaluation(output_dir: str | os.PathLike, subdir: str, row: dict, records: list[dict] | None) -> dict:
-    """Add (or replace) the history row of `row["global_step"]`, write its records when the evaluation
-    succeeded, and the summary into the row's checkpoint; returns the row as written."""
-    row = dict(row, records=None)
-    if records is not None:
-        path = history.step_records_path(output_dir, row["global_step"], subdir)
-        history.write_step_records(path, records)
-        row["records"] = str(path.relative_to(history.probdiff_dir(output_dir, subdir)))
-    history.upsert_history_row(history.history_path(output_dir, subdir), row)
-    if row["checkpoint"] is not None:
-        history.write_checkpoint_summary(row["checkpoint"], row)
-    return row
-
-
-def link_checkpoint(output_dir: str | os.PathLike, subdir: str, step: int, checkpoint: str) -> None:
-    """A checkpoint saved after its step was evaluated: its path in the history row, the row in the checkpoint."""
-    row = history.set_checkpoint(history.history_path(output_dir, subdir), step, checkpoint)
-    if row is not None:
-        history.write_checkpoint_summary(checkpoint, row)
-
-
-def read_baseline_records(output_dir: str | os.PathLike, subdir: str, rows: Sequence[dict]) -> list[dict] | None:
-    """The records of the baseline evaluation among history `rows` (a resumed run compares against them)."""
-    row = next((r for r in rows if r.get("kind") == "baseline" and r.get("records")), None)
-    if row is None:
-        return None
-    path = history.probdiff_dir(output_dir, subdir) / row["records"]
-    return read_jsonl(path) if path.is_file() else None

@@ -2,9 +2,10 @@
 
 Top left: confidence per evaluated step with its 95% Wilson interval (and one line per category
 when there are several). Top right: the independent measures at the same steps: the reference
-metrics of the answers (BLEU/chrF, ROUGE) where the queries have them, and the eval loss on its own
-axis. Bottom: the distribution of d at each evaluated step as violins (the bar inside each is the
-median), with the threshold delta. A vertical line marks the best checkpoint on every panel.
+metrics of the answers (BLEU/chrF, ROUGE) where the queries have them, and the eval loss (on an
+axis of its own beside them, or alone). Bottom: the distribution of d at each evaluated step as
+violins (the bar inside each is the median), with the threshold delta. A vertical line marks the
+best checkpoint on every panel.
 """
 
 from __future__ import annotations
@@ -14,61 +15,47 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from probdiff_callback import history
 from probdiff_callback.agreement import LABELS, LOSS, PROBDIFF_MEASURES
 from probdiff_callback.formatting import fmt, is_finite
 from probdiff_callback.metric import finite_values
-from probdiff_callback.queries import read_jsonl
 from probdiff_callback.reference_metrics import METRIC_LABELS
+from probdiff_callback.run_files import HistoryRow, Run
+from probdiff_callback.selection import Selection, select
 
 
-def plot_run(
-    run_dir: str | os.PathLike, out: str | os.PathLike | None = None, subdir: str = history.DEFAULT_SUBDIR
-) -> Path:
+def plot_run(run: Run, out: str | os.PathLike | None = None, selection: Selection | None = None) -> Path:
+    """The PNG of a run read by `run_files.read_run` (default: `RUN_DIR/probdiff/probdiff.png`); the best step
+    marked is `selection`'s (`selection.select`), ranked here when not given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = history.existing_run_dir(run_dir)
-    directory = history.probdiff_dir(run_dir, subdir)
-    all_rows = history.read_history(directory / history.HISTORY_FILE)
-    rows = [r for r in all_rows if r.get("summary") is not None]
-    failed_steps = [r["global_step"] for r in all_rows if r.get("summary") is None]
-    if not rows:
-        raise FileNotFoundError(f"{directory / history.HISTORY_FILE}: no successful evaluations to plot")
-    out = Path(out) if out is not None else directory / "probdiff.png"
-    steps = [r["global_step"] for r in rows]
-    delta = rows[-1]["summary"]["delta"]
+    rows = run.successful_or_raise(" to plot")
+    failed_steps = [r.global_step for r in run.rows if r.summary is None]
+    out = Path(out) if out is not None else run.directory / "probdiff.png"
+    steps = [r.global_step for r in rows]
+    delta = rows[-1].summary["delta"]
 
     figure = plt.figure(figsize=(14, 8), constrained_layout=True)
     grid = figure.add_gridspec(2, 2)
     top = figure.add_subplot(grid[0, 0])
     side = figure.add_subplot(grid[0, 1], sharex=top)
     bottom = figure.add_subplot(grid[1, :], sharex=top)
-    confidence = [
-        100 * (r["summary"]["confidence"] if r["summary"]["confidence"] is not None else math.nan) for r in rows
-    ]
-    low = [
-        100 * (r["summary"]["confidence_ci"][0] if r["summary"]["confidence_ci"][0] is not None else math.nan)
-        for r in rows
-    ]
-    high = [
-        100 * (r["summary"]["confidence_ci"][1] if r["summary"]["confidence_ci"][1] is not None else math.nan)
-        for r in rows
-    ]
+    confidence = [100 * r.summary["confidence"] for r in rows]
+    low = [100 * r.summary["confidence_ci"][0] for r in rows]
+    high = [100 * r.summary["confidence_ci"][1] for r in rows]
     top.fill_between(steps, low, high, color="tab:blue", alpha=0.2, label="95% Wilson interval")
     top.plot(steps, confidence, "o-", color="tab:blue", linewidth=2, label=f"confidence (d ≥ {delta:g})")
-    categories = sorted({c for r in rows for c in r["summary"]["by_category"]})
+    categories = sorted({c for r in rows for c in r.summary["by_category"]})
     if len(categories) > 1:
         for category in categories:
-            values = [100 * _category_confidence(r, category) for r in rows]
+            values = [100 * r.summary["by_category"].get(category, {}).get("confidence", math.nan) for r in rows]
             top.plot(steps, values, ".--", linewidth=1, alpha=0.8, label=category)
-    baseline = [r for r in rows if r.get("kind") == "baseline"]
-    for row in baseline:
+    for row in [r for r in rows if r.kind == "baseline"]:
         top.annotate(
             "baseline",
-            (row["global_step"], 100 * (row["summary"]["confidence"] or 0)),
+            (row.global_step, 100 * row.confidence if is_finite(row.confidence) else 0),
             textcoords="offset points",
             xytext=(4, 6),
             fontsize=8,
@@ -78,21 +65,20 @@ def plot_run(
     top.set_ylabel("ProbDiff confidence (%)")
     top.set_ylim(-2, 102)
     top.grid(alpha=0.3)
-    best = _best_step(run_dir, subdir)
+    best = _best_step(selection if selection is not None else select(run))
     _mark_best(top, best, label=True)
     top.legend(fontsize=8, loc="best")
-    top.set_title(f"ProbDiff over training: {run_dir.name}")
+    top.set_title(f"ProbDiff over training: {run.run_dir.name}")
     _plot_independent_measures(side, rows)
     _mark_best(side, best, label=False)
 
     distributions, positions, invalid = [], [], []
     for row in rows:
-        path = directory / row["records"] if row.get("records") else None
-        ds = list(finite_values(r["d"] for r in read_jsonl(path))) if path is not None and path.is_file() else []
+        ds = list(finite_values(r["d"] for r in run.records.get(row.global_step, [])))
         if ds:
             distributions.append(ds)
-            positions.append(row["global_step"])
-        invalid.append(row["summary"]["n_invalid"])
+            positions.append(row.global_step)
+        invalid.append(row.summary["n_invalid"])
     if distributions:
         spacing = min((b - a for a, b in zip(steps, steps[1:])), default=1) or 1
         violins = bottom.violinplot(
@@ -119,12 +105,9 @@ def plot_run(
     return out
 
 
-def _best_step(run_dir: Path, subdir: str) -> tuple[int, str] | None:
+def _best_step(selection: Selection) -> tuple[int, str] | None:
     """(step, label) of the best checkpoint as `probdiff select` ranks them, or of the best-ranked step
     when none of the ranked steps has a checkpoint on disk."""
-    from probdiff_callback.selection import select_checkpoints
-
-    selection = select_checkpoints(run_dir, subdir)
     if selection.best_checkpoint is not None:
         return selection.best_checkpoint.global_step, f"best checkpoint (step {selection.best_checkpoint.global_step})"
     if selection.ranked:
@@ -137,50 +120,48 @@ def _mark_best(axis, best: tuple[int, str] | None, label: bool) -> None:
         axis.axvline(best[0], color="tab:green", linewidth=2, alpha=0.6, label=best[1] if label else None)
 
 
-def reference_series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+def reference_series(rows: list[HistoryRow]) -> dict[str, tuple[list[int], list[float]]]:
     """Overall reference metrics per step: {metric: (steps, values)}, in display order."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for name in METRIC_LABELS:
-        points = [(r["global_step"], (r["summary"].get("reference") or {}).get("overall", {}).get(name)) for r in rows]
-        points = [(step, value) for step, value in points if value is not None]
+        points = [(r.global_step, (r.summary.get("reference") or {}).get("overall", {}).get(name)) for r in rows]
+        points = [(step, value) for step, value in points if is_finite(value)]
         if points:
             series[name] = ([step for step, _ in points], [value for _, value in points])
     return series
 
 
-def _plot_independent_measures(axis, rows: list[dict]) -> None:
-    """Reference metrics (left axis) and the eval loss (right axis) at the evaluated steps."""
+def _plot_independent_measures(axis, rows: list[HistoryRow]) -> None:
+    """Reference metrics (left axis) and the eval loss (right axis) at the evaluated steps; the eval loss alone takes
+    the left axis, so that a task without reference metrics shows no empty one."""
     series = reference_series(rows)
     for name, (steps, values) in series.items():
         axis.plot(steps, values, "o-", linewidth=1.5, label=METRIC_LABELS[name])
-    axis.set_ylabel("reference metric of the answers (0-100)" if series else "")
-    losses = [(r["global_step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-    handles, labels = axis.get_legend_handles_labels()
+    losses = [(r.global_step, r.eval_loss) for r in rows if is_finite(r.eval_loss)]
+    loss_axis = axis.twinx() if series and losses else axis
     if losses:
-        loss_axis = axis.twinx()
         loss_steps, loss_values = [s for s, _ in losses], [v for _, v in losses]
         loss_axis.plot(loss_steps, loss_values, "s--", color="tab:gray", linewidth=1.5, label="eval loss")
         loss_axis.set_ylabel("eval loss (held-out references)")
+    if series:
+        axis.set_ylabel("reference metric of the answers (0-100)")
+        axis.set_title("independent measures: reference metrics and eval loss", fontsize=10)
+    elif losses:
+        axis.set_title("independent measure: eval loss (no reference metric for these queries)", fontsize=10)
+    else:
+        axis.text(
+            0.5, 0.5, "no reference metric or eval loss in the history", ha="center", va="center",
+            transform=axis.transAxes,
+        )  # fmt: skip
+        axis.set_yticks([])
+        axis.set_title("independent measures", fontsize=10)
+    handles, labels = axis.get_legend_handles_labels()
+    if loss_axis is not axis:
         more_handles, more_labels = loss_axis.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    if not series and not losses:
-        axis.text(
-            0.5,
-            0.5,
-            "no reference metric or eval loss in the history",
-            ha="center",
-            va="center",
-            transform=axis.transAxes,
-        )
-    axis.set_title("independent measures: reference metrics and eval loss", fontsize=10)
     axis.grid(alpha=0.3)
     if handles:
         axis.legend(handles, labels, fontsize=8, loc="best")
-
-
-def _category_confidence(row: dict, category: str) -> float:
-    value = row["summary"]["by_category"].get(category, {}).get("confidence")
-    return math.nan if value is None else value
 
 
 def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:

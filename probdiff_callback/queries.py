@@ -262,19 +262,20 @@ def load_pairs(path: str | os.PathLike) -> list[tuple[Query, str, str]]:
     return pairs
 
 
-def _nan_to_none(value):
+def nan_to_none(value):
+    """`value` with every NaN and infinity, however deeply nested, as None (JSON's null); tuples become lists."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
+        return {k: nan_to_none(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_nan_to_none(v) for v in value]
+        return [nan_to_none(v) for v in value]
     return value
 
 
 def to_json(value, **kwargs) -> str:
     """JSON with NaN/inf written as null (strict JSON readers reject NaN)."""
-    return json.dumps(_nan_to_none(value), ensure_ascii=False, allow_nan=False, **kwargs)
+    return json.dumps(nan_to_none(value), ensure_ascii=False, allow_nan=False, **kwargs)
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:

@@ -1,7 +1,9 @@
 """`probdiff select RUN_DIR`: rank the evaluated checkpoints of a training run by ProbDiff confidence.
 
-Reads `RUN_DIR/probdiff/history.jsonl` and the step records written by ProbDiffCallback,
-so it also works while the run is still training (the history is rewritten atomically).
+One notion of best, the Trainer's with `metric_for_best_model="probdiff_confidence"`: the higher confidence first, on
+a tie the earlier step (the Trainer replaces its best only on a strictly greater value), NaN last. So `RUN_DIR/best`,
+this table, the plot's marker, the callback's disagreement check and `trainer.state.best_model_checkpoint` name the
+same checkpoint. Works on what `run_files.read_run` read, also while the run is still training.
 """
 
 from __future__ import annotations
@@ -9,15 +11,16 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from probdiff_callback import history, versus_base
+from probdiff_callback import versus_base
 from probdiff_callback.agreement import step_measures
 from probdiff_callback.disagreement import Disagreement, find_disagreements, format_disagreements
 from probdiff_callback.formatting import fmt, pct
 from probdiff_callback.metric import compare
-from probdiff_callback.queries import read_jsonl
+from probdiff_callback.run_files import DEFAULT_SUBDIR, HistoryRow, Run, read_run
 
 
 @dataclass
@@ -49,25 +52,26 @@ class Selection:
 
     @property
     def baseline_beats_all(self) -> bool:
+        """The baseline's confidence is above the best step's (a tie does not beat it, as for the Trainer)."""
         if self.baseline is None or not self.ranked:
             return False
-        return _sort_key(self.baseline) < _sort_key(self.ranked[0])
+        return rank_key(self.baseline.confidence, 0)[0] < rank_key(self.ranked[0].confidence, 0)[0]
 
 
-def _number(value) -> float:
-    return math.nan if value is None else float(value)
+def rank_key(confidence: float, step: int) -> tuple[float, int]:
+    """Higher confidence first, then the earlier step; NaN ranks last."""
+    return (-confidence if math.isfinite(confidence) else math.inf, step)
 
 
-def _sort_key(step: RankedStep) -> tuple[float, float]:
-    """Higher confidence first, ties by higher mean d; NaN ranks last."""
-    confidence = step.confidence if math.isfinite(step.confidence) else -math.inf
-    d_mean = step.d_mean if math.isfinite(step.d_mean) else -math.inf
-    return (-confidence, -d_mean)
+def ranked_rows(rows: Sequence[HistoryRow]) -> list[HistoryRow]:
+    """The successfully evaluated training steps (not the baseline), best first."""
+    steps = [row for row in rows if not row.failed and row.kind != "baseline"]
+    return sorted(steps, key=lambda row: rank_key(row.confidence, row.global_step))
 
 
 def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> str | None:
-    """The checkpoint directory if it still exists (rotation may have deleted it); the
-    history holds the path as the Trainer wrote it, which may be relative to another cwd."""
+    """The checkpoint directory if it exists (not yet saved, or deleted by rotation: None); the history holds the
+    path as the Trainer wrote it, which may be relative to another cwd."""
     if checkpoint is None:
         return None
     for candidate in (Path(checkpoint), run_dir / Path(checkpoint).name):
@@ -76,70 +80,67 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> str | None:
     return None
 
 
-def _step_records(probdiff_dir: Path, row: dict) -> list[dict] | None:
-    if row.get("records") is None:
-        return None
-    path = probdiff_dir / row["records"]
-    return read_jsonl(path) if path.is_file() else None
+def picked_step(ranked: Sequence[HistoryRow], run_dir: str | os.PathLike) -> int | None:
+    """The step ProbDiff picks: the best-ranked one with a checkpoint on disk, else the best-ranked one."""
+    with_checkpoint = (row for row in ranked if resolve_checkpoint(Path(run_dir), row.checkpoint) is not None)
+    pick = next(with_checkpoint, ranked[0] if ranked else None)
+    return None if pick is None else pick.global_step
 
 
-def select_checkpoints(run_dir: str | os.PathLike, subdir: str = history.DEFAULT_SUBDIR) -> Selection:
-    run_dir = history.existing_run_dir(run_dir)
-    directory = history.probdiff_dir(run_dir, subdir)
-    rows = history.read_history(directory / history.HISTORY_FILE)
-    if not rows:
-        raise FileNotFoundError(
-            f"{directory / history.HISTORY_FILE}: no evaluations yet; was the run trained with ProbDiffCallback?"
-        )
-    failed = [row["global_step"] for row in rows if row.get("error") is not None or row.get("summary") is None]
-    steps, baseline, records = [], None, {}
-    delta = math.nan
-    for row in rows:
-        if row["global_step"] in failed:
-            continue
-        summary = row["summary"]
-        delta = summary["delta"]
-        step = RankedStep(
-            global_step=row["global_step"],
-            kind=row.get("kind", "evaluate"),
-            base_model=bool(row.get("base_model")),
-            checkpoint=resolve_checkpoint(run_dir, row.get("checkpoint")),
-            confidence=_number(summary["confidence"]),
-            confidence_ci=(_number(summary["confidence_ci"][0]), _number(summary["confidence_ci"][1])),
-            d_mean=_number(summary["d_mean"]),
-            n=summary["n"],
-        )
-        records[step.global_step] = _step_records(directory, row)
-        if step.kind == "baseline":
-            baseline = step
-        else:
-            steps.append(step)
-    steps.sort(key=lambda s: (_sort_key(s), s.global_step))
+def disagreements(rows: Sequence[HistoryRow], run_dir: str | os.PathLike) -> list[Disagreement]:
+    """Where an independent measure moves against ProbDiff, from the rows alone (the callback's, in memory)."""
+    return find_disagreements(step_measures(rows), picked_step(ranked_rows(rows), run_dir))
+
+
+def _ranked_step(row: HistoryRow, run_dir: Path) -> RankedStep:
+    summary = row.summary
+    assert summary is not None
+    return RankedStep(
+        global_step=row.global_step,
+        kind=row.kind,
+        base_model=row.base_model,
+        checkpoint=resolve_checkpoint(run_dir, row.checkpoint),
+        confidence=summary["confidence"],
+        confidence_ci=(summary["confidence_ci"][0], summary["confidence_ci"][1]),
+        d_mean=summary["d_mean"],
+        n=summary["n"],
+        vs_base=row.vs_base,
+    )
+
+
+def select(run: Run) -> Selection:
+    """The ranking of a run read by `run_files.read_run`; the p-values compare each step's records with the best's."""
+    if not run.rows:
+        raise FileNotFoundError(f"{run.history_path}: no evaluations yet; was the run trained with ProbDiffCallback?")
+    ranked = ranked_rows(run.rows)
+    steps = [_ranked_step(row, run.run_dir) for row in ranked]
+    baseline_row = next((row for row in run.rows if row.kind == "baseline" and not row.failed), None)
+    baseline = None if baseline_row is None else _ranked_step(baseline_row, run.run_dir)
+    delta = next((row.summary["delta"] for row in reversed(run.rows) if not row.failed), math.nan)  # type: ignore[index]
     for rank, step in enumerate(steps, start=1):
         step.rank = rank
     if steps:
-        best_records = records[steps[0].global_step]
+        best_records = run.records.get(steps[0].global_step)
         for step in steps[1:] + ([baseline] if baseline is not None else []):
-            mine = records[step.global_step]
+            mine = run.records.get(step.global_step)
             if best_records is None or mine is None:
                 continue
             result = compare(mine, best_records, delta)
             step.p_vs_best, step.win, step.lose = result["wilcoxon_p"], result["win"], result["lose"]
-    base_records = records[baseline.global_step] if baseline is not None else None
-    for step in steps:
-        step.vs_base = versus_base.compare_to_base(records[step.global_step] or [], base_records, delta)
     best_checkpoint = next((s for s in steps if s.checkpoint is not None), None)
-    pick = best_checkpoint or (steps[0] if steps else None)
-    disagreements = find_disagreements(step_measures(rows), pick.global_step if pick is not None else None)
     return Selection(
         ranked=steps,
         baseline=baseline,
         best_checkpoint=best_checkpoint,
-        failed_steps=failed,
+        failed_steps=run.failed_steps(),
         delta=delta,
-        run_dir=run_dir,
-        disagreements=disagreements,
+        run_dir=run.run_dir,
+        disagreements=find_disagreements(step_measures(run.rows), picked_step(ranked, run.run_dir)),
     )
+
+
+def select_checkpoints(run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Selection:
+    return select(read_run(run_dir, subdir))
 
 
 def format_selection(selection: Selection) -> str:
@@ -148,8 +149,9 @@ def format_selection(selection: Selection) -> str:
         f"{'win/lose':>8}  {'vs base w/t/l':>13}  {'p vs base':>9}  checkpoint"
     )
     lines = [
-        f"ProbDiff confidence at delta {selection.delta:g} (ties by mean d); p: Wilcoxon signed-rank on d, "
-        "same queries; win/tie/lose: queries confident here and not there / both or neither / there and not here",
+        f"ProbDiff confidence at delta {selection.delta:g} (ties: the earlier step, as the Trainer's best model); "
+        "p: Wilcoxon signed-rank on d, same queries; win/tie/lose: queries confident here and not there / both or "
+        "neither / there and not here",
         header,
     ]
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from probdiff_callback.formatting import fmt, pct
 from probdiff_callback.metric import compare, is_confident
 from probdiff_callback.queries import DataFileError, read_rows
+from probdiff_callback.run_files import HistoryRow, as_row
 
 PAIRWISE = "pairwise"
 REVISION = "revision"
@@ -233,7 +234,7 @@ def format_conflict(result: Mapping, label: str) -> str:
 
 def check_verdicts(
     path: str | os.PathLike,
-    rows: Sequence[dict],
+    rows: Sequence[HistoryRow | Mapping],
     records_by_step: Mapping[int, Sequence[dict]],
     step: int | None = None,
     against: int | None = None,
@@ -250,11 +251,12 @@ def check_verdicts(
         raise ValueError(
             f"--step {chosen}: no records of that step; evaluated steps with records: {', '.join(map(str, evaluated))}"
         )
-    delta = next(r["summary"]["delta"] for r in rows if r["global_step"] == chosen)
+    rows = [as_row(r) for r in rows]
+    delta = next(r.summary["delta"] for r in rows if r.global_step == chosen and r.summary is not None)
     if verdicts.kind != PAIRWISE:
         result = conflict_degree(verdicts, records_by_step[chosen])
         return {"file": str(path), "step": chosen, **result}, format_conflict(result, f"step {chosen}")
-    baseline = next((r["global_step"] for r in rows if r.get("kind") == "baseline"), None)
+    baseline = next((r.global_step for r in rows if r.kind == "baseline"), None)
     other = baseline if against is None else against
     if other is None:
         raise ValueError("pairwise verdicts need two steps: this run has no baseline row, so give --against STEP")

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback import history
 from probdiff_callback.agreement import (
     across_steps,
     crosscheck,
     format_crosscheck,
-    load_run,
     one_line,
     per_query,
     rank_correlation,
@@ -22,6 +20,7 @@ from probdiff_callback.agreement import (
 )
 from probdiff_callback.cli import main
 from probdiff_callback.queries import DataFileError, write_jsonl
+from probdiff_callback.run_files import history_path, read_run, step_records_path
 from probdiff_callback.verdicts import (
     check_verdicts,
     conflict_degree,
@@ -293,6 +292,7 @@ def test_a_bad_verdict_row_is_an_error_with_its_line(tmp_path, lines, message):
 
 
 def write_run(run: Path) -> None:
+    rows = []
     steps = {
         0: ([0.1, -0.2, -0.3], [10, 20, 30], 4.0),
         4: ([0.2, 0.1, -0.2], [20, 10, 40], 3.0),
@@ -300,7 +300,7 @@ def write_run(run: Path) -> None:
     }
     for step, (ds, chrfs, loss) in steps.items():
         records = [rec(f"q{i}", d, chrf) for i, (d, chrf) in enumerate(zip(ds, chrfs))]
-        write_jsonl(history.step_records_path(run, step), records)
+        write_jsonl(step_records_path(run, step), records)
         confidence = sum(d >= DELTA for d in ds) / 3
         row = history_row(
             step,
@@ -311,7 +311,8 @@ def write_run(run: Path) -> None:
             eval_loss=loss,
             kind="baseline" if step == 0 else "evaluate",
         )
-        history.upsert_history_row(history.history_path(run), row)
+        rows.append(row)
+    write_jsonl(history_path(run), rows)
 
 
 def test_crosscheck_command_prints_the_table_writes_json_and_plot_and_reads_verdicts(tmp_path, capsys):
@@ -333,14 +334,19 @@ def test_crosscheck_command_prints_the_table_writes_json_and_plot_and_reads_verd
     )  # confidence 1/3, 2/3, 1 as the loss falls 4, 3, 2.5
     png = (run / "probdiff" / "crosscheck.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    rows, records = load_run(run)
+    read = read_run(run)
+    rows, records = read.successful(), read.records
+    assert [row.global_step for row in rows] == [0, 4, 8] and sorted(records) == [0, 4, 8]
     line = one_line(crosscheck(rows, records))
     assert line.startswith("Cross-check over 3 steps, confidence vs BLEU ρ") and "eval loss ρ -1.00" in line
     assert "per query d vs BLEU" in line
     with pytest.raises(ValueError, match="--step 5: no records"):
         check_verdicts(verdicts, rows, records, step=5)
     assert main(["crosscheck", str(tmp_path / "nothing")]) == 2
-    assert "no successful evaluations" in capsys.readouterr().err
+    assert f"{tmp_path / 'nothing'}: no such run directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["crosscheck", str(tmp_path / "empty")]) == 2
+    assert f"{tmp_path / 'empty' / 'probdiff' / 'history.jsonl'}: no successful evaluations" in capsys.readouterr().err
 
 
 def test_crosscheck_without_reference_metrics_says_so():

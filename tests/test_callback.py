@@ -14,14 +14,14 @@ from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdi
 from transformers import EarlyStoppingCallback
 
 import probdiff_callback.callback as callback_module
-from probdiff_callback import distributed, history
+from probdiff_callback import distributed, run_files
 from probdiff_callback.callback import ProbDiffCallback, select_queries
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.evaluator import evaluate
 from probdiff_callback.metric import compare, summarize
 from probdiff_callback.outputs import metrics_from_summary
 from probdiff_callback.queries import DataFileError, Query, read_jsonl
-from probdiff_callback.selection import select_checkpoints
+from probdiff_callback.selection import format_selection, point_best, select_checkpoints
 from probdiff_callback.unwrap import preserved_rng_state
 
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
@@ -38,7 +38,8 @@ def one_torch_thread():
 
 
 def history_rows(run_dir: Path) -> list[dict]:
-    return history.read_history(history.history_path(run_dir))
+    """The rows as the file holds them (JSON: null for NaN)."""
+    return [row.to_json() for row in run_files.read_history(run_files.history_path(run_dir))]
 
 
 def probdiff_logs(trainer) -> dict[int, dict]:
@@ -289,10 +290,71 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     selection = select_checkpoints(run)
     assert selection.baseline.global_step == 0
     assert [s.global_step for s in selection.ranked] == sorted(
-        [2, 4], key=lambda s: (-rows[s // 2]["summary"]["confidence"], -rows[s // 2]["summary"]["d_mean"], s)
+        [2, 4], key=lambda s: (-rows[s // 2]["summary"]["confidence"], s)
     )
     assert selection.ranked[0].confidence == best_value
     assert selection.best_checkpoint.checkpoint == str(run / f"checkpoint-{selection.ranked[0].global_step}")
+    assert selection.best_checkpoint.checkpoint == trainer.state.best_model_checkpoint
+
+
+def test_tied_confidences_select_the_checkpoint_the_trainer_keeps(tmp_path, tiny_model_path, monkeypatch):
+    """On 2 queries every step is 100% confident: `probdiff select`, RUN_DIR/best and the Trainer's
+    best_model_checkpoint all name the first tied step. With eval_on_start the baseline runs in the Trainer's step-0
+    evaluation and its row holds the base model's eval loss; every row is written once, the history read once."""
+    history_writes, history_reads = [], []
+    real_write, real_read = run_files.write_jsonl, run_files.read_history
+    monkeypatch.setattr(
+        run_files,
+        "write_jsonl",
+        lambda path, rows: (path.name == "history.jsonl" and history_writes.append(path)) or real_write(path, rows),
+    )
+    monkeypatch.setattr(run_files, "read_history", lambda path: history_reads.append(path) or real_read(path))
+    run = tmp_path / "run"
+    trainer = build_trainer(
+        tiny_model_path,
+        run,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_steps=2,
+        eval_on_start=True,
+        metric_for_best_model="probdiff_confidence",
+        load_best_model_at_end=True,
+    )
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=2))
+    trainer.add_callback(callback)
+    trainer.train()
+    # the baseline ran after training began (in the step-0 evaluation) and still counts as before it
+    assert callback.cost_summary().startswith("ProbDiff cost: 3 evaluations during training")
+    assert "the base model's evaluation" in callback.cost_summary()
+    assert len(history_reads) == 1  # when training began, to continue the history
+    monkeypatch.setattr(run_files, "read_history", real_read)
+
+    rows = history_rows(run)
+    assert [(r["global_step"], r["kind"]) for r in rows] == [
+        (0, "baseline"),
+        (2, "evaluate"),
+        (4, "evaluate"),
+        (6, "evaluate"),
+    ]
+    assert len(history_writes) == 1 + len(rows)  # the empty history at the start, then each row once, complete
+    losses = {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e}
+    assert [r["eval_loss"] for r in rows] == [losses[0], losses[2], losses[4], losses[6]]
+    for row in rows[1:]:
+        assert row["checkpoint"] == str(run / f"checkpoint-{row['global_step']}")
+        assert json.loads((run / f"checkpoint-{row['global_step']}" / "probdiff.json").read_text()) == row
+    trained = rows[1:]
+    assert {r["summary"]["confidence"] for r in trained} == {1.0}, "the run was meant to tie"
+    # a later step has the higher mean d: the tie-break by mean d would have picked another checkpoint
+    assert max(trained, key=lambda r: r["summary"]["d_mean"])["global_step"] != 2
+
+    assert trainer.state.best_model_checkpoint == str(run / "checkpoint-2")
+    selection = select_checkpoints(run)
+    assert [s.global_step for s in selection.ranked] == [2, 4, 6]
+    assert selection.best_checkpoint.checkpoint == trainer.state.best_model_checkpoint
+    assert "Best checkpoint: step 2," in format_selection(selection)
+    best = point_best(run, selection.best_checkpoint.checkpoint)
+    assert best.resolve() == Path(trainer.state.best_model_checkpoint).resolve()
 
 
 def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, tiny_model_path):

@@ -8,10 +8,12 @@ from types import SimpleNamespace
 import pytest
 from test_selection_plot import GOOD, MIXED, POOR, write_run
 
-from probdiff_callback import history, outputs
+from probdiff_callback import outputs
 from probdiff_callback.callback import ProbDiffCallback
 from probdiff_callback.cli import main
 from probdiff_callback.disagreement import find_disagreements, format_disagreements
+from probdiff_callback.queries import write_jsonl
+from probdiff_callback.run_files import RunFiles, history_path, read_history
 
 
 def step(number: int, confidence: float, rouge_l: float | None = None, loss: float | None = None, kind="evaluate"):
@@ -68,11 +70,11 @@ def test_agreeing_measures_equal_confidence_and_missing_measures_say_nothing():
 def write_disagreeing_run(run):
     """Confidence 1/8 -> 5/8 -> 8/8 while ROUGE-L falls and the eval loss rises: ProbDiff picks step 20."""
     write_run(run, {0: POOR, 10: MIXED, 20: GOOD}, checkpoints=(10, 20))
-    path = history.history_path(run)
-    for number, loss, rouge_l in ((0, 2.0, 30.0), (10, 2.2, 26.5), (20, 2.4, 21.25)):
-        row = next(r for r in history.read_history(path) if r["global_step"] == number)
+    rows = read_history(history_path(run))
+    for row, (loss, rouge_l) in zip(rows, ((2.0, 30.0), (2.2, 26.5), (2.4, 21.25))):
         reference = {"overall": {"rougeL": rouge_l}, "n_scored": {"rougeL": 8}, "by_category": {}}
-        history.update_row(path, number, eval_loss=loss, summary=dict(row["summary"], reference=reference))
+        row.eval_loss, row.summary = loss, dict(row.summary, reference=reference)
+    write_jsonl(history_path(run), [row.to_json() for row in rows])
 
 
 def test_probdiff_select_says_it_with_the_steps_and_figures(tmp_path, capsys):
@@ -97,13 +99,17 @@ def test_the_callback_warns_once_per_disagreement_and_alerts_wandb(tmp_path, mon
     write_disagreeing_run(run)
     alerts = []
     monkeypatch.setattr(outputs, "alert_wandb", lambda title, text: alerts.append((title, text)))
+    files = RunFiles(run)
+    files.continue_from(resumed_step=20)  # the rows in memory, as the callback holds them
     callback = SimpleNamespace(
         _is_main=lambda: True,
         _output_dir=str(run),
-        config=SimpleNamespace(output_subdir="probdiff"),
+        _files=files,
         trainer=SimpleNamespace(args=SimpleNamespace(report_to=["wandb"])),
         _disagreements_said=set(),
     )
+    history_file = history_path(run)
+    history_file.rename(history_file.with_suffix(".moved"))  # the check reads nothing: it works from memory
     with caplog.at_level("WARNING"):
         ProbDiffCallback._say_disagreements(callback)
         ProbDiffCallback._say_disagreements(callback)  # the next evaluation, nothing new

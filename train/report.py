@@ -8,9 +8,10 @@ from pathlib import Path
 from recipe import Recipe
 
 from probdiff_callback.formatting import fmt, format_table, pct
+from probdiff_callback.run_files import HistoryRow
 
 
-def probdiff_table(rows: list[dict], log_history: list[dict], references: list[str]) -> list[list[str]]:
+def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: list[str]) -> list[list[str]]:
     """One line per evaluated step: losses as last logged up to the step, confidence, mean d, caps, vs base and the
     reference metrics."""
     from probdiff_callback import versus_base
@@ -21,30 +22,31 @@ def probdiff_table(rows: list[dict], log_history: list[dict], references: list[s
 
     table = []
     for row in rows:
-        s, step = row["summary"], row["global_step"]
+        s, step = row.summary, row.global_step
         low, high = s["confidence_ci"]
         overall = (s.get("reference") or {}).get("overall", {})
         table.append([
-            str(step), row["kind"], last("loss", step) if step else "-", last("eval_loss", step),
+            str(step), row.kind, last("loss", step) if step else "-", last("eval_loss", step),
             pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]", fmt(s["d_mean"], "+.4f"), str(s["n"]),
             # histories written before the cap was counted have no n_capped
             f"{s['n_capped']}/{s['n_revision_capped']}" if "n_capped" in s else "-",
-            versus_base.format_win_tie_lose(row.get("vs_base")), versus_base.format_p(row.get("vs_base")),
+            versus_base.format_win_tie_lose(row.vs_base), versus_base.format_p(row.vs_base),
             *[fmt(overall.get(name), ".2f", "-") for name in references],
         ])  # fmt: skip
     return table
 
 
 def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb_sync: str | None, seconds: float):
-    from probdiff_callback import history
-    from probdiff_callback.agreement import crosscheck, load_run, one_line
+    from probdiff_callback.agreement import crosscheck, one_line
     from probdiff_callback.plotting import plot_run
     from probdiff_callback.reference_metrics import METRIC_LABELS
-    from probdiff_callback.selection import format_selection, point_best, select_checkpoints
+    from probdiff_callback.run_files import read_run
+    from probdiff_callback.selection import format_selection, point_best, select
 
-    subdir = recipe.probdiff.output_subdir
-    rows = [r for r in history.read_history(history.history_path(run_dir, subdir)) if r.get("summary") is not None]
-    overall = [(r["summary"].get("reference") or {}).get("overall", {}) for r in rows]
+    # Read once, ranked once: the table, the cross-check, the selection and the plot all show what was read here.
+    run = read_run(run_dir, recipe.probdiff.output_subdir)
+    rows = run.successful()
+    overall = [(r.summary.get("reference") or {}).get("overall", {}) for r in rows]
     references = [name for name in METRIC_LABELS if any(name in values for values in overall)]
     print(
         f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "
@@ -57,12 +59,13 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     if rows and not references:
         print("(no reference metric for these queries: blog and AlignBench answers have none)")
     try:
-        print(one_line(crosscheck(*load_run(run_dir, subdir))) + f"; details: probdiff crosscheck {run_dir}")
+        rows = run.successful_or_raise("; was the run trained with ProbDiffCallback?")
+        print(one_line(crosscheck(rows, run.records)) + f"; details: probdiff crosscheck {run_dir}")
     except FileNotFoundError as err:
         print(f"no cross-check: {err}")
     best_dir = selection = None
     try:
-        selection = select_checkpoints(run_dir, subdir)
+        selection = select(run)
         print("\n" + format_selection(selection))
         if selection.best_checkpoint is not None:
             best_dir = point_best(run_dir, selection.best_checkpoint.checkpoint)
@@ -70,7 +73,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         print(f"no checkpoint selection: {err}")
     plot = None
     try:
-        plot = plot_run(run_dir, subdir=subdir)
+        plot = plot_run(run, selection=selection)
     except FileNotFoundError as err:
         print(f"no plot: {err}")
     from probdiff_callback.callback import ProbDiffCallback
@@ -80,7 +83,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
             print("\n" + callback.cost_summary())
     print(f"\ndone in {seconds / 60:.1f} min. Run directory {run_dir}:")
     print(f"  recipe as run        {run_dir / 'recipe.yaml'}")
-    print(f"  ProbDiff history     {history.history_path(run_dir, subdir)}")
+    print(f"  ProbDiff history     {run.history_path}")
     if plot is not None:
         print(f"  plot                 {plot}")
     print(f"  final weights        {final_dir}")

@@ -1,0 +1,307 @@
+"""A training run's ProbDiff files under `OUTPUT_DIR/<subdir>/` (`probdiff/` by default): written and read here only.
+
+- `history.jsonl`: one `HistoryRow` per evaluated step, oldest first: `global_step`, `epoch`, `kind` (baseline |
+  evaluate | save | end), `base_model` (whether the adapters were disabled), `checkpoint` (the path the Trainer saves
+  that step's weights to, or null), `records` (the step's records file, relative to this directory), `summary` (the
+  core's summary, null on failure; with `reference` where the queries have reference metrics), `error` (null or the
+  message), `seconds`, `vs_base` (`metric.compare` against the baseline, null for the baseline itself) and, where the
+  Trainer computed it at that step, `eval_loss`.
+- `step-<N>/records.jsonl`: the step's records (`Record`), one per query.
+- `checkpoint-N/probdiff.json`: the step's row beside its weights, so it travels with the checkpoint.
+
+Writing: `RunFiles`, the callback's, keeps the rows in memory and writes the whole history from them
+(`io.write_atomic`: a temp file, then `os.replace`), so `probdiff select` on a run still training never sees half a
+row and the callback never reads the file back. Reading: `read_run`, once, for `probdiff select`, `plot`,
+`crosscheck` and the end of a training run.
+
+JSON has no NaN: a NaN is written as null (`io.to_json`) and read back as NaN by `HistoryRow.from_json` and
+`read_records`, so the rest of the package sees NaN only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypedDict
+
+from probdiff_callback.formatting import is_finite
+from probdiff_callback.queries import DataFileError, nan_to_none, read_jsonl, write_json, write_jsonl
+
+DEFAULT_SUBDIR = "probdiff"
+HISTORY_FILE = "history.jsonl"
+RECORDS_FILE = "records.jsonl"
+CHECKPOINT_SUMMARY_FILE = "probdiff.json"
+
+
+class Record(TypedDict, total=False):
+    """One query's evaluation (`evaluator.evaluate`); `docs/cli.md#outputs` describes the fields."""
+
+    id: str
+    category: str | None
+    query: str
+    response: str
+    revisions: list[str]
+    logp_response: float  # NaN where the score failed (null in the file)
+    logp_revised: float
+    d: float
+    n_tokens_response: int
+    n_tokens_revised: int
+    confident: bool
+    truncated: bool
+    response_capped: bool
+    revision_capped: bool
+    revision_truncated: bool
+    reference: str
+    ref: dict[str, float | None]  # sentence-level reference metrics; None: that metric could not score the answer
+
+
+RECORD_NUMBERS = ("d", "logp_response", "logp_revised")
+
+
+def _nan_for_null(value: Any) -> Any:
+    """Every null in a summary or comparison read back as NaN: those hold numbers only, and a null there is a NaN."""
+    if value is None:
+        return math.nan
+    if isinstance(value, dict):
+        return {k: _nan_for_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_for_null(v) for v in value]
+    return value
+
+
+@dataclass
+class HistoryRow:
+    """One evaluated step. Numbers are NaN where missing; `to_json` and `from_json` are the file's form."""
+
+    global_step: int
+    epoch: float | None = None
+    kind: str = "evaluate"
+    base_model: bool = False
+    checkpoint: str | None = None
+    records: str | None = None
+    summary: dict | None = None
+    error: str | None = None
+    seconds: float = math.nan
+    vs_base: dict | None = None
+    eval_loss: float = math.nan
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or self.summary is None
+
+    @property
+    def confidence(self) -> float:
+        return math.nan if self.summary is None else self.summary["confidence"]
+
+    @classmethod
+    def from_json(cls, value: Mapping) -> HistoryRow:
+        """A row as stored; rows of older versions lack some keys and get their defaults."""
+        known = {name for name in cls.__dataclass_fields__ if name != "extra"}
+        row = cls(**{k: v for k, v in value.items() if k in known})
+        row.extra = {k: v for k, v in value.items() if k not in known}
+        row.summary = None if row.summary is None else _nan_for_null(row.summary)
+        row.vs_base = None if row.vs_base is None else _nan_for_null(row.vs_base)
+        row.seconds = math.nan if row.seconds is None else row.seconds
+        row.eval_loss = math.nan if row.eval_loss is None else float(row.eval_loss)
+        return row
+
+    def to_json(self) -> dict:
+        """The row as stored: the keys in their order, NaN as null; `eval_loss` only once the Trainer computed it."""
+        value = {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "kind": self.kind,
+            "base_model": self.base_model,
+            "checkpoint": self.checkpoint,
+            "records": self.records,
+            "summary": self.summary,
+            "error": self.error,
+            "seconds": self.seconds,
+            "vs_base": self.vs_base,
+        }
+        if is_finite(self.eval_loss):
+            value["eval_loss"] = self.eval_loss
+        return nan_to_none({**value, **self.extra})
+
+
+def as_row(row: HistoryRow | Mapping) -> HistoryRow:
+    """A HistoryRow from a row or its JSON form (the pure functions of `agreement` take either)."""
+    return row if isinstance(row, HistoryRow) else HistoryRow.from_json(row)
+
+
+# ---- paths ----
+def probdiff_dir(output_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Path:
+    return Path(output_dir) / subdir
+
+
+def history_path(output_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Path:
+    return probdiff_dir(output_dir, subdir) / HISTORY_FILE
+
+
+def step_records_path(output_dir: str | os.PathLike, step: int, subdir: str = DEFAULT_SUBDIR) -> Path:
+    return probdiff_dir(output_dir, subdir) / f"step-{step}" / RECORDS_FILE
+
+
+def existing_run_dir(run_dir: str | os.PathLike) -> Path:
+    """`run_dir` as a Path, or a FileNotFoundError saying that the folder itself is missing."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path}: no such run directory (give the folder a training run wrote, e.g. runs/blog/tiny-<hash>)"
+        )
+    return path
+
+
+# ---- reading ----
+def read_history(path: str | os.PathLike) -> list[HistoryRow]:
+    """The rows of a history file, oldest first; no file or an empty file is an empty history."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataFileError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        if not isinstance(value, dict) or "global_step" not in value:
+            raise DataFileError(f"{path}:{number}: not a history row (a JSON object with `global_step`)")
+        rows.append(HistoryRow.from_json(value))
+    return sorted(rows, key=lambda row: row.global_step)
+
+
+def read_records(path: str | os.PathLike) -> list[Record]:
+    records = read_jsonl(path)
+    for record in records:
+        for key in RECORD_NUMBERS:
+            if key in record and record[key] is None:
+                record[key] = math.nan
+    return records  # type: ignore[return-value]
+
+
+@dataclass
+class Run:
+    """What a run directory holds, read once: every history row and the records of each step that has them."""
+
+    run_dir: Path
+    directory: Path  # run_dir / subdir
+    rows: list[HistoryRow]  # oldest first, failed evaluations included
+    records: dict[int, list[Record]]  # global step -> records, for the successful steps whose file is on disk
+
+    @property
+    def history_path(self) -> Path:
+        return self.directory / HISTORY_FILE
+
+    def successful(self) -> list[HistoryRow]:
+        return [row for row in self.rows if row.summary is not None]
+
+    def failed_steps(self) -> list[int]:
+        return [row.global_step for row in self.rows if row.failed]
+
+    def successful_or_raise(self, why: str) -> list[HistoryRow]:
+        """The successful rows, or a FileNotFoundError naming the history file and `why` none is there."""
+        rows = self.successful()
+        if not rows:
+            raise FileNotFoundError(f"{self.history_path}: no successful evaluations{why}")
+        return rows
+
+
+def read_run(run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Run:
+    """The run's history and step records; a FileNotFoundError if the run directory itself is missing."""
+    run_dir = existing_run_dir(run_dir)
+    directory = probdiff_dir(run_dir, subdir)
+    rows = read_history(directory / HISTORY_FILE)
+    records = {}
+    for row in rows:
+        path = directory / row.records if row.records and row.summary is not None else None
+        if path is not None and path.is_file():
+            records[row.global_step] = read_records(path)
+    return Run(run_dir, directory, rows, records)
+
+
+# ---- writing (the callback, main process) ----
+class RunFiles:
+    """The writer of one training run's files: the rows in memory, the history rewritten whole from them."""
+
+    def __init__(self, output_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> None:
+        self.output_dir, self.subdir = output_dir, subdir
+        self.directory = probdiff_dir(output_dir, subdir)
+        self._rows: dict[int, HistoryRow] = {}
+
+    @property
+    def history_path(self) -> Path:
+        return self.directory / HISTORY_FILE
+
+    def rows(self) -> list[HistoryRow]:
+        return [self._rows[step] for step in sorted(self._rows)]
+
+    def row(self, step: int) -> HistoryRow | None:
+        return self._rows.get(step)
+
+    def continue_from(self, resumed_step: int) -> tuple[list[HistoryRow], int]:
+        """Take over the history for a training run that starts at `resumed_step`: the one time it is read.
+
+        A fresh run (step 0) starts an empty history. A resumed run keeps the rows up to the checkpoint it resumed
+        from and drops later ones: those steps belong to the interrupted run and are trained and evaluated again.
+        Returns (kept rows, number of dropped rows).
+        """
+        rows = read_history(self.history_path)
+        kept = [row for row in rows if resumed_step > 0 and row.global_step <= resumed_step]
+        self._rows = {row.global_step: row for row in kept}
+        # the file exists from the start, so a reader sees "no evaluations yet" rather than a missing history
+        if len(kept) != len(rows) or not self.history_path.is_file():
+            self._write_history()
+        return kept, len(rows) - len(kept)
+
+    def baseline_records(self) -> list[Record] | None:
+        """The records of the baseline among the rows (a resumed run compares its steps against them)."""
+        row = next((r for r in self.rows() if r.kind == "baseline" and r.records), None)
+        path = None if row is None else self.directory / row.records  # type: ignore[operator]
+        return read_records(path) if path is not None and path.is_file() else None
+
+    def add(self, row: HistoryRow, records: Sequence[Record] | None) -> HistoryRow:
+        """Write the step's records (when it succeeded), then its row, replacing an earlier row of the same step;
+        the row goes into its checkpoint too if that is already on disk (else `link_checkpoint` puts it there)."""
+        row.records = None
+        if records is not None:
+            path = step_records_path(self.output_dir, row.global_step, self.subdir)
+            write_jsonl(path, records)
+            row.records = str(path.relative_to(self.directory))
+        self._rows[row.global_step] = row
+        self._write_history()
+        if row.checkpoint is not None and os.path.isdir(row.checkpoint):
+            self._write_checkpoint_summary(row.checkpoint, row)
+        return row
+
+    def set_eval_loss(self, step: int, eval_loss: float) -> None:
+        """The eval loss of a step ProbDiff evaluated before the Trainer did (the end of training), set once: a later
+        `trainer.evaluate()` may run on other weights (`load_best_model_at_end`) and must not overwrite it."""
+        row = self._rows.get(step)
+        if row is not None and not is_finite(row.eval_loss) and is_finite(eval_loss):
+            row.eval_loss = eval_loss
+            self._write_history()
+
+    def link_checkpoint(self, step: int, checkpoint: str) -> None:
+        """A checkpoint just saved at an evaluated step: the row goes beside it. The history changes only where the
+        row did not name it yet (`save_strategy="best"` decides to save after the evaluation)."""
+        row = self._rows.get(step)
+        if row is None:
+            return
+        if row.checkpoint != checkpoint:
+            row.checkpoint = checkpoint
+            self._write_history()
+        self._write_checkpoint_summary(checkpoint, row)
+
+    def _write_history(self) -> None:
+        write_jsonl(self.history_path, [row.to_json() for row in self.rows()])
+
+    @staticmethod
+    def _write_checkpoint_summary(checkpoint: str | os.PathLike, row: HistoryRow) -> None:
+        write_json(Path(checkpoint) / CHECKPOINT_SUMMARY_FILE, row.to_json())
