@@ -384,9 +384,15 @@ def steps_per_row(generated_lengths: Sequence[int], cap: int) -> list[int]:
 
 # --- the workload ------------------------------------------------------------------------------------------------
 def read_recipe() -> dict:
+    """recipes/blog.yaml over the defaults it leaves out (train/recipe.py: SFT_DEFAULTS, RecipeKeys with its
+    ProbDiffConfig), read without recipe.py's loader, which needs trl and omegaconf that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
-    return yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
+    sys.path.insert(0, str(ROOT / "train"))
+    from recipe import SFT_DEFAULTS, RecipeKeys
+
+    body, defaults = yaml.safe_load(RECIPE.read_text(encoding="utf-8")), dataclasses.asdict(RecipeKeys())
+    return {**defaults, **SFT_DEFAULTS, **body, **{k: {**defaults[k], **body.get(k, {})} for k in ("lora", "probdiff")}}
 
 
 def recipe_workload(recipe: dict) -> Workload:
