@@ -4,6 +4,7 @@ run-directory helpers."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,16 +14,19 @@ from conversations import data_files
 from model_setup import quantization_config
 from recipe import (
     RECIPES_DIR,
+    SFT_DEFAULTS,
     TASKS,
     Recipe,
     RecipeError,
+    RecipeKeys,
     available_recipes,
     load_recipe,
+    sft_config,
 )
 from run_dir import default_run_name, resolve_run
-from training_arguments import sft_config
 from wandb_setup import setup_wandb, start_wandb, wandb_logged_in
 
+from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.models import PRESETS
 
 TASK_RECIPES = sorted(p for p in RECIPES_DIR.rglob("*.yaml") if "accelerate" not in p.relative_to(RECIPES_DIR).parts)
@@ -126,7 +130,7 @@ def test_sftconfig_fields_reach_sftconfig_from_the_file_and_the_command_line(tmp
     (tmp_path / "mine.yaml").write_text("task: blog\noptim: adafactor\npresets:\n  tiny:\n    adam_beta1: 0.8\n")
     recipe = load_recipe(["recipe=mine", "model=tiny", "adam_epsilon=1e-6", "max_steps=3"], directory=tmp_path)
     assert recipe.training["optim"] == "adafactor" and recipe.training["adam_epsilon"] == 1e-6
-    args = sft_config(recipe.training, tmp_path / "run", "mine/run", report_to=[])
+    args = sft_config(recipe, tmp_path / "run", "mine/run", report_to=[])
     assert args.optim == "adafactor" and args.adam_epsilon == 1e-6 and args.adam_beta1 == 0.8 and args.max_steps == 3
     # the project's defaults, and what the script sets itself
     assert args.learning_rate == 1e-4 and args.gradient_accumulation_steps == 16 and args.max_length == 2048
@@ -136,10 +140,49 @@ def test_sftconfig_fields_reach_sftconfig_from_the_file_and_the_command_line(tmp
 
 
 def test_a_preset_sets_sftconfig_fields_for_its_model():
-    args = sft_config(load_recipe(["recipe=blog", "model=tiny"]).training, Path("run"), "blog/run", report_to=[])
+    args = sft_config(load_recipe(["recipe=blog", "model=tiny"]), Path("run"), report_to=[])
     assert args.max_length == 512 and args.learning_rate == 2e-3 and args.bf16 is False
     assert args.activation_checkpointing is False and args.eval_steps == 4 and args.per_device_train_batch_size == 4
+    assert args.run_name == "blog/run"  # the recipe's name and the run directory's
     assert load_recipe(["recipe=blog"]).training["max_length"] == 2048
+
+
+@pytest.mark.parametrize("path", TASK_RECIPES, ids=lambda p: p.stem)
+def test_recipe_files_state_only_what_differs_from_the_defaults(path: Path):
+    """A default is stated once: a recipe file that repeats one would hide which settings are its own."""
+    from omegaconf import OmegaConf
+
+    body = OmegaConf.to_container(OmegaConf.load(path))
+    defaults = {**{f.name: getattr(RecipeKeys(), f.name) for f in dataclasses.fields(RecipeKeys)}, **SFT_DEFAULTS}
+    repeated = [key for key, value in body.items() if key in defaults and defaults[key] == value]
+    repeated += [f"lora.{k}" for k, v in body.get("lora", {}).items() if getattr(RecipeKeys().lora, k) == v]
+    repeated += [f"probdiff.{k}" for k, v in body.get("probdiff", {}).items() if getattr(ProbDiffConfig(), k) == v]
+    assert not repeated, f"{path.name} repeats the defaults of {repeated}"
+
+
+def test_the_resolved_recipe_lists_the_defaults_it_applied():
+    resolved = load_recipe(["recipe=blog"]).to_dict()
+    blog = {"logging_steps": 5, "eval_steps": 10, "save_steps": 10}
+    assert {key: resolved[key] for key in SFT_DEFAULTS} == {**SFT_DEFAULTS, **blog}
+    assert resolved["lora"] == dataclasses.asdict(RecipeKeys().lora) and resolved["lora"]["r"] == 16
+    assert resolved["probdiff"]["delta"] == -0.05 and resolved["probdiff"]["max_new_tokens"] == 768
+    assert resolved["train_file"] == "data/processed/blog/train.jsonl" and resolved["wandb_project"] == "probdiff-blog"
+
+
+def test_a_mapping_gains_keys_from_a_later_layer():
+    recipe = load_recipe(["recipe=blog", "activation_checkpointing_kwargs.preserve_rng_state=false"])
+    assert recipe.training["activation_checkpointing_kwargs"] == {"use_reentrant": False, "preserve_rng_state": False}
+
+
+def test_sftconfig_rejections_name_the_keys_and_their_layers(tmp_path):
+    recipe = load_recipe(["recipe=blog", "model=tiny", "fp16=true", "bf16=true"])
+    with pytest.raises(
+        RecipeError, match=r"SFTConfig rejects bf16=True \(command line\), fp16=True \(command line\): At most one"
+    ):
+        sft_config(recipe, tmp_path / "run")
+    recipe = load_recipe(["recipe=blog", "warmup_steps=-1"])
+    with pytest.raises(RecipeError, match=r"SFTConfig rejects warmup_steps=-1 \(command line\): .*warmup_steps >= 0"):
+        sft_config(recipe, tmp_path / "run")
 
 
 def test_renamed_and_fixed_sftconfig_keys_stop_with_the_name_to_use():
@@ -204,6 +247,50 @@ def test_wrong_type_names_key_and_expected_type():
     assert "full_key" not in message and "object_type" not in message
     with pytest.raises(RecipeError, match=r"wrong type for 'adam_epsilon': got 'tiny', expected float"):
         load_recipe(["recipe=blog", "adam_epsilon=tiny"])
+    with pytest.raises(RecipeError, match=r"^command line: wrong type for 'bf16': got 'maybe', expected bool \| None$"):
+        load_recipe(["recipe=blog", "bf16=maybe"])
+    with pytest.raises(RecipeError, match=r"wrong type for 'max_steps': got 2.5, expected int$"):
+        load_recipe(["recipe=blog", "max_steps=2.5"])
+    with pytest.raises(RecipeError, match=r"wrong type for 'learning_rate': got None, expected float$"):
+        load_recipe(["recipe=blog", "learning_rate=null"])
+    with pytest.raises(RecipeError, match=r"wrong type for 'lora': got 5, expected dict$"):
+        load_recipe(["recipe=blog", "lora=5"])
+    with pytest.raises(RecipeError, match=r"wrong type for 'probdiff.sweep': got \[0, 'x'\], expected list\[float\]"):
+        load_recipe(["recipe=blog", "probdiff.sweep=[0,x]"])
+
+
+def test_values_keep_the_types_the_run_had():
+    """SFTConfig's float fields keep an int as given (so `num_train_epochs: 3` stays 3); the project's own float
+    keys take a float; a number or a boolean where text is expected becomes text (`resume=true`)."""
+    recipe = load_recipe(["recipe=blog", "learning_rate=1", "eval_steps=10", "adam_epsilon=1e-6", "run_name=2024"])
+    assert [type(recipe.training[key]) for key in ("learning_rate", "eval_steps", "adam_epsilon")] == [int, int, float]
+    assert recipe.training["run_name"] == "2024" and recipe.training["num_train_epochs"] == 3
+    recipe = load_recipe(["recipe=blog", "probdiff.delta=0", "probdiff.sweep=[0,-1]", "lora.dropout=0", "resume=true"])
+    assert type(recipe.probdiff.delta) is float and [type(d) for d in recipe.probdiff.sweep] == [float, float]
+    assert type(recipe.lora.dropout) is float and recipe.resume == "True"
+
+
+def test_the_probdiff_sections_own_checks_stop_the_recipe():
+    with pytest.raises(RecipeError, match=r"^recipe 'blog': Invalid ProbDiff config: n_revisions=0: needs at least 1"):
+        load_recipe(["recipe=blog", "probdiff.n_revisions=0"])
+    with pytest.raises(RecipeError, match=r"presets.tiny must be a mapping of keys other than `model` and `presets`"):
+        load_recipe(["recipe=blog", "model=tiny", "presets.tiny.model=smollm2"])
+
+
+def test_wrong_types_name_the_layer_they_came_from(tmp_path):
+    (tmp_path / "mine.yaml").write_text("task: blog\nlearning_rate: fast\n")
+    with pytest.raises(RecipeError, match=r"mine.yaml: wrong type for 'learning_rate': got 'fast', expected float"):
+        load_recipe(["recipe=mine"], directory=tmp_path)
+    (tmp_path / "mine.yaml").write_text("task: blog\npresets:\n  tiny:\n    eval_on_start: often\n")
+    with pytest.raises(RecipeError, match=r"mine.yaml presets.tiny: wrong type for 'eval_on_start': got 'often'"):
+        load_recipe(["recipe=mine", "model=tiny"], directory=tmp_path)
+    (tmp_path / "mine.yaml").write_text("task: blog\nlora: {r: wide}\n")
+    with pytest.raises(RecipeError, match=r"mine.yaml: wrong type for 'lora.r': got 'wide', expected int"):
+        load_recipe(["recipe=mine"], directory=tmp_path)
+    with pytest.raises(
+        RecipeError, match=r"^command line: optim='adamw_troch' \(did you mean 'adamw_torch'\?\): use one of"
+    ):
+        load_recipe(["recipe=blog", "optim=adamw_troch"])
 
 
 def test_missing_and_misspelled_recipe_list_the_recipes():

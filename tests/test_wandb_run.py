@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _distributed_eval import REPO, build_trainer, probdiff_config
-from recipe import load_recipe
+from recipe import load_recipe, sft_config
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 from wandb_setup import start_wandb
@@ -174,11 +174,9 @@ def test_the_sync_command_names_the_runs_segments(tmp_path):
 def test_resuming_skips_the_evaluation_at_the_start(tmp_path):
     """The checkpoint's step was evaluated and logged before it was saved; `eval_on_start` would log its eval loss
     again at the same step."""
-    from sft import sft_training_args
-
     recipe = load_recipe(["recipe=blog", "model=tiny"])
-    assert sft_training_args(recipe, tmp_path).eval_on_start
-    assert not sft_training_args(recipe, tmp_path, resuming=True).eval_on_start
+    assert sft_config(recipe, tmp_path).eval_on_start
+    assert not sft_config(recipe, tmp_path, resuming=True).eval_on_start
 
 
 # ---- wandb's step counter, offline ----

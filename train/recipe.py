@@ -1,34 +1,23 @@
-"""Training recipes: `recipes/<name>.yaml` read in layers, each overriding the one before,
+"""Training recipes: `recipes/<name>.yaml` and `key=value` overrides, read in layers, each overriding the one before,
 
     project defaults  <  recipes/<name>.yaml  <  presets.<model> in that YAML  <  command-line key=value
 
-and validated. `model=...` picks the preset layer: a recipe's `presets:` mapping holds per-model settings (e.g. fp32,
-short generations and a small batch for `model=tiny`).
-
-A recipe holds two kinds of keys. The project's own (`model`, `lora.*`, `probdiff.*`, the data files, `presets`, ...)
-are the fields of `RecipeKeys` below. Every other key is a field of trl's `SFTConfig` and goes to it unchanged,
-typed by SFTConfig's own field types (training_arguments.py). Unknown keys and wrong types stop with a message that
-names the key, the layer it came from and what is valid.
+The project's own keys (`model`, `lora.*`, `probdiff.*`, the data files, ...) are the fields of `RecipeKeys`; every
+other key is a field of trl's `SFTConfig` and goes to `SFTConfig(**fields)` unchanged. Defaults are stated once:
+`RecipeKeys` and `ProbDiffConfig` for the project's keys, `SFT_DEFAULTS` for SFTConfig's; a recipe states what differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from training_arguments import (
-    RENAMED,
-    SFT_DEFAULTS,
-    SFTCONFIG_DOCS,
-    report_to_values,
-    setting,
-    sft_schema,
-    sft_type_hints,
-    sft_type_name,
-    training_problems,
-)
 
 from probdiff_callback.config import ProbDiffConfig, did_you_mean, raise_if_problems, wrong_type_message
 from probdiff_callback.models import PRESETS
@@ -36,8 +25,43 @@ from probdiff_callback.models import PRESETS
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 TASKS = ("translation", "summarization", "blog", "alignbench")
-QUANTIZATIONS = ("none", "4bit")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# The project's SFTConfig settings, the layer under every recipe. `logging_steps` and `seed` equal trl's defaults:
+# stated so that a change of trl's cannot move a run, and so that RUN_DIR/recipe.yaml names them.
+SFT_DEFAULTS: dict[str, Any] = {
+    "learning_rate": 1e-4,
+    "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 16,  # with N GPUs the effective batch is 16 * N: divide by N to keep 16
+    "weight_decay": 0.1,
+    "adam_beta2": 0.95,
+    "warmup_steps": 0.01,  # a float below 1 is a share of the steps
+    "lr_scheduler_type": "cosine",
+    "bf16": True,
+    "activation_checkpointing": True,  # trl's default, under transformers 5's name (the old one warns)
+    "activation_checkpointing_kwargs": {"use_reentrant": False},
+    "max_length": 2048,  # Qwen-14B-Chat's trained context
+    "assistant_only_loss": True,  # loss on the assistant turns: the chat template's {% generation %} markers
+    "logging_steps": 10,
+    "eval_steps": 100,  # eval loss + ProbDiff every N optimizer steps
+    "save_steps": 100,  # a multiple of eval_steps: every checkpoint has a ProbDiff score to be selected by
+    "eval_on_start": True,  # the eval loss of the base model, beside the ProbDiff baseline
+    "logging_first_step": True,
+    "seed": 42,  # also draws the eval-loss subset (max_eval_samples)
+    "metric_for_best_model": "probdiff_confidence",  # the Trainer tracks (and keeps) the best checkpoint by it
+    "report_to": "wandb",  # offline by itself when not logged in; wandb, tensorboard or none, a list or a,b
+    "ddp_find_unused_parameters": False,  # every trainable weight (adapters or all) gets a gradient each step
+}
+# Set by sft_config: ProbDiff runs at the evaluations, and checkpoints are saved at evaluated steps.
+FIXED = {"eval_strategy": "steps", "save_strategy": "steps"}
+# Names that SFTConfig no longer has, or keeps only as deprecated aliases that the new name silently overrides.
+RENAMED = {
+    "max_seq_length": "max_length",
+    "gradient_checkpointing": "activation_checkpointing",
+    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
+    "warmup_ratio": "warmup_steps",
+}
+SFTCONFIG_DOCS = "https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig"
 
 
 class RecipeError(ValueError):
@@ -50,31 +74,26 @@ class LoraArgs:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # or module names of the model
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # all-linear: all but the LM head
 
 
 @dataclass
 class RecipeKeys:
     """The project's own keys; any other key of a recipe is an SFTConfig field."""
 
-    # --- what ---
     recipe: str = ""  # set from recipe=NAME
     description: str = ""
     task: str = ""  # translation | summarization | blog | alignbench: data/processed/<task>, data/samples/<task>
-    # --- model ---
-    model: str = "qwen-14b-chat"  # a preset (tiny, qwen-14b-chat, qwen1.5-14b-chat), a directory or a hub id
+    model: str = "qwen-14b-chat"  # a preset (tiny, smollm2, qwen-14b-chat, qwen1.5-14b-chat), a directory or a hub id
     dtype: str = "bfloat16"  # weights as loaded: auto | float32 | bfloat16 | float16
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (where flash-attn is installed)
     quantization: str = "none"  # none | 4bit (QLoRA: bitsandbytes NF4, CUDA only)
     lora: LoraArgs = field(default_factory=LoraArgs)
-    # --- data ---
     train_file: str | None = None  # default data/processed/<task>/train.jsonl
     heldout_file: str | None = None  # default data/processed/<task>/heldout.jsonl (eval loss and ProbDiff queries)
     samples_fallback: bool = True  # prepared data missing: use data/samples/<task>/ (and say so)
     max_eval_samples: int | None = 200  # held-out conversations for the eval loss (a fixed subset); null: all
-    # --- ProbDiff: the metric, when and on how many queries ---
-    probdiff: ProbDiffConfig = field(default_factory=ProbDiffConfig)
-    # --- run ---
+    probdiff: ProbDiffConfig = field(default_factory=ProbDiffConfig)  # the metric, when and on how many queries
     threads: int | None = None  # torch CPU threads per process; null: the cores divided among local processes
     resume: str | None = None  # true: the run's latest checkpoint; a path: that checkpoint
     overwrite: bool = False  # start afresh in a run directory that already has checkpoints
@@ -86,18 +105,121 @@ class RecipeKeys:
 @dataclass
 class Recipe(RecipeKeys):
     training: dict[str, Any] = field(default_factory=dict)  # the SFTConfig keys: project defaults, then the layers
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)  # SFTConfig key -> its layer
 
     def setting(self, key: str) -> Any:
         """An SFTConfig key as the run will have it: the recipe's value, else SFTConfig's default."""
-        return setting(self.training, key)
+        from trl import SFTConfig
+
+        if key in self.training:
+            return self.training[key]
+        spec = {f.name: f for f in dataclasses.fields(SFTConfig)}[key]
+        return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[misc]
 
     def project_dict(self) -> dict:
         values = dataclasses.asdict(self)
-        return {f.name: values[f.name] for f in dataclasses.fields(RecipeKeys)}
+        return {name: values[name] for name in _fields(RecipeKeys)}
 
     def to_dict(self) -> dict:
         """Both kinds of keys in one mapping, as a recipe file writes them."""
         return {**self.project_dict(), **self.training}
+
+
+# --- keys and types -------------------------------------------------------------------------------
+@functools.cache
+def _fields(cls: type) -> dict[str, Any]:
+    """The fields a recipe may set on `cls` (RecipeKeys, a section such as LoraArgs, SFTConfig) and their types."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and f.name not in RENAMED}
+
+
+def sft_fields() -> dict[str, Any]:
+    from trl import SFTConfig
+
+    return _fields(SFTConfig)
+
+
+def _members(hint: Any) -> tuple:
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    return typing.get_args(hint) if union else (hint,)
+
+
+_WRONG = object()
+
+
+def _cast(value: Any, hint: Any, keep_ints: bool) -> Any:
+    """`value` (as YAML types it) as a field of type `hint` takes it, else _WRONG: SFTConfig takes
+    `learning_rate='abc'` and fails only once training starts. Where a float is expected, an int stays an int for
+    SFTConfig (`eval_steps: 10`) and becomes a float for the project's keys, as OmegaConf's schema did."""
+    for member in _members(hint):
+        kind, args = typing.get_origin(member) or member, typing.get_args(member)
+        if kind in (list, dict) and isinstance(value, kind):
+            items = dict(enumerate(value)) if kind is list else value
+            cast = {k: _cast(v, args[-1], keep_ints) for k, v in items.items()} if args else items
+            if _WRONG not in cast.values():
+                return list(cast.values()) if kind is list else cast
+        elif kind is float and type(value) is int:
+            return value if keep_ints else float(value)
+        elif type(value) is kind or (isinstance(kind, enum.EnumMeta) and type(value) is str):
+            return value
+        elif kind not in (type(None), bool, int, float, str, list, dict) and not isinstance(kind, enum.EnumMeta):
+            return value  # a type YAML cannot spell (Any, a callable): SFTConfig's to check
+    return str(value) if str in _members(hint) and type(value) in (bool, int, float) else _WRONG  # run_name=2024
+
+
+def _checked(layer: dict, where: str, cls: type | None = None, prefix: str = "") -> dict:
+    """A layer's values, typed; an unknown key or a wrong type stops with the key and the layer."""
+    fields = _fields(cls) if cls else {**sft_fields(), **_fields(RecipeKeys)}
+    checked = {}
+    for key, value in layer.items():
+        name, hint = f"{prefix}{key}", fields.get(key)
+        if hint is None:
+            raise _key_error(name, where)
+        if dataclasses.is_dataclass(hint):  # a section: lora, probdiff
+            if isinstance(value, dict):
+                checked[key] = _checked(value, where, hint, f"{name}.")  # type: ignore[arg-type]
+                continue
+            hint = dict
+        checked[key] = _cast(value, hint, keep_ints=cls is None and key in sft_fields())
+        if checked[key] is _WRONG:
+            expected = str(hint).replace("typing.", "") if typing.get_args(hint) else hint.__name__
+            raise RecipeError(f"{where}: {wrong_type_message(name, value, expected)}")
+        choices = [str(c.value) for m in _members(hint) if isinstance(m, enum.EnumMeta) for c in m]
+        if choices and value is not None and str(value) not in choices:
+            close = did_you_mean(str(value), choices)
+            raise RecipeError(f"{where}: {name}={value!r}{close}: use one of {', '.join(choices)}")
+    return checked
+
+
+def _key_error(key: str, where: str) -> RecipeError:
+    parts, own = key.split("."), _fields(RecipeKeys)
+    if parts[0] == "callback":
+        return RecipeError(
+            f"{where}: the `callback` section is now part of `probdiff`: write probdiff.<key> (e.g. probdiff.n_queries)"
+        )
+    if key in RENAMED:
+        return RecipeError(f"{where}: {key!r} is SFTConfig's {RENAMED[key]!r}: write {RENAMED[key]}")
+    nested = [f"{name}.{k}" for name, hint in own.items() if dataclasses.is_dataclass(hint) for k in _fields(hint)]
+    unknown = f"{where}: unknown key {key!r}{did_you_mean(key, [*own, *nested, *sft_fields()])}"
+    if len(parts) == 1:
+        return RecipeError(
+            f"{unknown}. Valid keys: {', '.join(own)}, and any field of trl.SFTConfig ({SFTCONFIG_DOCS})"
+        )
+    return RecipeError(f"{unknown}. Valid keys in {parts[0]}: {', '.join(_fields(own[parts[0]]))}")
+
+
+def _merge(layers: list[tuple[str, dict]]) -> tuple[dict, dict]:
+    """(the layers merged, each checked first; the layer that set each top-level key)."""
+    merged: dict = {}
+    for where, layer in layers:
+        merged = _deep_merge(merged, _checked(layer, where))
+    return merged, {key: where for where, layer in layers for key in layer}
+
+
+def _deep_merge(base: dict, layer: dict) -> dict:
+    """`layer` over `base`, where a mapping in both gains keys (activation_checkpointing_kwargs, presets)."""
+    both = {k for k, v in layer.items() if isinstance(v, dict) and isinstance(base.get(k), dict)}
+    return {**base, **layer, **{k: _deep_merge(base[k], layer[k]) for k in both}}
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -105,110 +227,13 @@ def available_recipes(directory: Path = RECIPES_DIR) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml"))
 
 
-def recipe_path(name: str, directory: Path = RECIPES_DIR) -> Path:
-    if name.endswith((".yaml", ".yml")):
-        path = Path(name)
-        if not path.is_file():
-            raise RecipeError(f"recipe={name}: no such file")
-        return path
-    path = directory / f"{name}.yaml"
-    if not path.is_file():
-        raise RecipeError(
-            f"recipe={name!r} is not a recipe. Recipes: {', '.join(available_recipes(directory)) or '(none)'} "
-            f"(files in {directory}), or a path to a .yaml file"
-        )
-    return path
-
-
-def _section_class(parts: list[str]) -> type | None:
-    """The dataclass of the project's keys at a dotted path, or None past a free-form mapping."""
-    cls: type = RecipeKeys
-    for part in parts:
-        spec = {f.name: f for f in dataclasses.fields(cls)}.get(part)
-        section = spec.default_factory if spec is not None else None
-        if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
-            return None
-        cls = section
-    return cls
-
-
-def _project_keys(cls: type = RecipeKeys, prefix: str = "") -> list[str]:
-    """Every dotted key of the project's schema, nested sections included (`probdiff.delta`)."""
-    keys = []
-    for f in dataclasses.fields(cls):
-        keys.append(prefix + f.name)
-        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            keys.extend(_project_keys(f.default_factory, f"{prefix}{f.name}."))
-    return keys
-
-
-def _key_error(full_key: str, where: str) -> RecipeError:
-    parts = full_key.split(".")
-    prefix = ""
-    if parts[0] == "presets" and len(parts) > 2:  # presets.<model>.<key>
-        parts, prefix = parts[2:], ".".join(parts[:2]) + "."
-    if parts[-1] == "callback":
-        return RecipeError(
-            f"{where}: the `callback` section is now part of `probdiff`: write probdiff.<key> (e.g. probdiff.n_queries)"
-        )
-    if len(parts) == 1 and parts[0] in RENAMED:
-        return RecipeError(
-            f"{where}: {full_key!r} is SFTConfig's {RENAMED[parts[0]]!r}: write {prefix}{RENAMED[parts[0]]}"
-        )
-    hint = did_you_mean(".".join(parts), _project_keys() + list(sft_type_hints()))
-    scope = ".".join(parts[:-1])
-    if not scope:
-        valid = ", ".join(f.name for f in dataclasses.fields(RecipeKeys))
-        return RecipeError(
-            f"{where}: unknown key {full_key!r}{hint}. Valid keys: {valid}, and any field of trl.SFTConfig "
-            f"({SFTCONFIG_DOCS})"
-        )
-    section = _section_class(parts[:-1])
-    valid = ", ".join(f.name for f in dataclasses.fields(section)) if section is not None else ""
-    return RecipeError(f"{where}: unknown key {full_key!r}{hint}. Valid keys in {prefix}{scope}: {valid}")
-
-
-def _expected_type(key: str) -> str:
-    parts = key.split(".")
-    if parts[0] in sft_type_hints():
-        return sft_type_name(parts[0])
-    section = _section_class(parts[:-1]) or RecipeKeys
-    return str({f.name: f.type for f in dataclasses.fields(section)}.get(parts[-1], "value"))
-
-
-def _merge(layers: list[tuple[str, Any]]):
-    """(project keys, SFTConfig keys): each layer's keys merged onto their typed schema, with errors that name the
-    key and the layer."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
-
-    own_keys = {f.name for f in dataclasses.fields(RecipeKeys)}
-    project, training = OmegaConf.structured(RecipeKeys), OmegaConf.structured(sft_schema())
-    for where, layer in layers:
-        unknown = [key for key in layer if key not in own_keys and key not in sft_type_hints()]
-        if unknown:
-            raise _key_error(str(unknown[0]), where)
-        try:
-            project = OmegaConf.merge(project, OmegaConf.masked_copy(layer, [k for k in layer if k in own_keys]))
-            training = OmegaConf.merge(training, OmegaConf.masked_copy(layer, [k for k in layer if k not in own_keys]))
-        except ConfigKeyError as err:
-            raise _key_error(str(getattr(err, "full_key", "") or err), where) from None
-        except ValidationError as err:
-            key = str(getattr(err, "full_key", "?"))
-            message = wrong_type_message(key, OmegaConf.select(layer, key), _expected_type(key))
-            raise RecipeError(f"{where}: {message}") from None
-        except OmegaConfBaseException as err:
-            raise RecipeError(f"{where}: {str(err).splitlines()[0]}") from None
-    return project, training
-
-
 def parse_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     """(recipe name, the other key=value overrides) from command-line arguments."""
     name, overrides = None, []
     for arg in args:
-        if "=" not in arg or arg.startswith("="):
+        key, equals, value = arg.partition("=")
+        if not (key and equals):
             raise RecipeError(f"{arg!r} is not key=value (e.g. recipe=blog model=tiny learning_rate=1e-4)")
-        key, value = arg.split("=", 1)
         if key.lstrip("+") == "recipe":
             name = value
         else:
@@ -223,45 +248,54 @@ def load_recipe(args: list[str], directory: Path = RECIPES_DIR) -> Recipe:
     from omegaconf.errors import OmegaConfBaseException
 
     name, overrides = parse_overrides(args)
-    if not name:
+    path = Path(name) if name and name.endswith((".yaml", ".yml")) else directory / f"{name}.yaml"
+    if not name or not path.is_file():
+        recipes = ", ".join(available_recipes(directory)) or "(none)"
+        given = f"recipe={name!r} is not a recipe" if name else "give recipe=NAME"
         raise RecipeError(
-            f"give recipe=NAME. Recipes: {', '.join(available_recipes(directory)) or '(none)'}; "
+            f"{given}. Recipes: {recipes} (files in {directory}), or a path to a .yaml file; "
             "e.g. python train/sft.py recipe=blog model=tiny"
         )
-    path = recipe_path(name, directory)
-    try:
-        body = OmegaConf.load(path)
+    try:  # OmegaConf's YAML reads 1e-4 as a number, where PyYAML's reads text
+        body = OmegaConf.to_container(OmegaConf.load(path))
     except (yaml.YAMLError, ValueError, OmegaConfBaseException) as err:
         raise RecipeError(f"{path}: not a valid YAML mapping ({str(err).splitlines()[0]})") from None
-    if not OmegaConf.is_dict(body):
+    if not isinstance(body, dict):
         raise RecipeError(f"{path}: expected a mapping of keys, got {type(body).__name__}")
-    layers = [
-        ("project defaults", OmegaConf.create(SFT_DEFAULTS)),
-        (str(path), body),
-        ("command line", OmegaConf.from_dotlist(overrides)),
-    ]
-    # Which model? Then its preset goes between the YAML and the command line.
-    project, _ = _merge(layers)
-    preset = OmegaConf.to_container(project.presets).get(project.model)  # type: ignore[union-attr]
+    command_line = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
+    layers = [("project defaults", SFT_DEFAULTS), (str(path), body), ("command line", command_line)]
+    values, _ = _merge(layers)  # type: ignore[arg-type]
+    model = values.get("model", RecipeKeys.model)
+    preset = values.get("presets", {}).get(model)  # between the YAML and the command line
     if preset is not None:
-        if not isinstance(preset, dict):
-            raise RecipeError(f"{path}: presets.{project.model} must be a mapping of keys")
-        if "model" in preset or "presets" in preset:
-            raise RecipeError(f"{path}: presets.{project.model} cannot set `model` or `presets`")
-        layers.insert(2, (f"{path} presets.{project.model}", OmegaConf.create(preset)))
-    project, training = _merge(layers)
-    keys: RecipeKeys = OmegaConf.to_object(project)  # type: ignore[assignment]
-    given = OmegaConf.to_container(training, throw_on_missing=False)
-    recipe = Recipe(
-        **{f.name: getattr(keys, f.name) for f in dataclasses.fields(RecipeKeys)},
-        training={key: value for key, value in given.items() if not OmegaConf.is_missing(training, key)},
-    )
+        if not isinstance(preset, dict) or {"model", "presets"} & set(preset):
+            raise RecipeError(f"{path}: presets.{model} must be a mapping of keys other than `model` and `presets`")
+        layers.insert(2, (f"{path} presets.{model}", preset))
+    values, sources = _merge(layers)  # type: ignore[arg-type]
+    own = {key: values.pop(key) for key in list(values) if key in _fields(RecipeKeys)}
+    try:  # the sections' own checks (ProbDiffConfig's: n_revisions >= 1, ...)
+        own |= {
+            k: cls(**own[k]) for k, cls in _fields(RecipeKeys).items() if dataclasses.is_dataclass(cls) and k in own
+        }
+    except ValueError as err:
+        raise RecipeError(f"recipe {Path(name).stem!r}: {err}") from None
+    recipe = Recipe(**own, training=values, sources={key: sources[key] for key in values})
     recipe.recipe = Path(name).stem
+    # Defaults that follow from the task and the name, written out so that RUN_DIR/recipe.yaml names them
+    recipe.train_file = recipe.train_file or f"data/processed/{recipe.task}/train.jsonl"
+    recipe.heldout_file = recipe.heldout_file or f"data/processed/{recipe.task}/heldout.jsonl"
+    recipe.wandb_project = recipe.wandb_project or f"probdiff-{recipe.recipe}"
     validate(recipe)
     return recipe
 
 
 # --- validation -----------------------------------------------------------------------------------
+def report_to_values(value: Any) -> list[str]:
+    """`report_to` as a list of names: it may be a comma-separated string or a list."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
+    return [str(item).strip() for item in items if str(item).strip()]
+
+
 def report_to_list(recipe: Recipe) -> list[str]:
     """The integrations to report to; none for `none`."""
     reports = report_to_values(recipe.setting("report_to"))
@@ -269,24 +303,78 @@ def report_to_list(recipe: Recipe) -> list[str]:
 
 
 def validate(recipe: Recipe) -> None:
-    """Cross-field checks the types cannot express; raises RecipeError listing every problem."""
-    problems = []
+    """What the project needs beyond the types and SFTConfig's own checks; raises RecipeError listing every
+    problem."""
+    problems, value, lora, four_bit = [], recipe.setting, recipe.lora, recipe.quantization == "4bit"
+    dtypes = ("auto", "float32", "bfloat16", "float16")
     if recipe.task not in TASKS:
         problems.append(f"task={recipe.task!r}: use one of {', '.join(TASKS)}")
-    if recipe.quantization not in QUANTIZATIONS:
-        problems.append(f"quantization={recipe.quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
-    if recipe.dtype not in DTYPES:
-        problems.append(f"dtype={recipe.dtype!r}: use one of {', '.join(DTYPES)}")
-    if recipe.quantization == "4bit" and not recipe.lora.enabled:
+    if recipe.quantization not in ("none", "4bit"):
+        problems.append(f"quantization={recipe.quantization!r}: use one of none, 4bit")
+    if recipe.dtype not in dtypes:
+        problems.append(f"dtype={recipe.dtype!r}: use one of {', '.join(dtypes)}")
+    if four_bit and not lora.enabled:
         problems.append("quantization=4bit trains adapters on frozen 4-bit weights: it needs lora.enabled=true")
-    if recipe.quantization == "4bit" and recipe.model in ("tiny", "smollm2"):
+    if four_bit and recipe.model in ("tiny", "smollm2"):
         problems.append(f"quantization=4bit is for the GPU presets; model={recipe.model} runs in fp32 on the CPU")
-    if recipe.lora.enabled and (recipe.lora.r < 1 or not recipe.lora.target_modules):
+    if lora.enabled and (lora.r < 1 or not lora.target_modules):
         problems.append("lora: r must be positive and target_modules non-empty")
     if recipe.threads is not None and recipe.threads < 1:
         problems.append(f"threads={recipe.threads}: must be positive (or null)")
-    unknown_presets = sorted(set(recipe.presets) - set(PRESETS))
-    if unknown_presets:
+    if unknown_presets := sorted(set(recipe.presets) - set(PRESETS)):
         problems.append(f"presets: {', '.join(unknown_presets)} are not model presets ({', '.join(PRESETS)})")
-    problems += training_problems(recipe.training, recipe.probdiff.every)
+    for key, fixed in FIXED.items():
+        if recipe.training.get(key, fixed) != fixed:
+            problems.append(f"{key}={value(key)!r}: train/sft.py sets {key}={fixed} (ProbDiff runs at evaluations)")
+    counts = ("eval_steps", "save_steps", "logging_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+              "gradient_accumulation_steps", "max_length")  # fmt: skip
+    problems += [f"{key}={value(key)}: must be positive" for key in counts
+                 if (value(key) < 1 if value(key) is not None else key != "max_length")]  # fmt: skip
+    if value("learning_rate") <= 0:
+        problems.append(f"learning_rate={value('learning_rate')}: must be positive")
+    if value("max_steps") <= 0 and value("num_train_epochs") <= 0:
+        problems.append("set num_train_epochs > 0 or max_steps > 0")
+    evals, saves = value("eval_steps"), value("save_steps")
+    if evals is not None and saves is not None and min(evals, saves) >= 1 and saves % evals:
+        problems.append(
+            f"save_steps={saves} must be a multiple of eval_steps={evals}, "
+            "so every checkpoint has a ProbDiff score to be selected by"
+        )
+    metric = value("metric_for_best_model") or ""
+    if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and recipe.probdiff.every != 1:
+        problems.append(f"metric_for_best_model={metric} needs probdiff.every=1 (space evaluations with eval_steps)")
+    reports = report_to_values(value("report_to"))
+    if not reports or ("none" in reports and len(reports) > 1):
+        problems.append(f"report_to={value('report_to')!r}: give `none` or integrations such as wandb, tensorboard")
     raise_if_problems(f"recipe {recipe.recipe!r}", problems, RecipeError)
+
+
+def sft_config(
+    recipe: Recipe,
+    run_dir: Path,
+    run_name: str | None = None,
+    report_to: list[str] | None = None,
+    resuming: bool = False,
+):
+    """The run's `trl.SFTConfig`: the recipe's SFTConfig keys, with the run directory, W&B run name and integrations.
+    Build it before the model loads, so that DeepSpeed ZeRO-3 can partition the weights while they load, and after
+    the model files are made: it starts the distributed state. SFTConfig's own checks stop like the recipe's."""
+    import torch
+    from trl import SFTConfig
+
+    metric, settings = recipe.training.get("metric_for_best_model"), recipe.training
+    derived = {
+        "use_cpu": not torch.cuda.is_available(),
+        "greater_is_better": None if metric is None else not metric.endswith("loss"),
+    }
+    reports = report_to_list(recipe) if report_to is None else report_to
+    run = {"output_dir": str(run_dir), "run_name": run_name or f"{recipe.recipe}/{run_dir.name}"}
+    if resuming:  # the checkpoint's step was evaluated before it was saved: evaluating it again logs it twice
+        run["eval_on_start"] = False
+    try:
+        return SFTConfig(**{**derived, **settings, **FIXED, **run, "report_to": reports or "none"})
+    except ValueError as err:
+        named = [
+            f"{k}={v!r} ({recipe.sources.get(k)})" for k, v in settings.items() if re.search(rf"\b{k}\b", str(err))
+        ]
+        raise RecipeError(f"SFTConfig rejects {', '.join(named) or 'the recipe'}: {err}") from None

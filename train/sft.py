@@ -17,11 +17,10 @@ from pathlib import Path
 from conversations import load_data, report_truncation
 from environment import is_main_process, say
 from model_setup import load_model, lora_config, prepare_model_files
-from recipe import Recipe, RecipeError, load_recipe, report_to_list
+from recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
 from report import summarize_run
 from run_dir import resolve_run
 from trainer import build_trainer, save_inference_files
-from training_arguments import sft_config
 from wandb_setup import setup_wandb, start_wandb
 
 from probdiff_callback.queries import DataFileError
@@ -53,7 +52,7 @@ def train(args: list[str]) -> int:
     # 3. Model files, made before any distributed or DeepSpeed context exists (every rank waits for the one copy);
     #    then the SFTConfig, before the model loads, so that ZeRO-3 can partition the weights while they load
     prepare_model_files(recipe.model)
-    training_args = sft_training_args(recipe, run_dir, resuming=resume_from is not None)
+    training_args = sft_config(recipe, run_dir, resuming=resume_from is not None)
     if is_main_process():
         run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved_recipe(recipe, run_dir / "recipe.yaml")
@@ -81,17 +80,6 @@ def train(args: list[str]) -> int:
         summarize_run(trainer, recipe, run_dir, final_dir, wandb_sync, time.time() - started)
     trainer.accelerator.wait_for_everyone()
     return 0
-
-
-def sft_training_args(recipe: Recipe, run_dir: Path, resuming: bool = False):
-    """The recipe's SFTConfig keys as trl.SFTConfig; SFTConfig's own checks stop like the recipe's."""
-    try:
-        args = sft_config(recipe.training, run_dir, f"{recipe.recipe}/{run_dir.name}", report_to_list(recipe))
-    except ValueError as err:
-        raise RecipeError(f"SFTConfig: {err}") from None
-    if resuming:  # the Trainer would evaluate the checkpoint's step again, logging its eval loss twice
-        args.eval_on_start = False
-    return args
 
 
 def save_resolved_recipe(recipe: Recipe, path: Path) -> None:

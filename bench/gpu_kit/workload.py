@@ -1,10 +1,11 @@
 """What a run measures: the blog recipe's settings, its held-out prompts cycled to the recipe's number of
 queries, its training conversations, and a model of Qwen-14B-Chat's (or another) shape with random weights."""
 
-from __future__ import annotations
+from __future__ import dataclasses
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +92,15 @@ class Bench:
 
 
 def read_recipe() -> dict:
+    """recipes/blog.yaml over the defaults it leaves out (train/recipe.py: SFT_DEFAULTS, RecipeKeys with its
+    ProbDiffConfig), read without recipe.py's loader, which needs trl and omegaconf that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
-    return yaml.safe_load(RECIPE.read_text(encoding="utf-8"))
+    sys.path.insert(0, str(ROOT / "train"))
+    from recipe import SFT_DEFAULTS, RecipeKeys
+
+    body, defaults = yaml.safe_load(RECIPE.read_text(encoding="utf-8")), dataclasses.asdict(RecipeKeys())
+    return {**defaults, **SFT_DEFAULTS, **body, **{k: {**defaults[k], **body.get(k, {})} for k in ("lora", "probdiff")}}
 
 
 def recipe_workload(recipe: dict) -> Workload:
