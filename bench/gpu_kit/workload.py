@@ -1,12 +1,12 @@
 """What a run measures: the blog recipe's settings, its held-out prompts cycled to the recipe's number of
 queries, its training conversations, and a model of Qwen-14B-Chat's (or another) shape with random weights."""
 
-from __future__ import dataclasses
+from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -99,7 +99,7 @@ def read_recipe() -> dict:
     sys.path.insert(0, str(ROOT / "train"))
     from recipe import SFT_DEFAULTS, RecipeKeys
 
-    body, defaults = yaml.safe_load(RECIPE.read_text(encoding="utf-8")), dataclasses.asdict(RecipeKeys())
+    body, defaults = yaml.safe_load(RECIPE.read_text(encoding="utf-8")), asdict(RecipeKeys())
     return {**defaults, **SFT_DEFAULTS, **body, **{k: {**defaults[k], **body.get(k, {})} for k in ("lora", "probdiff")}}
 
 
