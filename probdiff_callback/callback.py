@@ -328,7 +328,7 @@ class ProbDiffCallback(TrainerCallback):
 
         def evaluate_share(queries: list[Query]) -> list[dict]:
             with model_for_evaluation(
-                self.trainer, self.tokenizer, gather_params=self.config.gather_params, base_model=base_model
+                self.trainer, gather_params=self.config.gather_params, base_model=base_model
             ) as model:
                 return evaluate(
                     model,

@@ -9,11 +9,17 @@ import sys
 import time
 from pathlib import Path
 
-from probdiff_callback.config import ProbDiffConfig, apply_overrides
+from probdiff_callback.config import EVAL, SCORE, ProbDiffConfig, config_for_command
 from probdiff_callback.reports import format_comparison, format_summary
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _settings_help(command: str) -> str:
+    groups = ProbDiffConfig.read_by(command)
+    listed = "; ".join(f"{group}: {', '.join(names)}" for group, names in groups.items())
+    return f"ProbDiff settings `{command}` reads (docs/configuration.md#probdiff-settings). {listed}"
+
+
+def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument(
         "--model",
         default="tiny",
@@ -29,7 +35,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "overrides",
         nargs="*",
         metavar="key=value",
-        help=f"ProbDiff settings: {', '.join(ProbDiffConfig.field_names())}",
+        help=_settings_help(command),
     )
 
 
@@ -43,12 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "eval", help="answer, revise and score queries; writes records.jsonl and summary.json"
     )
-    _add_model_args(evaluate)
+    _add_model_args(evaluate, EVAL)
     evaluate.add_argument("--queries", required=True, help="JSON lines or a JSON list of queries")
     evaluate.add_argument("--limit", type=int, default=None, help="only the first N queries")
 
     score = commands.add_parser("score", help="score texts generated elsewhere (rows {id, query, response, revised})")
-    _add_model_args(score)
+    _add_model_args(score, SCORE)
     score.add_argument("--pairs", required=True, help="JSON lines or a JSON list of {id, query, response, revised}")
 
     compare = commands.add_parser(
@@ -99,12 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--against", type=int, default=None, help="pairwise verdicts: step B [the baseline]")
     return parser
-
-
-def _config(overrides: list[str]) -> ProbDiffConfig:
-    config = apply_overrides(ProbDiffConfig(), overrides, where="probdiff settings")
-    config.validate()
-    return config
 
 
 def _reuse_freed_memory() -> None:
@@ -160,7 +160,7 @@ def _load(args):
     return model, tokenizer
 
 
-def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra: dict) -> dict:
+def _write_results(command: str, out: str, records: list[dict], config: ProbDiffConfig, extra: dict) -> dict:
     from probdiff_callback.metric import summarize
     from probdiff_callback.queries import write_json, write_jsonl
     from probdiff_callback.reference_metrics import summarize_references
@@ -169,7 +169,8 @@ def _write_results(out: str, records: list[dict], config: ProbDiffConfig, extra:
     reference = summarize_references(records)
     if reference is not None:
         summary["reference"] = reference
-    summary["config"] = config.to_dict()
+    reads = ProbDiffConfig.keys_read_by(command)
+    summary["config"] = {key: value for key, value in config.to_dict().items() if key in reads}  # what applied
     summary.update(extra)
     write_jsonl(Path(out) / "records.jsonl", records)
     write_json(Path(out) / "summary.json", summary)
@@ -181,7 +182,7 @@ def cmd_eval(args) -> int:
     from probdiff_callback.queries import load_queries
     from probdiff_callback.reference_metrics import plan_references, score_records
 
-    config = _config(args.overrides)
+    config = config_for_command(EVAL, args.overrides)
     queries = load_queries(args.queries)
     config.check_categories(q.category for q in queries)  # the whole file: --limit may leave a category out
     if args.limit is not None:
@@ -195,6 +196,7 @@ def cmd_eval(args) -> int:
     if plan.active:
         records = score_records(records, queries)
     summary = _write_results(
+        EVAL,
         args.out,
         records,
         config,
@@ -232,12 +234,13 @@ def cmd_score(args) -> int:
     from probdiff_callback.evaluator import score_pairs
     from probdiff_callback.queries import load_pairs
 
-    config = _config(args.overrides)
+    config = config_for_command(SCORE, args.overrides)
     pairs = load_pairs(args.pairs)
     model, tokenizer = _load(args)
     started = time.time()
     records = score_pairs(model, tokenizer, pairs, config)
     summary = _write_results(
+        SCORE,
         args.out,
         records,
         config,

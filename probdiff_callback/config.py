@@ -1,10 +1,11 @@
-"""The ProbDiff settings as one typed object (the metric, and when the callback runs it), with `key=value`
-overrides that reject unknown keys."""
+"""The ProbDiff settings as one typed object (the metric, sampling, lengths and batching, and when the callback
+runs it), each field scoped to what reads it, with `key=value` overrides that reject unknown keys and, for a CLI
+command, the keys it would not read."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from probdiff_callback.history import DEFAULT_SUBDIR
@@ -16,45 +17,110 @@ from probdiff_callback.queries import (
     unmatched_keys,
 )
 
+# Who reads a setting: `probdiff eval`, `probdiff score`, and ProbDiffCallback, which runs eval's evaluation during
+# training (so it reads everything eval reads) on its own schedule. The CLI refuses a key its command would not read
+# rather than accept it and do nothing with it.
+EVAL, SCORE, CALLBACK = "eval", "score", "callback"
+_EVERYWHERE = frozenset({EVAL, SCORE, CALLBACK})
+_GENERATING = frozenset({EVAL, CALLBACK})  # score is given its texts: nothing is sampled, revised or capped
+_TRAINING = frozenset({CALLBACK})
+
+METRIC, SAMPLING, LENGTHS, SCHEDULE = "metric", "sampling", "lengths and batching", "training schedule"
+
+
+def _setting(default=dataclasses.MISSING, *, group: str, read_by: frozenset[str], about: str = "", cli: str = "", **kw):
+    """A field with its scope: `group` (its section in the docs and in `--help`), `read_by` (the commands and the
+    callback that read it), and for a training-only setting `about` (what it does) and `cli` (how the CLI gets the
+    same, where it can), both for the CLI's refusal of the key."""
+    metadata = {"group": group, "read_by": read_by, "about": about, "cli": cli}
+    return field(default=default, metadata=metadata, **kw)
+
 
 @dataclass
 class ProbDiffConfig:
     # --- the metric (paper defaults: camera-ready version) ---
-    delta: float = -0.05  # confident when d >= delta
-    sweep: list[float] = field(default_factory=lambda: [0.0, -0.02, -0.05, -0.1])
-    n_revisions: int = 1  # K: revise the last revision K times
-    refinement_prompt: str = (
-        "rewriter"  # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
-    )
-    # None: the chat template's own default (for Qwen, the paper's "You are a helpful assistant.")
-    system_prompt: str | None = None
+    delta: float = _setting(-0.05, group=METRIC, read_by=_EVERYWHERE)  # confident when d >= delta
+    sweep: list[float] = _setting(group=METRIC, read_by=_EVERYWHERE, default_factory=lambda: [0.0, -0.02, -0.05, -0.1])
+    n_revisions: int = _setting(1, group=METRIC, read_by=_GENERATING)  # K: revise the last revision K times
+    # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
+    refinement_prompt: str = _setting("rewriter", group=METRIC, read_by=_GENERATING)
+    # None: the chat template's own default (for Qwen, the paper's "You are a helpful assistant."). score reads it
+    # too: both texts are scored under the chat prompt of the query.
+    system_prompt: str | None = _setting(None, group=METRIC, read_by=_EVERYWHERE)
     # --- sampling (the reference code's: generation_task/vllm_inference.py and vllm_modify.py) ---
     # Temperature only: the reference code samples with top_p 1 and top_k -1 (off), and its runs
     # produced the published tables. The submission version of the paper states top_p 0.8 for
     # answers and 0.9 for revisions (the camera-ready states none): answer_top_p=0.8 revision_top_p=0.9.
-    answer_temperature: float = 0.7
-    answer_top_p: float = 1.0
+    answer_temperature: float = _setting(0.7, group=SAMPLING, read_by=_GENERATING)
+    answer_top_p: float = _setting(1.0, group=SAMPLING, read_by=_GENERATING)
     # AlignBench's official settings, keyed by any name of a category (categories.py)
-    answer_temperature_by_category: dict[str, float] = field(default_factory=dict)
-    revision_temperature: float = 0.1
-    revision_top_p: float = 1.0
-    n_samples: int = 1  # average d over this many independent answer -> revise chains
-    seed: int = 0
+    answer_temperature_by_category: dict[str, float] = _setting(
+        group=SAMPLING, read_by=_GENERATING, default_factory=dict
+    )
+    revision_temperature: float = _setting(0.1, group=SAMPLING, read_by=_GENERATING)
+    revision_top_p: float = _setting(1.0, group=SAMPLING, read_by=_GENERATING)
+    # average d over this many independent answer -> revise chains
+    n_samples: int = _setting(1, group=SAMPLING, read_by=_GENERATING)
+    # the sampler's seed (texts depend only on seed, query id and sample); the callback also draws its subset with it
+    seed: int = _setting(0, group=SAMPLING, read_by=_GENERATING)
     # --- lengths and batching ---
-    max_new_tokens: int = 512  # the reference code: 2,048 (AlignBench 1,024); answers cut here are flagged
-    max_prompt_tokens: int = 2048  # longer queries are cut in the middle
-    batch_size: int = 16
-    score_chunk_tokens: int = 512  # positions per LM-head chunk when scoring
-    # --- during training (ProbDiffCallback) ---
-    n_queries: int | None = 64  # held-out queries evaluated each time (a fixed subset drawn with `seed`); None: all
-    every: int = 1  # evaluate at every N-th evaluation (or checkpoint save when the run has no evaluation)
-    baseline: bool = True  # evaluate before the first step (a PEFT model with its adapters disabled)
-    at_end: bool = True  # evaluate the last step if it would not be evaluated otherwise
-    gather_params: bool = True  # ZeRO-3: gather the whole model once per evaluation (False: keep it sharded)
-    fail_on_error: bool = False  # re-raise an evaluation failure instead of recording it and training on
-    wandb_table_rows: int = 8  # records per evaluated step added to the W&B table
-    output_subdir: str = DEFAULT_SUBDIR  # history and records under <output_dir>/<output_subdir>
-    progress: bool = False  # a progress bar on the main process
+    # the reference code: 2,048 (AlignBench 1,024); answers cut here are flagged
+    max_new_tokens: int = _setting(512, group=LENGTHS, read_by=_GENERATING)
+    # longer queries (and refinement requests) are cut in the middle; score cuts its queries alike
+    max_prompt_tokens: int = _setting(2048, group=LENGTHS, read_by=_EVERYWHERE)
+    batch_size: int = _setting(16, group=LENGTHS, read_by=_EVERYWHERE)
+    score_chunk_tokens: int = _setting(512, group=LENGTHS, read_by=_EVERYWHERE)  # positions per LM-head chunk
+    # --- the callback's schedule (ProbDiffCallback only: the CLI has its own flags or behaviour for these) ---
+    n_queries: int | None = _setting(  # a fixed subset drawn with `seed`; None: all
+        64, group=SCHEDULE, read_by=_TRAINING, about="the held-out queries evaluated at each step", cli="use --limit N"
+    )
+    every: int = _setting(
+        1,
+        group=SCHEDULE,
+        read_by=_TRAINING,
+        about="evaluate at every N-th evaluation, or checkpoint save when the run has no evaluation",
+    )
+    baseline: bool = _setting(  # a PEFT model with its adapters disabled
+        True,
+        group=SCHEDULE,
+        read_by=_TRAINING,
+        about="evaluate the base model before the first step",
+        cli="run `probdiff eval` without --adapter",
+    )
+    at_end: bool = _setting(
+        True, group=SCHEDULE, read_by=_TRAINING, about="evaluate the last step if it would not be evaluated otherwise"
+    )
+    gather_params: bool = _setting(  # False: keep it sharded
+        True, group=SCHEDULE, read_by=_TRAINING, about="ZeRO-3: gather the whole model once per evaluation"
+    )
+    fail_on_error: bool = _setting(
+        False,
+        group=SCHEDULE,
+        read_by=_TRAINING,
+        about="re-raise a failed evaluation instead of recording it and training on",
+        cli="an error always stops the command",
+    )
+    wandb_table_rows: int = _setting(
+        8,
+        group=SCHEDULE,
+        read_by=_TRAINING,
+        about="records per evaluated step added to the W&B table",
+        cli="every record goes to records.jsonl",
+    )
+    output_subdir: str = _setting(
+        DEFAULT_SUBDIR,
+        group=SCHEDULE,
+        read_by=_TRAINING,
+        about="history and records under <output_dir>/<output_subdir>",
+        cli="use --out DIR",
+    )
+    progress: bool = _setting(
+        False,
+        group=SCHEDULE,
+        read_by=_TRAINING,
+        about="a progress bar on the main process",
+        cli="the progress bar is always shown",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +183,24 @@ class ProbDiffConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    @classmethod
+    def read_by(cls, reader: str) -> dict[str, list[str]]:
+        """The settings `reader` (EVAL, SCORE or CALLBACK) reads, by group, in the order of the fields."""
+        groups: dict[str, list[str]] = {}
+        for f in dataclasses.fields(cls):
+            if reader in f.metadata["read_by"]:
+                groups.setdefault(f.metadata["group"], []).append(f.name)
+        return groups
+
+    @classmethod
+    def keys_read_by(cls, reader: str) -> list[str]:
+        return [name for names in cls.read_by(reader).values() for name in names]
+
+    @classmethod
+    def scope(cls, name: str) -> Mapping:
+        """A field's scope: group, read_by, and for a training-only setting `about` and `cli`."""
+        return {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
+
 
 def raise_if_problems(what: str, problems: list[str], error: type[Exception] = ValueError) -> None:
     """One error listing every problem found by a validator (a user fixes them in one go), or nothing."""
@@ -169,3 +253,37 @@ def apply_overrides(base, overrides: list[str], where: str = "overrides"):
         expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(key.split(".")[0], "value")
         raise ValueError(f"{where}: {wrong_type_message(key, OmegaConf.select(layer, key), expected)}") from None
     return OmegaConf.to_object(merged)
+
+
+def config_for_command(command: str, overrides: list[str]) -> ProbDiffConfig:
+    """The settings of a CLI command (EVAL or SCORE) with its `key=value` overrides applied, after refusing
+    every key the command would not read: accepted, it would be silently ignored."""
+    reads = ProbDiffConfig.keys_read_by(command)
+    problems = []
+    for item in overrides:
+        key = item.split("=", 1)[0].split(".", 1)[0].strip()  # answer_temperature_by_category.Writing=0.3
+        if key in reads or "=" not in item:
+            continue  # apply_overrides names a malformed item
+        if key not in ProbDiffConfig.field_names():
+            problems.append(f"unknown key {key!r}{did_you_mean(key, reads)}. Valid keys: {', '.join(reads)}")
+        else:
+            problems.append(_not_read(command, key))
+    if problems:  # one per line: each names its key and what to do
+        raise ValueError("settings: " + (problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)))
+    return apply_overrides(ProbDiffConfig(), overrides, where="settings")
+
+
+def _not_read(command: str, key: str) -> str:
+    """Why `command` refuses `key`, and what to do instead."""
+    scope = ProbDiffConfig.scope(key)
+    if EVAL not in scope["read_by"]:  # the callback's schedule
+        message = (
+            f"{key} is a ProbDiffCallback setting ({scope['about']}); it applies during training only "
+            f"(recipe `probdiff.{key}`)"
+        )
+        return message + (f"; for the CLI, {scope['cli']}" if scope["cli"] else "")
+    # read by eval, not by score: sampling, revising, capping
+    return (
+        f"{key} is not read by `probdiff {command}`, which scores the texts in --pairs as they are and generates "
+        "nothing; it applies to `probdiff eval` and during training"
+    )

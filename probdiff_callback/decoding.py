@@ -7,7 +7,8 @@ sampling draws every row from one global generator, so a query's text would depe
 that token, so generate's greedy step takes it.
 
 Rows that have finished are skipped by the sampler (generate pads them): the sampler's work per row is a pass over
-the vocabulary, as large as the model's own work on a small model.
+the whole vocabulary whether the row is live or not, and on a small model with a large vocabulary that pass is a
+large part of a decoding step (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -45,24 +45,22 @@ def delta_key(delta: float) -> str:
 Z_95 = 1.959963984540054
 
 
-def wilson_interval(successes: int, n: int, z: float = Z_95) -> list[float]:
-    """Wilson score interval of a binomial share (Wilson 1927).
+def wilson_interval(successes: int, n: int, confidence_level: float = 0.95) -> list[float]:
+    """Wilson score interval of a binomial share (Wilson 1927), two-sided: scipy's, whose z for 0.95
+    is the 97.5% normal quantile `Z_95`.
 
     Chosen over the percentile bootstrap, which collapses to [0, 0] or [1, 1] when no or every
     query is confident (where base models sit on translation), and over Clopper-Pearson, which is
     conservative (coverage above 95%, wider); Brown, Cai and DasGupta (2001) recommend Wilson's
-    for its near-nominal coverage at small n. At 0 of n the upper end is z^2 / (n + z^2), not 0.
+    for its near-nominal coverage at small n. At 0 of n the upper end is z^2 / (n + z^2), not 0
+    (and the lower end exactly 0; at n of n the upper end exactly 1).
     """
-    if n == 0:
+    from scipy.stats import binomtest
+
+    if n == 0:  # no query: no share to bound (binomtest needs at least one trial)
         return [math.nan, math.nan]
-    share = successes / n
-    scale = 1.0 + z * z / n
-    center = (share + z * z / (2 * n)) / scale
-    half = z / scale * math.sqrt(share * (1.0 - share) / n + z * z / (4 * n * n))
-    # at 0 (n) successes the lower (upper) end is exactly 0 (1); rounding would miss it by 1e-17
-    low = 0.0 if successes == 0 else max(0.0, center - half)
-    high = 1.0 if successes == n else min(1.0, center + half)
-    return [low, high]
+    interval = binomtest(successes, n).proportion_ci(confidence_level=confidence_level, method="wilson")
+    return [float(interval.low), float(interval.high)]
 
 
 def confidence_interval(ds: Sequence[float], delta: float) -> list[float]:

@@ -151,9 +151,9 @@ def score_batch(
 
     Prompt and response are tokenized apart and concatenated, so no token merges across
     their boundary. An empty response scores NaN. Sequences run `rows_per_forward` at a
-    time in order of length (one forward padded to the longest sequence spent 2/3 of its
-    positions on padding on the blog set); the number of forwards depends only on the
-    number of pairs, as ZeRO-3 with sharded parameters needs.
+    time in order of length: one forward padded to the longest sequence would spend most
+    of its positions on the padding of the shorter ones (docs/benchmarks.md); the number
+    of forwards depends only on the number of pairs, as ZeRO-3 with sharded parameters needs.
     """
     decoder, lm_head = split_model(model)
     device = lm_head.weight.device if hasattr(lm_head, "weight") else next(model.parameters()).device

@@ -103,6 +103,20 @@ def test_rank_correlation_matches_hand_computed_values():
         assert math.isnan(few["spearman"]) and math.isnan(few["kendall_p"])
 
 
+def test_exact_spearman_p_counts_orderings_by_hand():
+    # ranks 1..4 against 4,3,1,2 (rho = -0.8 = 1 - sum d^2 / 10): |rho| >= 0.8 for sum d^2 <= 2 (1 + 3 of the 24
+    # orderings) or >= 18 (3 + 1): 8 of 24
+    assert rank_correlation([0.1, 0.2, 0.3, 0.4], [4, 3, 1, 2])["spearman_p"] == pytest.approx(8 / 24)
+    # ties as average ranks: 1,2,3 against 1.5,1.5,3 (rho = sqrt(3)/2); the 3 on rank 1 or 3 reaches |rho|, in
+    # 4 of the 6 orderings
+    tied = rank_correlation([1, 2, 3], [1, 1, 2])
+    assert tied["spearman"] == pytest.approx(math.sqrt(3) / 2) and tied["spearman_p"] == pytest.approx(4 / 6)
+    # ties on both sides make the orderings' rhos asymmetric (1 in 2 of 6 orderings, -0.5 in 4): |rho| >= 1 in
+    # 2 of 6, where doubling the smaller tail would say 4 of 6
+    both = rank_correlation([1, 1, 2], [5, 5, 7])
+    assert both["spearman"] == pytest.approx(1.0) and both["spearman_p"] == pytest.approx(2 / 6)
+
+
 def test_across_steps_pairs_confidence_and_mean_d_with_each_metric_and_the_loss():
     rows = [
         history_row(0, 0.1, 0.5, bleu=1.0, chrf=10.0, eval_loss=4.0, kind="baseline"),

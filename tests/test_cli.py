@@ -1,11 +1,13 @@
 import json
 import math
+import re
 import subprocess
 import sys
 
 import pytest
 
 from probdiff_callback.cli import main
+from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.reports import format_summary
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
@@ -51,6 +53,7 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     assert set(summary["confidence_sweep"]) == {"0", "-0.02", "-0.05", "-0.1"}
     assert summary["config"]["max_new_tokens"] == 12
     assert summary["config"]["answer_temperature_by_category"] == {"Mathematics": 0.1}
+    assert list(summary["config"]) == EVAL_KEYS  # the settings that applied, none of the callback's
     assert set(summary["by_category"]) == {r["category"] for r in records}
     assert summary["n_capped"] == sum(r["response_capped"] for r in records)
     assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in records)
@@ -130,6 +133,7 @@ def test_score_reproduces_eval_scores(eval_dirs, tmp_path):
         == 0
     )
     scored = [json.loads(line) for line in (tmp_path / "scored" / "records.jsonl").read_text().splitlines()]
+    assert list(json.loads((tmp_path / "scored" / "summary.json").read_text())["config"]) == SCORE_KEYS
     for a, b in zip(records, scored):
         if a["d"] is None:
             assert b["d"] is None
@@ -158,6 +162,68 @@ def test_bad_input_gives_a_clear_error(tmp_path, capsys):
     assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta=abc"]) == 2
     err = capsys.readouterr().err
     assert "wrong type for 'delta': got 'abc', expected float" in err and "object_type" not in err
+
+
+EVAL_KEYS = [
+    *("delta", "sweep", "n_revisions", "refinement_prompt", "system_prompt"),
+    *("answer_temperature", "answer_top_p", "answer_temperature_by_category", "revision_temperature"),
+    *("revision_top_p", "n_samples", "seed", "max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens"),
+]
+SCORE_KEYS = ["delta", "sweep", "system_prompt", "max_prompt_tokens", "batch_size", "score_chunk_tokens"]
+CALLBACK_ONLY = [
+    *("n_queries", "every", "baseline", "at_end", "gather_params", "fail_on_error", "wandb_table_rows"),
+    *("output_subdir", "progress"),
+]
+
+
+def test_eval_refuses_n_queries_and_points_to_limit(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["eval", "--queries", SAMPLES, "--out", str(out), "n_queries=2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "n_queries is a ProbDiffCallback setting (the held-out queries evaluated at each step); it applies during "
+        "training only (recipe `probdiff.n_queries`); for the CLI, use --limit N" in err
+    )
+    assert not out.exists()  # refused before loading anything, not evaluated on all queries
+
+
+@pytest.mark.parametrize("command", ["eval", "score"])
+@pytest.mark.parametrize("key", CALLBACK_ONLY)
+def test_callback_only_settings_are_refused_by_eval_and_score(command, key, tmp_path, capsys):
+    source = ["--queries", SAMPLES] if command == "eval" else ["--pairs", "unused.jsonl"]
+    value = {"output_subdir": "x", "n_queries": "2", "every": "2", "wandb_table_rows": "1"}.get(key, "false")
+    assert main([command, *source, "--out", str(tmp_path / "o"), f"{key}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} is a ProbDiffCallback setting (" in err and f"recipe `probdiff.{key}`" in err
+
+
+@pytest.mark.parametrize("key", sorted(set(EVAL_KEYS) - set(SCORE_KEYS)))
+def test_score_refuses_what_only_generating_reads(key, tmp_path, capsys):
+    item = "answer_temperature_by_category.Writing=0.3" if key == "answer_temperature_by_category" else f"{key}=1"
+    assert main(["score", "--pairs", "unused.jsonl", "--out", str(tmp_path / "o"), item]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} is not read by `probdiff score`, which scores the texts in --pairs as they are" in err
+
+
+def test_every_refusal_is_named_in_one_error(tmp_path, capsys):
+    assert main(["score", "--pairs", "x.jsonl", "--out", str(tmp_path / "o"), "seed=1", "delta=0", "every=2"]) == 2
+    err = capsys.readouterr().err
+    assert "seed is not read by `probdiff score`" in err and "every is a ProbDiffCallback setting" in err
+    assert "delta" not in err.replace("delta=", "")  # the key score reads is not complained about
+
+
+def _settings_help(command: str, capsys) -> list[str]:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    paragraph = text[text.index("key=value  ") : text.index("options:")]
+    return re.findall(r"\b[a-z]+(?:_[a-z]+)*\b", paragraph.split(").", 1)[1])
+
+
+@pytest.mark.parametrize(("command", "keys"), [("eval", EVAL_KEYS), ("score", SCORE_KEYS)])
+def test_help_lists_only_the_settings_the_command_reads(command, keys, capsys):
+    listed = [word for word in _settings_help(command, capsys) if word in ProbDiffConfig.field_names()]
+    assert listed == keys
 
 
 def test_select_and_plot_name_a_missing_run_directory(tmp_path, capsys):

@@ -6,8 +6,9 @@ Users never run this: the weights ship with the package and are unpacked on firs
 (probdiff_callback/models/presets.py). Run it only to change the tiny model on purpose, then update the
 pinned hash in tests/test_tiny.py and regenerate the README's example run.
 
-A full-vocabulary softmax would make each step ~20x dearer than the rest of this model, although the
-samples use only a few thousand distinct ids. So it trains over the ids the samples use plus one class
+With the full 152k-row LM head and softmax, the head would be nearly all of each training step's work
+(its multiply-adds per token outnumber those of the two small layers many times over; docs/benchmarks.md),
+although the samples use only a few thousand distinct ids. So it trains over the ids the samples use plus one class
 standing for all the others (its logit raised by the log of their count, as if each had that logit).
 """
 
