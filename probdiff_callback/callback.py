@@ -19,15 +19,15 @@ from typing import Any
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback import distributed, outputs, reference_metrics, versus_base
+from probdiff_callback import distributed, outputs, reference_metrics
+from probdiff_callback.analysis.disagreement import Disagreement, format_disagreements
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.cost import CostReport
-from probdiff_callback.disagreement import Disagreement, format_disagreements
+from probdiff_callback.distributed import model_for_evaluation
 from probdiff_callback.evaluator import evaluate
-from probdiff_callback.metric import summarize
+from probdiff_callback.metric import compare_to_base, summarize
+from probdiff_callback.outputs import CostReport
 from probdiff_callback.queries import Query, fixed_subset, queries_from
 from probdiff_callback.run_files import HistoryRow, Record, RunFiles
-from probdiff_callback.unwrap import model_for_evaluation
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class ProbDiffCallback(TrainerCallback):
 
     def _say_disagreements(self) -> None:
         """As soon as an independent measure moves against ProbDiff: a warning on the console and a W&B alert."""
-        from probdiff_callback.selection import disagreements
+        from probdiff_callback.analysis.select import disagreements
 
         if not self._is_main():
             return
@@ -299,7 +299,7 @@ class ProbDiffCallback(TrainerCallback):
                 self._baseline_records = outcome.records
         vs_base = None
         if kind != "baseline":
-            vs_base = versus_base.compare_to_base(outcome.records, self._baseline_records, self.config.delta)
+            vs_base = compare_to_base(outcome.records, self._baseline_records, self.config.delta)
         outcome.metrics = self._metrics(outcome.summary, vs_base)
         self.evaluated[step] = outcome.metrics
         self.last_outcome = outcome
@@ -369,5 +369,5 @@ class ProbDiffCallback(TrainerCallback):
         reference = None if summary is None else summary.get("reference")
         metrics.update(reference_metrics.trainer_metrics(reference, self.reference_plan))
         if self.config.baseline:
-            metrics.update(versus_base.trainer_metrics(vs_base))
+            metrics.update(outputs.vs_base_metrics(vs_base))
         return metrics

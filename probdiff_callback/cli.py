@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from probdiff_callback.analysis.report import format_comparison, format_summary
 from probdiff_callback.config import EVAL, SCORE, ProbDiffConfig, config_for_command
-from probdiff_callback.reports import format_comparison, format_summary
 
 
 def _settings_help(command: str) -> str:
@@ -162,8 +162,8 @@ def _load(args):
 
 def _write_results(command: str, out: str, records: list[dict], config: ProbDiffConfig, extra: dict) -> dict:
     from probdiff_callback.metric import summarize
-    from probdiff_callback.queries import write_json, write_jsonl
     from probdiff_callback.reference_metrics import summarize_references
+    from probdiff_callback.run_files import write_json, write_jsonl
 
     summary = summarize(records, config.delta, config.sweep)
     reference = summarize_references(records)
@@ -282,8 +282,8 @@ def cmd_convert(args) -> int:
 
 
 def cmd_select(args) -> int:
+    from probdiff_callback.analysis.select import format_selection, point_best, select
     from probdiff_callback.run_files import read_run
-    from probdiff_callback.selection import format_selection, point_best, select
 
     selection = select(read_run(args.run_dir, args.subdir))
     print(format_selection(selection))
@@ -296,7 +296,7 @@ def cmd_select(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from probdiff_callback.plotting import plot_run
+    from probdiff_callback.analysis.plot import plot_run
     from probdiff_callback.run_files import read_run
 
     print(f"wrote {plot_run(read_run(args.run_dir, args.subdir), args.out)}")
@@ -304,11 +304,10 @@ def cmd_plot(args) -> int:
 
 
 def cmd_crosscheck(args) -> int:
-    from probdiff_callback.agreement import crosscheck, format_crosscheck
-    from probdiff_callback.plotting import plot_crosscheck
-    from probdiff_callback.queries import write_json
-    from probdiff_callback.run_files import read_run
-    from probdiff_callback.verdicts import check_verdicts
+    from probdiff_callback.analysis.crosscheck import crosscheck, format_crosscheck
+    from probdiff_callback.analysis.plot import plot_crosscheck
+    from probdiff_callback.analysis.verdicts import check_verdicts
+    from probdiff_callback.run_files import read_run, write_json
 
     run = read_run(args.run_dir, args.subdir)
     rows, records = run.successful_or_raise("; was the run trained with ProbDiffCallback?"), run.records

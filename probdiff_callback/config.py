@@ -8,7 +8,6 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from probdiff_callback.history import DEFAULT_SUBDIR
 from probdiff_callback.prompts import REFINEMENT_PROMPTS
 from probdiff_callback.queries import (
     ALIGNBENCH,
@@ -16,6 +15,7 @@ from probdiff_callback.queries import (
     describe,
     unmatched_keys,
 )
+from probdiff_callback.run_files import DEFAULT_SUBDIR
 
 # Who reads a setting: `probdiff eval`, `probdiff score`, and ProbDiffCallback, which runs eval's evaluation during
 # training (so it reads everything eval reads) on its own schedule. The CLI refuses a key its command would not read

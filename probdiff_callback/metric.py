@@ -214,3 +214,15 @@ def compare(records_a: Sequence[dict], records_b: Sequence[dict], delta: float) 
         "d_mean_b": finite_mean(p[1] for p in pairs),
         "wilcoxon_p": p_value,
     }
+
+
+def compare_to_base(records: Sequence[dict], base_records: Sequence[dict] | None, delta: float) -> dict | None:
+    """`metric.compare(records, base_records, delta)`, or None without base records."""
+    if not records or not base_records:
+        return None
+    return compare(records, base_records, delta)
+
+
+def is_finite(value: object) -> bool:
+    """A real number that is neither NaN nor infinite (None, text and booleans are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -5,7 +5,6 @@ null, atomically)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 from collections.abc import Iterable, Sequence
@@ -260,38 +259,6 @@ def load_pairs(path: str | os.PathLike) -> list[tuple[Query, str, str]]:
             )
         )
     return pairs
-
-
-def nan_to_none(value):
-    """`value` with every NaN and infinity, however deeply nested, as None (JSON's null); tuples become lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nan_to_none(v) for v in value]
-    return value
-
-
-def to_json(value, **kwargs) -> str:
-    """JSON with NaN/inf written as null (strict JSON readers reject NaN)."""
-    return json.dumps(nan_to_none(value), ensure_ascii=False, allow_nan=False, **kwargs)
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def write_json(path: str | os.PathLike, value) -> None:
-    write_atomic(path, to_json(value, indent=2) + "\n")
-
-
-def write_jsonl(path: str | os.PathLike, rows) -> None:
-    write_atomic(path, "".join(to_json(row) + "\n" for row in rows))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -28,7 +28,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from probdiff_callback.formatting import fmt
 from probdiff_callback.metric import finite_mean
 from probdiff_callback.queries import Query
 
@@ -247,16 +246,3 @@ def trainer_metrics(reference: Mapping | None, plan: ReferencePlan) -> dict[str,
             value = by_category.get(category, {}).get(name)
             metrics[trainer_metric_name(name, category)] = math.nan if value is None else float(value)
     return metrics
-
-
-def format_reference(reference: Mapping) -> str:
-    """Lines for the terminal: overall, then each category."""
-    names = [n for n in METRIC_LABELS if n in reference["overall"]]
-
-    def cells(values: Mapping) -> str:
-        return "  ".join(f"{METRIC_LABELS[n]} {fmt(values.get(n), '.2f')}" for n in names if n in values)
-
-    lines = [f"reference metrics  {cells(reference['overall'])}  (n {max(reference['n_scored'].values(), default=0)})"]
-    for category, entry in reference["by_category"].items():
-        lines.append(f"  {category:<20} n={entry['n']:<4} {cells(entry)}")
-    return "\n".join(lines)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from probdiff_callback.formatting import is_finite
-from probdiff_callback.queries import DataFileError, nan_to_none, read_jsonl, write_json, write_jsonl
+from probdiff_callback.metric import is_finite
+from probdiff_callback.queries import DataFileError, read_jsonl
 
 DEFAULT_SUBDIR = "probdiff"
 HISTORY_FILE = "history.jsonl"
@@ -305,3 +305,36 @@ class RunFiles:
     @staticmethod
     def _write_checkpoint_summary(checkpoint: str | os.PathLike, row: HistoryRow) -> None:
         write_json(Path(checkpoint) / CHECKPOINT_SUMMARY_FILE, row.to_json())
+
+
+# --- JSON, written atomically with NaN as null --------------------------------------------------------------
+def nan_to_none(value):
+    """`value` with every NaN and infinity, however deeply nested, as None (JSON's null); tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_to_none(v) for v in value]
+    return value
+
+
+def to_json(value, **kwargs) -> str:
+    """JSON with NaN/inf written as null (strict JSON readers reject NaN)."""
+    return json.dumps(nan_to_none(value), ensure_ascii=False, allow_nan=False, **kwargs)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, value) -> None:
+    write_atomic(path, to_json(value, indent=2) + "\n")
+
+
+def write_jsonl(path: str | os.PathLike, rows) -> None:
+    write_atomic(path, "".join(to_json(row) + "\n" for row in rows))

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     callback_module.evaluate = real_evaluate
     seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
 
-    from probdiff_callback.queries import write_json
+    from probdiff_callback.run_files import write_json
 
     write_json(Path(args.out) / f"rank-{rank}.json", seen)
     trainer.accelerator.wait_for_everyone()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback.agreement import (
+from probdiff_callback.analysis.crosscheck import (
     across_steps,
     crosscheck,
     format_crosscheck,
@@ -18,10 +18,8 @@ from probdiff_callback.agreement import (
     rank_correlation,
     step_measures,
 )
-from probdiff_callback.cli import main
-from probdiff_callback.queries import DataFileError, write_jsonl
-from probdiff_callback.run_files import history_path, read_run, step_records_path
-from probdiff_callback.verdicts import (
+from probdiff_callback.analysis.report import format_win_tie_lose
+from probdiff_callback.analysis.verdicts import (
     check_verdicts,
     conflict_degree,
     format_conflict,
@@ -29,7 +27,11 @@ from probdiff_callback.verdicts import (
     pairwise_agreement,
     read_verdicts,
 )
-from probdiff_callback.versus_base import compare_to_base, format_win_tie_lose, trainer_metrics
+from probdiff_callback.cli import main
+from probdiff_callback.metric import compare_to_base
+from probdiff_callback.outputs import vs_base_metrics
+from probdiff_callback.queries import DataFileError
+from probdiff_callback.run_files import history_path, read_run, step_records_path, write_jsonl
 
 DELTA = -0.05
 
@@ -173,9 +175,9 @@ def test_versus_base_is_metric_compare_against_the_baseline():
     result = compare_to_base(step, base, DELTA)
     assert (result["win"], result["tie"], result["lose"]) == (2, 1, 1)  # a, c won; b lost; d tied
     assert format_win_tie_lose(result) == "2/1/1"
-    assert trainer_metrics(result)["eval_probdiff_vs_base_win"] == 2.0
+    assert vs_base_metrics(result)["eval_probdiff_vs_base_win"] == 2.0
     assert compare_to_base(step, None, DELTA) is None and format_win_tie_lose(None) == "-"
-    assert all(math.isnan(v) for v in trainer_metrics(None).values())
+    assert all(math.isnan(v) for v in vs_base_metrics(None).values())
 
 
 # ---- outside verdicts, by hand ----

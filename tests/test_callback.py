@@ -16,14 +16,14 @@ from transformers import EarlyStoppingCallback
 
 import probdiff_callback.callback as callback_module
 from probdiff_callback import distributed, run_files
+from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
 from probdiff_callback.callback import ProbDiffCallback, select_queries
 from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.distributed import preserved_rng_state
 from probdiff_callback.evaluator import evaluate
 from probdiff_callback.metric import compare, summarize
 from probdiff_callback.outputs import metrics_from_summary
 from probdiff_callback.queries import DataFileError, Query, read_jsonl
-from probdiff_callback.selection import format_selection, point_best, select_checkpoints
-from probdiff_callback.unwrap import preserved_rng_state
 
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
 
@@ -178,7 +178,7 @@ def test_unwrapping_restores_zero3_hooks_and_the_runs_checkpointing_even_when_ev
     from transformers import AutoModelForCausalLM, TrainingArguments
     from trl.models import utils as trl_utils
 
-    from probdiff_callback.unwrap import set_activation_checkpointing, unwrapped_for_generation
+    from probdiff_callback.distributed import set_activation_checkpointing, unwrapped_for_generation
 
     events = []
 

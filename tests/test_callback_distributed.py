@@ -17,7 +17,7 @@ import pytest
 import torch
 from _distributed_eval import N_QUERIES, held_out_queries, load_tiny, probdiff_config
 
-from probdiff_callback import history
+from probdiff_callback import run_files
 from probdiff_callback.callback import select_queries
 from probdiff_callback.evaluator import evaluate
 from probdiff_callback.queries import read_jsonl
@@ -122,7 +122,7 @@ def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None
     assert ranks[0]["history_metrics"] == ranks[1]["history_metrics"]
     assert sorted(ranks[0]["history_metrics"], key=int) == ["0", "2"]
 
-    rows = history.read_history(history.history_path(out / "run"))
+    rows = [r.to_json() for r in run_files.read_history(run_files.history_path(out / "run"))]
     assert [(r["global_step"], r["kind"], r["error"]) for r in rows] == [(0, "baseline", None), (2, "save", None)]
     assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), reference(None))
     assert_same_records(

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from probdiff_callback.analysis.report import format_summary
 from probdiff_callback.cli import main
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.reports import format_summary
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _distributed_eval import chat_dataset, load_tiny
 
-from probdiff_callback import history
+from probdiff_callback import run_files
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -31,7 +31,7 @@ def test_the_readme_callback_snippet_trains_and_evaluates(tmp_path, tiny_model_p
     exec(compile(callback_snippet(), str(README), "exec"), names)
 
     trainer = names["trainer"]
-    rows = history.read_history(history.history_path(tmp_path / "out"))
+    rows = [r.to_json() for r in run_files.read_history(run_files.history_path(tmp_path / "out"))]
     assert rows[0]["kind"] == "baseline" and rows[-1]["global_step"] == trainer.state.global_step > 0
     assert all(r["error"] is None for r in rows)
     assert all(r["summary"]["n"] == 2 for r in rows)  # the two held-out chats

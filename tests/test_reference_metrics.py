@@ -12,12 +12,12 @@ import pytest
 import sacrebleu
 from rouge_score import rouge_scorer
 
+from probdiff_callback.analysis.report import format_reference
 from probdiff_callback.queries import Query, load_queries
 from probdiff_callback.reference_metrics import (
     ReferencePlan,
     bleu_tokenizer,
     corpus_bleu_chrf,
-    format_reference,
     metric_family,
     plan_references,
     pooled_bleu,

@@ -7,9 +7,9 @@ import math
 import os
 from pathlib import Path
 
+from probdiff_callback.analysis.select import format_selection, ranked_rows, select_checkpoints
 from probdiff_callback.cli import main
-from probdiff_callback.metric import summarize
-from probdiff_callback.queries import write_jsonl
+from probdiff_callback.metric import compare_to_base, summarize
 from probdiff_callback.run_files import (
     HistoryRow,
     history_path,
@@ -17,9 +17,8 @@ from probdiff_callback.run_files import (
     read_records,
     read_run,
     step_records_path,
+    write_jsonl,
 )
-from probdiff_callback.selection import format_selection, ranked_rows, select_checkpoints
-from probdiff_callback.versus_base import compare_to_base
 
 DELTA = -0.05
 
@@ -215,7 +214,7 @@ def test_plot_marks_the_best_checkpoint_shows_eval_loss_and_reference_metrics_an
 ):
     import matplotlib.figure
 
-    from probdiff_callback.plotting import plot_run
+    from probdiff_callback.analysis.plot import plot_run
 
     run = tmp_path / "run"
     write_run(run, {0: POOR, 10: MIXED, 20: GOOD, 30: MIXED_HIGHER_D}, checkpoints=(10, 20, 30))
@@ -264,7 +263,7 @@ def set_measures(run: Path, measures: dict[int, tuple[float, float | None]]) -> 
 def captured_figure(monkeypatch, run: Path):
     import matplotlib.figure
 
-    from probdiff_callback.plotting import plot_run
+    from probdiff_callback.analysis.plot import plot_run
 
     captured = {}
     real_savefig = matplotlib.figure.Figure.savefig

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 from wandb_setup import start_wandb
 
-from probdiff_callback import history
+from probdiff_callback import run_files
 from probdiff_callback.callback import ProbDiffCallback
 from probdiff_callback.queries import load_queries
 from probdiff_callback.wandb_run import (
@@ -332,7 +332,7 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
     assert logged_at("train/loss") == [1, 2, 3, 4]
     # what W&B holds at each step is what the history holds: the resumed process's evaluation of step 3
     by_step = {row["train/global_step"]: row for row in uploaded if "eval/probdiff_confidence" in row}
-    for row in history.read_history(history.history_path(run)):
+    for row in [r.to_json() for r in run_files.read_history(run_files.history_path(run))]:
         logged = by_step[row["global_step"]]
         assert logged["eval/probdiff_confidence"] == row["summary"]["confidence"]
         assert logged["eval/ref_chrf"] == pytest.approx(row["summary"]["reference"]["overall"]["chrf"])

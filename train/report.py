@@ -7,14 +7,13 @@ from pathlib import Path
 
 from recipe import Recipe
 
-from probdiff_callback.formatting import fmt, format_table, pct
+from probdiff_callback.analysis.report import fmt, format_p, format_table, format_win_tie_lose, pct
 from probdiff_callback.run_files import HistoryRow
 
 
 def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: list[str]) -> list[list[str]]:
     """One line per evaluated step: losses as last logged up to the step, confidence, mean d, caps, vs base and the
     reference metrics."""
-    from probdiff_callback import versus_base
 
     def last(key: str, step: int) -> str:
         values = [e[key] for e in log_history if key in e and e.get("step", 0) <= step]
@@ -30,18 +29,18 @@ def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: 
             pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]", fmt(s["d_mean"], "+.4f"), str(s["n"]),
             # histories written before the cap was counted have no n_capped
             f"{s['n_capped']}/{s['n_revision_capped']}" if "n_capped" in s else "-",
-            versus_base.format_win_tie_lose(row.vs_base), versus_base.format_p(row.vs_base),
+            format_win_tie_lose(row.vs_base), format_p(row.vs_base),
             *[fmt(overall.get(name), ".2f", "-") for name in references],
         ])  # fmt: skip
     return table
 
 
 def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb_sync: str | None, seconds: float):
-    from probdiff_callback.agreement import crosscheck, one_line
-    from probdiff_callback.plotting import plot_run
+    from probdiff_callback.analysis.crosscheck import crosscheck, one_line
+    from probdiff_callback.analysis.plot import plot_run
+    from probdiff_callback.analysis.select import format_selection, point_best, select
     from probdiff_callback.reference_metrics import METRIC_LABELS
     from probdiff_callback.run_files import read_run
-    from probdiff_callback.selection import format_selection, point_best, select
 
     # Read once, ranked once: the table, the cross-check, the selection and the plot all show what was read here.
     run = read_run(run_dir, recipe.probdiff.output_subdir)

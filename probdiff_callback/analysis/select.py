@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from probdiff_callback import versus_base
-from probdiff_callback.agreement import step_measures
-from probdiff_callback.disagreement import Disagreement, find_disagreements, format_disagreements
-from probdiff_callback.formatting import fmt, pct
+from probdiff_callback.analysis.crosscheck import step_measures
+from probdiff_callback.analysis.disagreement import Disagreement, find_disagreements, format_disagreements
+from probdiff_callback.analysis.report import fmt, format_p, format_win_tie_lose, pct
 from probdiff_callback.metric import compare
 from probdiff_callback.run_files import DEFAULT_SUBDIR, HistoryRow, Run, read_run
 
@@ -163,7 +162,7 @@ def format_selection(selection: Selection) -> str:
             f"{rank:>4}  {step.global_step:>6}  {pct(step.confidence):>10}  "
             f"{'[' + pct(low) + ', ' + pct(high) + ']':>15}  "
             f"{step.d_mean:>8.4f}  {step.n:>4}  {p:>9}  {win_lose:>8}  "
-            f"{versus_base.format_win_tie_lose(step.vs_base):>13}  {versus_base.format_p(step.vs_base):>9}  "
+            f"{format_win_tie_lose(step.vs_base):>13}  {format_p(step.vs_base):>9}  "
             f"{step.checkpoint or '-'}"
         )
 

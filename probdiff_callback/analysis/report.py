@@ -1,9 +1,13 @@
-"""The reports `probdiff eval`, `score` and `compare` print: a summary and a paired comparison, in words."""
+"""Numbers in words and tables: one rule for missing and non-finite values, percentages and aligned columns; the
+reports `probdiff eval`, `score` and `compare` print (a summary, a paired comparison) and the comparison with the
+base model as a table cell."""
 
 from __future__ import annotations
 
-from probdiff_callback.formatting import fmt, pct
-from probdiff_callback.reference_metrics import format_reference
+from collections.abc import Mapping, Sequence
+
+from probdiff_callback.metric import is_finite
+from probdiff_callback.reference_metrics import METRIC_LABELS
 
 
 def format_summary(summary: dict) -> str:
@@ -51,3 +55,46 @@ def format_comparison(result: dict, name_a: str, name_b: str) -> str:
             "tests whether d is shifted between the models, not the win/lose split",
         ]
     )
+
+
+def format_win_tie_lose(result: Mapping | None) -> str:
+    """`win/tie/lose` as counts, or `-` without a comparison."""
+    if result is None:
+        return "-"
+    return f"{result['win']}/{result['tie']}/{result['lose']}"
+
+
+def format_p(result: Mapping | None) -> str:
+    if result is None:
+        return "-"
+    p = result.get("wilcoxon_p")
+    return fmt(p, ".3g")
+
+
+def fmt(value: object, spec: str, missing: str = "n/a") -> str:
+    """`value` formatted with `spec` (e.g. `.3g`, `+.2f`), or `missing` when it is not a finite number."""
+    return format(value, spec) if is_finite(value) else missing
+
+
+def pct(value: object, missing: str = "n/a") -> str:
+    """A share in [0, 1] as a percentage with one decimal (`0.417` -> `41.7%`)."""
+    return f"{100 * value:.1f}%" if is_finite(value) else missing  # type: ignore[operator]
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Right-aligned columns separated by two spaces."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    return "\n".join("  ".join(str(cell).rjust(width) for cell, width in zip(line, widths)) for line in [header, *rows])
+
+
+def format_reference(reference: Mapping) -> str:
+    """Lines for the terminal: overall, then each category."""
+    names = [n for n in METRIC_LABELS if n in reference["overall"]]
+
+    def cells(values: Mapping) -> str:
+        return "  ".join(f"{METRIC_LABELS[n]} {fmt(values.get(n), '.2f')}" for n in names if n in values)
+
+    lines = [f"reference metrics  {cells(reference['overall'])}  (n {max(reference['n_scored'].values(), default=0)})"]
+    for category, entry in reference["by_category"].items():
+        lines.append(f"  {category:<20} n={entry['n']:<4} {cells(entry)}")
+    return "\n".join(lines)

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from probdiff_callback.formatting import is_finite, pct
+from probdiff_callback.analysis.report import pct
+from probdiff_callback.metric import is_finite
 from probdiff_callback.reference_metrics import METRIC_LABELS
 
 LOSS = "eval_loss"

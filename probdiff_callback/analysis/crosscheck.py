@@ -22,7 +22,8 @@ import statistics
 import warnings
 from collections.abc import Mapping, Sequence
 
-from probdiff_callback.formatting import fmt, is_finite
+from probdiff_callback.analysis.report import fmt
+from probdiff_callback.metric import is_finite
 from probdiff_callback.reference_metrics import METRIC_LABELS
 from probdiff_callback.run_files import HistoryRow, as_row
 

@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from probdiff_callback.formatting import fmt, pct
+from probdiff_callback.analysis.report import fmt, pct
 from probdiff_callback.metric import compare, is_confident
 from probdiff_callback.queries import DataFileError, read_rows
 from probdiff_callback.run_files import HistoryRow, as_row
