@@ -78,6 +78,7 @@ def broadcast(accelerator, value: T) -> T:
     return holder[0]
 
 
+@contextlib.contextmanager
 def preserved_rng_state() -> Iterator[None]:
     """Training RNG streams (python, numpy, torch CPU and CUDA) as they were before: the evaluation must not
     shift dropout masks or data order."""

@@ -1,15 +1,10 @@
-"""Shared fixtures: models are built once per test session (and the `tiny` preset unpacked once per machine).
-The training script's modules (train/) are importable as it imports them, from its own directory."""
+"""Shared fixtures: models are built once per test session (and the `tiny` preset unpacked once per machine)."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.append(str(Path(__file__).resolve().parents[1] / "train"))
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

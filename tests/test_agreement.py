@@ -13,7 +13,6 @@ from probdiff_callback.analysis.crosscheck import (
     across_steps,
     crosscheck,
     format_crosscheck,
-    one_line,
     per_query,
     rank_correlation,
     step_measures,
@@ -32,6 +31,7 @@ from probdiff_callback.metric import compare_to_base
 from probdiff_callback.outputs import vs_base_metrics
 from probdiff_callback.queries import DataFileError
 from probdiff_callback.run_files import history_path, read_run, step_records_path, write_jsonl
+from probdiff_callback.training.report import one_line
 
 DELTA = -0.05
 

@@ -149,8 +149,9 @@ def test_probdiff_evaluates_each_family_and_stops_at_its_end_of_turn(family):
 
 
 def test_trl_builds_labels_from_our_masks(family, tmp_path):
-    from conversations import loss_datasets
     from trl import SFTConfig, SFTTrainer
+
+    from probdiff_callback.training.data import loss_datasets
 
     name, tokenizer = family
     rows = [{"id": "a", "messages": CONVERSATION}, {"id": "b", "messages": CONVERSATION[1:3]}]

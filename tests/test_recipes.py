@@ -10,9 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conversations import data_files
-from model_setup import quantization_config
-from recipe import (
+
+from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.models import PRESETS
+from probdiff_callback.training.data import data_files
+from probdiff_callback.training.model_setup import quantization_config
+from probdiff_callback.training.recipe import (
     RECIPES_DIR,
     SFT_DEFAULTS,
     TASKS,
@@ -23,11 +26,8 @@ from recipe import (
     load_recipe,
     sft_config,
 )
-from run_dir import default_run_name, resolve_run
-from wandb_setup import setup_wandb, start_wandb, wandb_logged_in
-
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.models import PRESETS
+from probdiff_callback.training.run_dir import default_run_name, resolve_run
+from probdiff_callback.training.wandb_run import setup_wandb, start_wandb, wandb_logged_in
 
 TASK_RECIPES = sorted(p for p in RECIPES_DIR.rglob("*.yaml") if "accelerate" not in p.relative_to(RECIPES_DIR).parts)
 ACCELERATE_CONFIGS = sorted((RECIPES_DIR / "accelerate").glob("*.yaml"))
@@ -321,8 +321,9 @@ def test_cross_field_validation():
 
 
 def test_lora_targets_fit_the_architecture(tiny_model):
-    from model_setup import lora_targets
     from peft import LoraConfig, get_peft_model
+
+    from probdiff_callback.training.model_setup import lora_targets
 
     model, _ = tiny_model
     assert lora_targets(model, ["all-linear"]) == "all-linear"

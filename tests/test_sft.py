@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conversations import count_without_assistant_tokens
-from recipe import TASKS
 
 from probdiff_callback.threads import choose_threads
+from probdiff_callback.training.data import count_without_assistant_tokens
+from probdiff_callback.training.recipe import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 # A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
@@ -228,3 +228,28 @@ def test_entry_point_errors(tmp_path):
     result = run_sft(["recipe=blog", "model=tiny", f"heldout_file={bad}", "report_to=none"], tmp_path)
     assert result.returncode == 2 and f"{bad}:2" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_says_how_to_continue(tmp_path, tiny_model_path):
+    """SIGINT after the first checkpoint (Ctrl-C at the terminal): no traceback, exit 130, one line naming the
+    checkpoint and the command that continues the run."""
+    import signal
+    import time
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["recipe=blog", *CHEAP, "max_steps=50", "output_dir=runs/blog/ctrl-c"]
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "train/sft.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = tmp_path / "runs/blog/ctrl-c/checkpoint-1"
+    deadline = time.time() + 300
+    while not (first / "trainer_state.json").is_file() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    hint = next(line for line in out.splitlines() if line.startswith("interrupted: "))
+    assert "the last checkpoint is runs/blog/ctrl-c/checkpoint-" in hint
+    assert hint.endswith("train/sft.py " + " ".join(args) + " resume=true")

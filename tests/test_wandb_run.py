@@ -12,15 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _distributed_eval import REPO, build_trainer, probdiff_config
-from recipe import load_recipe, sft_config
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
-from wandb_setup import start_wandb
 
 from probdiff_callback import run_files
 from probdiff_callback.callback import ProbDiffCallback
 from probdiff_callback.queries import load_queries
-from probdiff_callback.wandb_run import (
+from probdiff_callback.training.recipe import load_recipe, sft_config
+from probdiff_callback.training.wandb_run import (
     RUN_ID_FILE,
     STEP_RECORD_FILE,
     StepRecord,
@@ -30,6 +29,7 @@ from probdiff_callback.wandb_run import (
     read_run_id,
     read_step_record,
     start_run,
+    start_wandb,
     step_recorder,
     sync_command,
     write_step_record,

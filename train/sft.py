@@ -14,17 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-from conversations import load_data, report_truncation
-from environment import is_main_process, say
-from model_setup import load_model, lora_config, prepare_model_files
-from recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
-from report import summarize_run
-from run_dir import resolve_run
-from trainer import build_trainer, save_inference_files
-from wandb_setup import setup_wandb, start_wandb
-
 from probdiff_callback.queries import DataFileError
 from probdiff_callback.threads import configure_threads
+from probdiff_callback.training import is_main_process, say
+from probdiff_callback.training.data import load_data, report_truncation
+from probdiff_callback.training.model_setup import load_model, lora_config, prepare_model_files
+from probdiff_callback.training.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
+from probdiff_callback.training.report import summarize_run
+from probdiff_callback.training.run_dir import resolve_run, resume_hint
+from probdiff_callback.training.trainer import build_trainer, save_inference_files
+from probdiff_callback.training.wandb_run import setup_wandb, start_wandb
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, DataFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training started: nothing to continue
+        say("interrupted before training started")
+        return 130
 
 
 def train(args: list[str]) -> int:
@@ -70,7 +72,11 @@ def train(args: list[str]) -> int:
     # 7. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start)
     if "wandb" in report_to_list(recipe) and is_main_process():
         wandb_sync = start_wandb(recipe, run_dir, resume_from, trainer) or wandb_sync
-    trainer.train(resume_from_checkpoint=resume_from)
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    except KeyboardInterrupt:  # Ctrl-C: one line on how to go on, instead of a traceback per process
+        say(resume_hint(run_dir, args))
+        return 130
 
     # 8. Save the final weights, select and name the best checkpoint, say where everything is
     final_dir = run_dir / "final"

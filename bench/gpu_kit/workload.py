@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -96,8 +95,7 @@ def read_recipe() -> dict:
     ProbDiffConfig), read without recipe.py's loader, which needs trl and omegaconf that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
-    sys.path.insert(0, str(ROOT / "train"))
-    from recipe import SFT_DEFAULTS, RecipeKeys
+    from probdiff_callback.training.recipe import SFT_DEFAULTS, RecipeKeys
 
     body, defaults = yaml.safe_load(RECIPE.read_text(encoding="utf-8")), asdict(RecipeKeys())
     return {**defaults, **SFT_DEFAULTS, **body, **{k: {**defaults[k], **body.get(k, {})} for k in ("lora", "probdiff")}}

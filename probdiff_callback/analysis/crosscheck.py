@@ -243,19 +243,3 @@ def format_crosscheck(report: Mapping) -> str:
                 f"{row['n_significant_negative']:>7}/{k:<3}"
             )
     return "\n".join(lines)
-
-
-def one_line(report: Mapping) -> str:
-    """The summary `train/sft.py` prints at the end of training."""
-    parts = []
-    for row in report["across_steps"]:
-        if row["probdiff"] == "confidence":
-            parts.append(
-                f"{LABELS[row['measure']]} ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')})"
-            )
-    text = f"Cross-check over {report['n_steps']} steps, confidence vs " + (
-        ", ".join(parts) if parts else "nothing (no reference metric or eval loss)"
-    )
-    for row in report["per_query"][:1]:
-        text += f"; per query d vs {LABELS[row['metric']]}: median ρ {fmt(row['median_spearman'], '+.2f')}"
-    return text

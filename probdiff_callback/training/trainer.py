@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conversations import LOSS_MASKING_NOTES, loss_datasets
-from environment import say
-from recipe import Recipe
 from transformers import TrainerCallback
+
+from probdiff_callback.training import say
+from probdiff_callback.training.data import LOSS_MASKING_NOTES, loss_datasets
+from probdiff_callback.training.recipe import Recipe
 
 
 def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from recipe import Recipe, RecipeError
+from probdiff_callback.training.recipe import Recipe, RecipeError
 
 RUNS_DIR = Path("runs")
 # Settings that name or steer a run rather than define what is trained: left out of the run name's hash,
@@ -65,3 +65,11 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
             "Continue it with resume=true, start afresh with overwrite=true, or choose another run_name="
         )
     return run_dir, None if checkpoint is None else str(checkpoint)
+
+
+def resume_hint(run_dir: Path, args: list[str]) -> str:
+    """After Ctrl-C: where the run stopped and the command that continues it (the same arguments, `resume=true`)."""
+    latest = latest_checkpoint(run_dir)
+    kept = [arg for arg in args if not arg.startswith("resume=")]
+    where = f"the last checkpoint is {latest}" if latest is not None else "no checkpoint was saved yet"
+    return f"interrupted: {where}. Continue with: accelerate launch train/sft.py {' '.join(kept)} resume=true"

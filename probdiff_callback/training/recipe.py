@@ -21,8 +21,8 @@ from typing import Any
 
 from probdiff_callback.config import ProbDiffConfig, did_you_mean, raise_if_problems, wrong_type_message
 from probdiff_callback.models import PRESETS
+from probdiff_callback.training import PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 TASKS = ("translation", "summarization", "blog", "alignbench")
 

@@ -1,28 +1,22 @@
-"""One W&B run per training run, across resumes.
+"""W&B for a training run: the environment the Trainer's integration reads (project per recipe, files in the run
+directory, offline when not logged in), and one W&B run per training run, across resumes.
 
-The run id lives in `RUN_DIR/wandb_run_id`. A fresh start (no checkpoint to resume from) gets a new
-id; `resume=` reuses the stored one. When the Trainer saves `checkpoint-N`, `WandbStepRecord` writes
-`checkpoint-N/wandb_step.json`: the run id and the last W&B `_step` logged by then (the step's training
-loss, eval metrics and ProbDiff rows are all logged before the Trainer calls `on_save`). The record
-travels with its checkpoint, so checkpoint rotation deletes it too. Resuming from `checkpoint-N`
-*rewinds* the W&B run to that `_step` with W&B's own mechanism, `wandb.init(resume_from="<id>?_step=N")`:
-the rows logged after the checkpoint by the interrupted process are dropped and the resumed process
-logs in their place, so each step is in the run once. A checkpoint without the record (saved before
-these records, or without W&B) resumes the run instead (`resume="allow"`, appending).
+The run id lives in `RUN_DIR/wandb_run_id`. A fresh start gets a new id; `resume=` reuses the stored one. When the
+Trainer saves `checkpoint-N`, `WandbStepRecord` writes `checkpoint-N/wandb_step.json` with the last W&B `_step`
+logged up to step N (everything of step N is logged by then). Resuming from that checkpoint rewinds the W&B run
+there with W&B's public `wandb.init(resume_from="<id>?_step=<that step>")`: rows logged after the checkpoint by the
+interrupted process are replaced, so each step is in the run once. The record travels with its checkpoint (rotation
+deletes both); a checkpoint without one resumes the run with `resume="allow"` and says so.
 
-Online, W&B applies the rewind when the run starts. W&B documents rewinding as a preview feature
-that it enables per account, and refuses to rewind a run it still sees as running (a crash is
-noticed after a few minutes): if the rewind is refused, the run is resumed instead (`resume="allow"`,
-appending), and the message names the steps that will appear twice.
-
-Offline, nothing can be rewound on the spot: each process writes its own segment directory
-`wandb/offline-run-<time>-<id>/`, and a resumed segment records its rewind point. `wandb sync --id <id>
-<its segments>` uploads the segments in order of start time into the one run, and W&B applies each
-rewind on upload (the same preview feature). That is the command `sync_command` prints.
+Online, W&B applies the rewind when the run starts (a preview feature it enables per account, refused while it still
+sees the run as running): if the rewind is refused, the run is resumed instead and the message names the steps that
+appear twice. Offline, each process writes its own segment directory and `wandb sync --id <id> <segments>` applies
+the rewinds on upload (`sync_command`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -30,10 +24,14 @@ import string
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from probdiff_callback.training import say
+from probdiff_callback.training.recipe import Recipe, RecipeError, report_to_list
 
 RUN_ID_FILE = "wandb_run_id"
 STEP_RECORD_FILE = "wandb_step.json"
@@ -243,3 +241,65 @@ def step_recorder(started: StartedRun, offline: bool) -> WandbStepRecord | None:
 def sync_command(wandb_dir: str | os.PathLike, run_id: str) -> str:
     """The command that uploads every offline segment of the run into the one W&B run, in order."""
     return f"wandb sync --id {run_id} {Path(wandb_dir) / f'offline-run-*-{run_id}'}"
+
+
+def wandb_logged_in(environ: dict[str, str] | None = None) -> bool:
+    """An API key in WANDB_API_KEY or in the netrc file `wandb login` writes."""
+    import netrc
+
+    environ = os.environ if environ is None else environ
+    if environ.get("WANDB_API_KEY"):
+        return True
+    host = environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].rstrip("/")
+    try:
+        path = environ.get("NETRC") or str(Path.home() / ".netrc")
+        return Path(path).is_file() and netrc.netrc(path).authenticators(host) is not None
+    except (netrc.NetrcParseError, OSError):
+        return False
+
+
+def setup_wandb(recipe: Recipe, run_dir: Path) -> str | None:
+    """Environment for the Trainer's W&B integration. Returns the `wandb sync` command for an offline run, else None."""
+    if "wandb" not in report_to_list(recipe):
+        return None
+    if importlib.util.find_spec("wandb") is None:
+        raise RecipeError("report_to includes wandb but wandb is not installed: pip install wandb, or report_to=none")
+    os.environ.setdefault("WANDB_PROJECT", recipe.wandb_project or f"probdiff-{recipe.recipe}")
+    if recipe.wandb_entity:
+        os.environ["WANDB_ENTITY"] = recipe.wandb_entity
+    os.environ.setdefault("WANDB_DIR", str(run_dir))
+    os.environ.setdefault("WANDB_LOG_MODEL", "false")
+    if os.environ.get("WANDB_MODE") is None and not wandb_logged_in():
+        os.environ["WANDB_MODE"] = "offline"
+    if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+        return f"wandb sync {Path(os.environ['WANDB_DIR']) / 'wandb' / 'offline-run-*'}"
+    return None
+
+
+def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, trainer) -> str | None:
+    """Start (or continue, rewinding it) the training run's W&B run on the main process, and add to `trainer` the
+    callback that records each checkpoint's W&B step (after ProbDiffCallback, so its rows are counted). The
+    `wandb sync` command when offline, else None. The Trainer's integration logs the SFTConfig into the run's config;
+    the project's own keys (model, LoRA, ProbDiff, data) go in with it here, as `recipe`."""
+    import wandb
+
+    offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
+    started = start_run(
+        run_dir,
+        resume_from,
+        project=os.environ.get("WANDB_PROJECT") or f"probdiff-{recipe.recipe}",
+        name=trainer.args.run_name,
+        init=partial(wandb.init, config={"recipe": recipe.project_dict()}),
+    )
+    say(started.message)
+    recorder = step_recorder(started, offline)
+    if recorder is None:
+        say(
+            f"W&B run {started.run_id}: offline and resumed without rewinding, so this process's W&B steps are not "
+            "the run's; its checkpoints get no W&B step record, and resuming from them will not rewind either"
+        )
+    else:
+        trainer.add_callback(recorder)
+    if offline:
+        return sync_command(Path(os.environ.get("WANDB_DIR") or run_dir) / "wandb", started.run_id)
+    return None

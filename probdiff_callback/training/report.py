@@ -3,12 +3,13 @@ is."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
-from recipe import Recipe
-
+from probdiff_callback.analysis.crosscheck import LABELS
 from probdiff_callback.analysis.report import fmt, format_p, format_table, format_win_tie_lose, pct
 from probdiff_callback.run_files import HistoryRow
+from probdiff_callback.training.recipe import Recipe
 
 
 def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: list[str]) -> list[list[str]]:
@@ -36,7 +37,7 @@ def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: 
 
 
 def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb_sync: str | None, seconds: float):
-    from probdiff_callback.analysis.crosscheck import crosscheck, one_line
+    from probdiff_callback.analysis.crosscheck import crosscheck
     from probdiff_callback.analysis.plot import plot_run
     from probdiff_callback.analysis.select import format_selection, point_best, select
     from probdiff_callback.reference_metrics import METRIC_LABELS
@@ -94,3 +95,19 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     print(f"  cross-check          probdiff crosscheck {run_dir}")
     if wandb_sync:
         print(f"  W&B (offline: not logged in); upload with: {wandb_sync}")
+
+
+def one_line(report: Mapping) -> str:
+    """The summary `train/sft.py` prints at the end of training."""
+    parts = []
+    for row in report["across_steps"]:
+        if row["probdiff"] == "confidence":
+            parts.append(
+                f"{LABELS[row['measure']]} ρ {fmt(row['spearman'], '+.2f')} (p {fmt(row['spearman_p'], '.2g')})"
+            )
+    text = f"Cross-check over {report['n_steps']} steps, confidence vs " + (
+        ", ".join(parts) if parts else "nothing (no reference metric or eval loss)"
+    )
+    for row in report["per_query"][:1]:
+        text += f"; per query d vs {LABELS[row['metric']]}: median ρ {fmt(row['median_spearman'], '+.2f')}"
+    return text

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from environment import say
-from recipe import PROJECT_ROOT, Recipe, RecipeError
-
 from probdiff_callback.queries import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
+from probdiff_callback.training import PROJECT_ROOT, say
+from probdiff_callback.training.recipe import Recipe, RecipeError
 
 PROCESSED_DIR = PROJECT_ROOT / "data" / "processed"
 SAMPLES_DIR = PROJECT_ROOT / "data" / "samples"
