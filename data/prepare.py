@@ -65,8 +65,8 @@ from probdiff_callback.queries import (
     chat_messages,
     is_alignbench,
     read_rows,
-    write_jsonl,
 )
+from probdiff_callback.run_files import write_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "data" / "processed"

@@ -9,12 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from probdiff_callback.prompts import REFINEMENT_PROMPTS
-from probdiff_callback.queries import (
-    ALIGNBENCH,
-    canonical_category,
-    describe,
-    unmatched_keys,
-)
+from probdiff_callback.queries import ALIGNBENCH, canonical_category, describe, unmatched_keys
 from probdiff_callback.run_files import DEFAULT_SUBDIR
 
 # Who reads a setting: `probdiff eval`, `probdiff score`, and ProbDiffCallback, which runs eval's evaluation during
@@ -53,7 +48,7 @@ class ProbDiffConfig:
     # answers and 0.9 for revisions (the camera-ready states none): answer_top_p=0.8 revision_top_p=0.9.
     answer_temperature: float = _setting(0.7, group=SAMPLING, read_by=_GENERATING)
     answer_top_p: float = _setting(1.0, group=SAMPLING, read_by=_GENERATING)
-    # AlignBench's official settings, keyed by any name of a category (categories.py)
+    # AlignBench's official settings, keyed by any name of a category (see `canonical_category`)
     answer_temperature_by_category: dict[str, float] = _setting(
         group=SAMPLING, read_by=_GENERATING, default_factory=dict
     )

@@ -23,7 +23,7 @@ T = TypeVar("T")
 class Query:
     id: str
     text: str
-    category: str | None = None  # AlignBench's categories under their canonical name (categories.py)
+    category: str | None = None  # AlignBench's categories under their canonical name (see `canonical_category`)
     reference: str | None = None  # a reference answer, for reference metrics (BLEU, chrF, ROUGE)
 
     def __post_init__(self) -> None:

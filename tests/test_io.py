@@ -137,7 +137,7 @@ def test_run_files_write_each_row_from_memory_and_keep_the_file_whole(tmp_path, 
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason="the paper's data is only on development machines (../shared)")
 @pytest.mark.parametrize(
     "relative, count, first_category",
-    # AlignBench's Chinese category names load under their canonical English label (categories.py)
+    # AlignBench's Chinese category names load under their canonical English label (see `canonical_category`)
     [
         ("redbook/test.json", 100, None),
         ("alignbench/data_release.jsonl", 683, "Professional"),

@@ -241,6 +241,8 @@ def test_ctrl_c_says_how_to_continue(tmp_path, tiny_model_path):
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "train/sft.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
+        # a shell's background job ignores SIGINT, and the child would inherit that: give it a terminal's default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     first = tmp_path / "runs/blog/ctrl-c/checkpoint-1"
     deadline = time.time() + 300

@@ -91,8 +91,8 @@ class Bench:
 
 
 def read_recipe() -> dict:
-    """recipes/blog.yaml over the defaults it leaves out (train/recipe.py: SFT_DEFAULTS, RecipeKeys with its
-    ProbDiffConfig), read without recipe.py's loader, which needs trl and omegaconf that a GPU machine may lack."""
+    """recipes/blog.yaml over the defaults it leaves out (SFT_DEFAULTS, RecipeKeys with its ProbDiffConfig), read
+    without the recipe loader, which needs trl and omegaconf that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
     from probdiff_callback.training.recipe import SFT_DEFAULTS, RecipeKeys
