@@ -31,7 +31,7 @@ VOCAB = 151936
 PROBE = """
 import gc, json, sys, time
 from pathlib import Path
-from probdiff_callback import qwen_v1
+from probdiff_callback.models import qwen_v1
 
 def status_kib(field):
     return int(open("/proc/self/status").read().split(field + ":")[1].split()[0])

