@@ -24,6 +24,7 @@ from probdiff_callback.analysis.disagreement import Disagreement, format_disagre
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.distributed import model_for_evaluation
 from probdiff_callback.evaluator import evaluate
+from probdiff_callback.faults import ABANDONED
 from probdiff_callback.metric import compare_to_base, summarize
 from probdiff_callback.outputs import CostReport
 from probdiff_callback.queries import Query, fixed_subset, queries_from
@@ -39,6 +40,7 @@ class EvaluationOutcome:
     error: str | None
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
+    abandoned: bool = False  # given up for a preemption: not a failure, the resumed run evaluates the step
 
 
 def select_queries(queries: Sequence[Query], n_queries: int | None, seed: int) -> list[Query]:
@@ -49,6 +51,30 @@ def select_queries(queries: Sequence[Query], n_queries: int | None, seed: int) -
     if len(set(ids)) != len(ids):
         raise ValueError("query ids must be unique: evaluations are compared query by query")
     return fixed_subset(queries, n_queries, seed)
+
+
+def triggers_before(args: TrainingArguments, state: TrainerState) -> int:
+    """The evaluations (or saves, when the run does not evaluate) the Trainer made before `state.global_step`: a
+    resumed run counts on from there, so `every` picks the steps an uninterrupted run picks."""
+    strategy, interval = (
+        (args.eval_strategy, state.eval_steps) if args.eval_strategy != "no" else (args.save_strategy, state.save_steps)
+    )
+    if strategy == "steps" and interval:
+        return state.global_step // int(interval)
+    if strategy == "epoch":
+        return int(state.epoch or 0)
+    return 0
+
+
+def is_scheduled_save(args: TrainingArguments, state: TrainerState) -> bool:
+    """Whether the Trainer saves at this step by its schedule (and not only because a preemption asked)."""
+    if state.global_step >= state.max_steps > 0:
+        return True
+    if args.save_strategy == "steps" and state.save_steps:
+        return state.global_step % int(state.save_steps) == 0
+    if args.save_strategy == "epoch":
+        return abs((state.epoch or 0) - round(state.epoch or 0)) < 1e-6
+    return False
 
 
 class ProbDiffCallback(TrainerCallback):
@@ -77,14 +103,19 @@ class ProbDiffCallback(TrainerCallback):
             assistant turn, `completion` or `reference`) adds BLEU/chrF or ROUGE where the task has them.
         config (`ProbDiffConfig`, *optional*): the metric's settings and when and on how many queries it runs.
         tokenizer (*optional*): the chat tokenizer; defaults to the trainer's `processing_class`.
+        preemption (`PreemptionCallback`, *optional*): when it is asked to stop, an evaluation in progress is
+            abandoned, the Trainer saves a checkpoint and stops, and the step is evaluated when the run resumes.
 
     On several processes every rank evaluates an equal share and all ranks hand the Trainer the same metrics.
     Added with `trainer.add_callback`, it moves itself before any `EarlyStoppingCallback` when training
     begins, since early stopping reads the metric in its own `on_evaluate`.
     """
 
-    def __init__(self, trainer, queries: Any = None, config: ProbDiffConfig | None = None, *, tokenizer=None) -> None:
+    def __init__(
+        self, trainer, queries: Any = None, config: ProbDiffConfig | None = None, *, tokenizer=None, preemption=None
+    ) -> None:
         self.trainer = trainer
+        self.preemption = preemption
         self.config = config if config is not None else ProbDiffConfig()
         tokenizer = tokenizer if tokenizer is not None else getattr(trainer, "processing_class", None)
         self.tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps the tokenizer
@@ -107,6 +138,7 @@ class ProbDiffCallback(TrainerCallback):
         self.reference_plan = reference_metrics.plan_references(self.queries)
         self.evaluated: dict[int, dict[str, float]] = {}  # global step -> its metrics
         self.last_outcome: EvaluationOutcome | None = None
+        self.abandoned_step: int | None = None  # the step whose evaluation a preemption abandoned
         self._baseline_records: list[Record] | None = None
         self._baseline_due = False  # the baseline waits for the Trainer's evaluation at step 0 (eval_on_start)
         self._files = RunFiles(trainer.args.output_dir, self.config.output_subdir)  # written on the main process
@@ -133,10 +165,11 @@ class ProbDiffCallback(TrainerCallback):
     ) -> None:
         self._place_before_early_stopping()
         self._check_selection_setup(args)
-        self._triggers = 0
         self._show_reference_notice()
         kept, self._baseline_records = distributed.broadcast(self.trainer.accelerator, self._history_to_continue(state))
-        self.evaluated = {row.global_step: self._metrics(row.summary, row.vs_base) for row in kept}
+        self.evaluated = {row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned}
+        self._triggers = triggers_before(args, state)
+        self._finish_abandoned(state, [row for row in kept if row.abandoned])
         self._baseline_due = self.config.baseline and state.global_step == 0 and 0 not in self.evaluated
         # With eval_on_start the Trainer evaluates step 0 next: the baseline runs in that on_evaluate, so its row is
         # written once, with the base model's eval loss. The numbers are the same either way: the evaluation draws
@@ -154,11 +187,13 @@ class ProbDiffCallback(TrainerCallback):
         if (
             self.config.at_end
             and control.should_training_stop
+            and not self._stopping()
             and state.global_step not in self.evaluated
             and not control.should_evaluate
             and not (args.eval_strategy == "no" and control.should_save)
         ):
             self._run(state, kind="end", checkpoint=self._checkpoint_to_come(args, state, control))
+            self._stop_if_abandoned(state, control)
 
     def on_evaluate(
         self,
@@ -180,6 +215,7 @@ class ProbDiffCallback(TrainerCallback):
                 return
             checkpoint = self._checkpoint_to_come(args, state, control)
             self._run(state, kind="evaluate", checkpoint=checkpoint, eval_loss=eval_loss)
+            self._stop_if_abandoned(state, control)
         elif self._is_main():  # evaluated already: at the end of training, or the row of a resumed run
             self._files.set_eval_loss(step, eval_loss)
         metrics.update(self.evaluated[step])
@@ -188,16 +224,23 @@ class ProbDiffCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self._stopping() and not is_scheduled_save(args, state):
+            return  # the preemption's own checkpoint: an uninterrupted run neither saves nor evaluates here
         if step not in self.evaluated and args.eval_strategy == "no" and self._is_due(state, control):
-            self._run(state, kind="save", checkpoint=checkpoint)
+            self._run(state, kind="save", checkpoint=checkpoint)  # abandoned at once when stopping: owed on resume
         elif step in self.evaluated and self._is_main() and os.path.isdir(checkpoint):
             self._files.link_checkpoint(step, checkpoint)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        # Only when the loaded weights are still the last step's (see on_step_end).
-        if self.config.at_end and not args.load_best_model_at_end and state.global_step not in self.evaluated:
+        # Only when the loaded weights are still the last step's (see on_step_end), and not on a preemption's stop.
+        if (
+            self.config.at_end
+            and not args.load_best_model_at_end
+            and not self._stopping()
+            and state.global_step not in self.evaluated
+        ):
             self._run(state, kind="end")
         self._say_disagreements()
 
@@ -231,8 +274,51 @@ class ProbDiffCallback(TrainerCallback):
     def _is_due(self, state: TrainerState, control: TrainerControl) -> bool:
         """Every `every`-th trigger (evaluation, or save without evaluation), and the last one with `at_end`."""
         self._triggers += 1
-        final = control.should_training_stop or state.global_step >= state.max_steps > 0
+        final = (control.should_training_stop and not self._stopping()) or state.global_step >= state.max_steps > 0
         return self._triggers % self.config.every == 0 or (final and self.config.at_end)
+
+    # ---- preemption ----
+    def _stopping(self) -> bool:
+        """The run stops for a preemption (the same answer on every rank)."""
+        return self.preemption is not None and self.preemption.stopping
+
+    def _asked_to_stop(self) -> bool:
+        """This process was asked to stop: an evaluation in progress is abandoned (ranks may differ; the gathered
+        error tells them all)."""
+        return self.preemption is not None and self.preemption.signalled()
+
+    def _stop_if_abandoned(self, state: TrainerState, control: TrainerControl) -> None:
+        """An evaluation abandoned for a preemption: the Trainer saves this step and stops, on every rank."""
+        if self.abandoned_step == state.global_step:
+            control.should_save = True
+            control.should_training_stop = True
+            if self.preemption is not None:
+                self.preemption.stopping = True
+
+    def _finish_abandoned(self, state: TrainerState, rows: list[HistoryRow]) -> None:
+        """Evaluate the steps whose evaluation a preemption abandoned: the resumed step (its weights are the
+        checkpoint's) and a baseline of the base model. Others stay failed, and the log says why."""
+        for row in rows:
+            if row.global_step == state.global_step or row.base_model:
+                logger.warning(f"ProbDiff: evaluating step {row.global_step}, abandoned when the run was stopped")
+                outcome = self._run(state, kind=row.kind, base_model=row.base_model, checkpoint=row.checkpoint,
+                                    eval_loss=row.eval_loss, step=row.global_step, epoch=row.epoch)  # fmt: skip
+                if row.global_step == state.global_step and row.kind != "baseline":
+                    self._update_best_model(outcome.metrics)
+            else:
+                logger.warning(
+                    f"ProbDiff: step {row.global_step}'s evaluation was abandoned when the run stopped and its "
+                    f"weights are gone (resumed at step {state.global_step}): it stays failed"
+                )
+                self.evaluated[row.global_step] = self._metrics(None, None)
+
+    def _update_best_model(self, metrics: dict[str, float]) -> None:
+        """The Trainer's best-model record as the uninterrupted run would have set it at this step."""
+        metric = self.trainer.args.metric_for_best_model or ""
+        determine = getattr(self.trainer, "_determine_best_metric", None)
+        key = metric if metric.startswith("eval_") else f"eval_{metric}"
+        if determine is not None and key in metrics:
+            determine(metrics=metrics, trial=None)
 
     # ---- setup ----
     def _place_before_early_stopping(self) -> None:
@@ -290,9 +376,14 @@ class ProbDiffCallback(TrainerCallback):
         base_model: bool = False,
         checkpoint: str | None = None,
         eval_loss: float = math.nan,
+        step: int | None = None,
+        epoch: float | None = None,
     ) -> EvaluationOutcome:
         outcome = self.evaluate_model(base_model=base_model)
-        step = state.global_step
+        step = state.global_step if step is None else step
+        epoch = state.epoch if epoch is None else epoch
+        if outcome.abandoned:
+            return self._record_abandoned(step, epoch, kind, base_model, checkpoint, eval_loss, outcome)
         if kind == "baseline":
             self._baseline_due = False
             if outcome.error is None:
@@ -311,12 +402,28 @@ class ProbDiffCallback(TrainerCallback):
         self.trainer.log(dict(outcome.metrics))
         if self._is_main():
             self._log_to_wandb(step, outcome.records)
-            row = HistoryRow(step, state.epoch, kind, base_model, checkpoint, summary=outcome.summary,
+            row = HistoryRow(step, epoch, kind, base_model, checkpoint, summary=outcome.summary,
                              error=outcome.error, seconds=round(outcome.seconds, 3), vs_base=vs_base,
                              eval_loss=eval_loss)  # fmt: skip
             self._files.add(row, outcome.records if outcome.error is None else None)
         if outcome.error is not None and self.config.fail_on_error:
             raise RuntimeError(f"ProbDiff evaluation at step {step} failed (fail_on_error=True):\n{outcome.error}")
+        return outcome
+
+    def _record_abandoned(
+        self, step: int, epoch, kind: str, base_model: bool, checkpoint: str | None, eval_loss: float, outcome
+    ) -> EvaluationOutcome:
+        """Not a failure: no metrics are logged, and the row says the resumed run evaluates the step."""
+        outcome.metrics = self._metrics(None, None)
+        self.evaluated[step] = outcome.metrics
+        self.last_outcome = outcome
+        self.abandoned_step = step
+        logger.warning(f"ProbDiff: the evaluation of step {step} was abandoned (the run was asked to stop); "
+                       "it runs when the run resumes")  # fmt: skip
+        if self._is_main():
+            row = HistoryRow(step, epoch, kind, base_model, checkpoint, error=f"{ABANDONED}: the run was asked to "
+                             "stop; resuming evaluates this step", eval_loss=eval_loss, abandoned=True)  # fmt: skip
+            self._files.add(row, None)
         return outcome
 
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
@@ -338,10 +445,13 @@ class ProbDiffCallback(TrainerCallback):
                     progress=self.config.progress and accelerator.is_main_process,
                     synced_gpus=sharded,
                     sync_n_chunks=distributed.max_over_ranks(accelerator.device) if sharded else None,
+                    should_stop=self._asked_to_stop if self.preemption is not None else None,
                 )
 
         records, error = distributed.evaluate_sharded(accelerator, self.queries, evaluate_share)
         summary = None
+        if error is not None and ABANDONED in error:
+            return EvaluationOutcome([], None, error, time.perf_counter() - started, abandoned=True)
         if error is None:
             try:  # deterministic on the gathered records: every rank fails alike or not at all
                 if self.reference_plan.active:

@@ -13,10 +13,10 @@ large part of a decoding step (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from probdiff_callback.sampling import counter_uniforms, sample_tokens
 from probdiff_callback.scoring import split_model
@@ -75,6 +75,16 @@ class RowSampler(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
 
 
+class StopWhenAsked(StoppingCriteria):
+    """Ends generation for every row once `asked()` is true (a preemption signal arrived)."""
+
+    def __init__(self, asked: Callable[[], bool]) -> None:
+        self.asked = asked
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.asked(), dtype=torch.bool, device=input_ids.device)
+
+
 def hit_cap(ids: Sequence[int], max_new_tokens: int) -> bool:
     """Whether a row of `sample_continuations` ended at `max_new_tokens` without a stop id: a row gains one id at
     every step until it draws a stop id (which is not kept), so only a row that never stopped holds
@@ -95,12 +105,14 @@ def sample_continuations(
     pad_token_id: int,
     n_valid_ids: int | None = None,
     synced_gpus: bool = False,
+    stop_early: Callable[[], bool] | None = None,
 ) -> list[list[int]]:
     """The token ids sampled after each prompt, up to (not including) a stop id; a row that drew none within
     `max_new_tokens` steps was cut there (`hit_cap`).
 
     Row i draws from `seeds[i]` alone, so its ids do not depend on the other rows. Ids at or past `n_valid_ids`
-    (vocabulary rows without text) are never sampled.
+    (vocabulary rows without text) are never sampled. When `stop_early()` turns true, generation ends at the next
+    token (the caller then drops the batch).
     """
     device = split_model(model)[1].weight.device
     input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_token_id))
@@ -127,6 +139,7 @@ def sample_continuations(
         attention_mask=attention_mask,
         generation_config=generation_config,
         logits_processor=LogitsProcessorList([sampler]),
+        stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
         synced_gpus=synced_gpus,
     )
     stops = set(stop_ids)

@@ -22,6 +22,8 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers import TrainingArguments
 
+from probdiff_callback.faults import ABANDONED, EvaluationAbandoned
+
 T = TypeVar("T")
 
 
@@ -60,6 +62,8 @@ def evaluate_sharded(
     error = None
     try:
         results = list(evaluate_share(share))[:n_own]
+    except EvaluationAbandoned as err:
+        error = f"rank {accelerator.process_index}: {ABANDONED}: {err}"
     except Exception:
         error = f"rank {accelerator.process_index}: {traceback.format_exc()}"
     if accelerator.num_processes > 1:

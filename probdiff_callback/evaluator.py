@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
+from probdiff_callback import faults
 from probdiff_callback.chat_format import stop_token_ids
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.decoding import hit_cap, sample_continuations
@@ -31,8 +32,10 @@ def generate_texts(
     top_ps: Sequence[float],
     max_new_tokens: int,
     synced_gpus: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[str], list[bool]]:
-    """One batch of sampled texts, special tokens stripped, and whether each hit `max_new_tokens`."""
+    """One batch of sampled texts, special tokens stripped, and whether each hit `max_new_tokens`; raises
+    `EvaluationAbandoned` when `should_stop()` turns true during the batch (generation stops at the next token)."""
     generated = sample_continuations(
         model,
         prompts,
@@ -44,9 +47,16 @@ def generate_texts(
         pad_token_id=tokenizer.pad_token_id,
         n_valid_ids=len(tokenizer),
         synced_gpus=synced_gpus,
+        stop_early=should_stop,
     )
+    raise_if_asked_to_stop(should_stop)
     texts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
     return texts, [hit_cap(ids, max_new_tokens) for ids in generated]
+
+
+def raise_if_asked_to_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise faults.EvaluationAbandoned("the run was asked to stop (preemption) during this evaluation")
 
 
 @contextlib.contextmanager
@@ -124,8 +134,13 @@ def evaluate(
     progress: bool = True,
     synced_gpus: bool = False,
     sync_n_chunks: Callable[[int], int] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[dict]:
     """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample).
+
+    `should_stop` (a preemption's flag) is checked between phases and at every generated token; once it is true
+    the evaluation raises `faults.EvaluationAbandoned`. Not with `synced_gpus`, where every rank must run the same
+    forward passes: a sharded ZeRO-3 evaluation always finishes.
 
     Callers that hold the whole query set check `config.check_categories` on it first (the CLI and
     the callback do); here the queries may be one rank's share.
@@ -147,8 +162,11 @@ def evaluate(
 
     steps = len(batches) * (2 + config.n_revisions)
     bar = tqdm(total=steps, desc="ProbDiff", unit="batch", disable=not progress, dynamic_ncols=True)
+    if synced_gpus:
+        should_stop = None
     with inference_mode(model):
         for batch in batches:
+            raise_if_asked_to_stop(should_stop)
             bar.set_postfix_str("answer")
             answers_batch, capped_batch = generate_texts(
                 model,
@@ -159,10 +177,12 @@ def evaluate(
                 [config.answer_top_p] * len(batch),
                 config.max_new_tokens,
                 synced_gpus,
+                should_stop,
             )
             for c, text, capped in zip(batch, answers_batch, capped_batch):
                 answers[c], answer_capped[c] = text, capped
             bar.update()
+            faults.reached("answers-done")
             for round_ in range(1, config.n_revisions + 1):
                 bar.set_postfix_str(f"revision {round_}")
                 last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
@@ -191,11 +211,14 @@ def evaluate(
                     [config.revision_top_p] * len(batch),
                     config.max_new_tokens,
                     synced_gpus,
+                    should_stop,
                 )
                 for c, text, capped in zip(batch, revised, capped_batch):
                     revisions[c].append(text)
                     revision_capped[c] = capped
                 bar.update()
+            faults.reached("revisions-done")
+            raise_if_asked_to_stop(should_stop)
             bar.set_postfix_str("score")
             texts = [answers[c] for c in batch] + [revisions[c][-1] for c in batch]
             prompts = [prepared[chains[c][0]].prompt_ids for c in batch] * 2

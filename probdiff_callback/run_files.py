@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
+from probdiff_callback import faults
 from probdiff_callback.metric import is_finite
 from probdiff_callback.queries import DataFileError, read_jsonl
 
@@ -88,6 +89,7 @@ class HistoryRow:
     seconds: float = math.nan
     vs_base: dict | None = None
     eval_loss: float = math.nan
+    abandoned: bool = False  # a preemption stopped the evaluation; resuming from this step's checkpoint runs it
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
 
     @property
@@ -126,6 +128,8 @@ class HistoryRow:
         }
         if is_finite(self.eval_loss):
             value["eval_loss"] = self.eval_loss
+        if self.abandoned:
+            value["abandoned"] = True
         return nan_to_none({**value, **self.extra})
 
 
@@ -253,6 +257,8 @@ class RunFiles:
         Returns (kept rows, number of dropped rows).
         """
         rows = read_history(self.history_path)
+        for stale in self.directory.glob("**/.*.tmp*"):  # a process killed between writing and renaming
+            stale.unlink()
         kept = [row for row in rows if resumed_step > 0 and row.global_step <= resumed_step]
         self._rows = {row.global_step: row for row in kept}
         # the file exists from the start, so a reader sees "no evaluations yet" rather than a missing history
@@ -274,6 +280,7 @@ class RunFiles:
             path = step_records_path(self.output_dir, row.global_step, self.subdir)
             write_jsonl(path, records)
             row.records = str(path.relative_to(self.directory))
+            faults.reached("records-written")
         self._rows[row.global_step] = row
         self._write_history()
         if row.checkpoint is not None and os.path.isdir(row.checkpoint):
@@ -329,6 +336,8 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
+    if path.name == HISTORY_FILE:
+        faults.reached("history-tmp-written")
     os.replace(tmp, path)
 
 

@@ -34,20 +34,27 @@ CHEAP = [
 ]
 
 
-def run_sft(args: list[str], cwd: Path, launcher: str = "python", timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("OMP_NUM_THREADS", None)
+def sft_command(launcher: str = "python", processes: int = 1) -> list[str]:
     if launcher == "accelerate":
-        command = [
-            shutil.which("accelerate") or "accelerate",
-            "launch",
-            "--num_processes",
-            "1",
-            str(ROOT / "train/sft.py"),
-        ]
-    else:
-        command = [sys.executable, str(ROOT / "train/sft.py")]
-    return subprocess.run(command + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        several = ["--multi_gpu"] if processes > 1 else []
+        accelerate = shutil.which("accelerate") or "accelerate"
+        return [accelerate, "launch", "--num_processes", str(processes), *several, str(ROOT / "train/sft.py")]
+    return [sys.executable, str(ROOT / "train/sft.py")]
+
+
+def sft_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **extra}
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def run_sft(
+    args: list[str], cwd: Path, launcher: str = "python", timeout: int = 600, processes: int = 1, **env: str
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        sft_command(launcher, processes) + args, cwd=cwd, env=sft_env(**env), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 def history_rows(run_dir: Path) -> list[dict]:
@@ -236,10 +243,9 @@ def test_ctrl_c_says_how_to_continue(tmp_path, tiny_model_path):
     import signal
     import time
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
     args = ["recipe=blog", *CHEAP, "max_steps=50", "output_dir=runs/blog/ctrl-c"]
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "train/sft.py"), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        [*sft_command(), *args], cwd=tmp_path, env=sft_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         # a shell's background job ignores SIGINT, and the child would inherit that: give it a terminal's default
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

@@ -21,7 +21,7 @@ from probdiff_callback.training.data import load_data, report_truncation
 from probdiff_callback.training.model_setup import load_model, lora_config, prepare_model_files
 from probdiff_callback.training.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
 from probdiff_callback.training.report import summarize_run
-from probdiff_callback.training.run_dir import resolve_run, resume_hint
+from probdiff_callback.training.run_dir import preempted_hint, resolve_run, resume_hint
 from probdiff_callback.training.trainer import build_trainer, save_inference_files
 from probdiff_callback.training.wandb_run import setup_wandb, start_wandb
 
@@ -67,9 +67,12 @@ def train(args: list[str]) -> int:
     peft_config = lora_config(recipe, model)
 
     # 6. Trainer with the ProbDiff callback
-    trainer = build_trainer(recipe, training_args, model, tokenizer, train_rows, eval_rows, peft_config, queries)
+    trainer, preemption = build_trainer(
+        recipe, training_args, model, tokenizer, train_rows, eval_rows, peft_config, queries
+    )
 
-    # 7. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start)
+    # 7. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start);
+    #    SIGTERM/SIGUSR1 (preemption) save a checkpoint at the next step boundary and stop with exit status 0
     if "wandb" in report_to_list(recipe) and is_main_process():
         wandb_sync = start_wandb(recipe, run_dir, resume_from, trainer) or wandb_sync
     try:
@@ -77,6 +80,9 @@ def train(args: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line on how to go on, instead of a traceback per process
         say(resume_hint(run_dir, args))
         return 130
+    if preemption.stopping:
+        say(preempted_hint(preemption, args))
+        return 0
 
     # 8. Save the final weights, select and name the best checkpoint, say where everything is
     final_dir = run_dir / "final"

@@ -67,9 +67,19 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
     return run_dir, None if checkpoint is None else str(checkpoint)
 
 
-def resume_hint(run_dir: Path, args: list[str]) -> str:
-    """After Ctrl-C: where the run stopped and the command that continues it (the same arguments, `resume=true`)."""
-    latest = latest_checkpoint(run_dir)
+def resume_command(args: list[str]) -> str:
+    """The command that continues a run: the same arguments, `resume=true`."""
     kept = [arg for arg in args if not arg.startswith("resume=")]
+    return f"accelerate launch train/sft.py {' '.join(kept)} resume=true"
+
+
+def resume_hint(run_dir: Path, args: list[str]) -> str:
+    """After Ctrl-C: where the run stopped and the command that continues it."""
+    latest = latest_checkpoint(run_dir)
     where = f"the last checkpoint is {latest}" if latest is not None else "no checkpoint was saved yet"
-    return f"interrupted: {where}. Continue with: accelerate launch train/sft.py {' '.join(kept)} resume=true"
+    return f"interrupted: {where}. Continue with: {resume_command(args)}"
+
+
+def preempted_hint(preemption, args: list[str]) -> str:
+    """After a preemption's signal: the checkpoint saved for it and the command that continues the run."""
+    return f"stopped by {preemption.signal_name}: saved {preemption.checkpoint}. Continue with: {resume_command(args)}"

@@ -7,14 +7,17 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from probdiff_callback import faults
 from probdiff_callback.training import say
 from probdiff_callback.training.data import LOSS_MASKING_NOTES, loss_datasets
 from probdiff_callback.training.recipe import Recipe
 
 
 def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):
+    """(trainer, its PreemptionCallback): the script asks the latter whether training stopped for a signal."""
     from probdiff_callback.callback import ProbDiffCallback
     from probdiff_callback.models import peft_without_deprecated_alias_warning
+    from probdiff_callback.preemption import PreemptionCallback
 
     train_dataset, eval_dataset, masking = loss_datasets(tokenizer, train_rows, eval_rows, args.assistant_only_loss)
     say(LOSS_MASKING_NOTES[masking])
@@ -34,9 +37,11 @@ def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows,
         targets = trainer.model.peft_config["default"].target_modules  # names as peft resolved them
         modules = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in targets}))
         say(f"LoRA r={recipe.lora.r} on {modules}: {trainable / 1e6:,.2f}M trainable parameters")
-    trainer.add_callback(ProbDiffCallback(trainer, queries, recipe.probdiff))
+    preemption = PreemptionCallback(trainer)
+    trainer.add_callback(preemption)  # first: its signal handlers are in place for the baseline evaluation
+    trainer.add_callback(ProbDiffCallback(trainer, queries, recipe.probdiff, preemption=preemption))
     trainer.add_callback(SelfContainedCheckpoints(tokenizer, model.generation_config))
-    return trainer
+    return trainer, preemption
 
 
 def trainer_class(plain_loss: bool, base_model: str):
@@ -54,6 +59,11 @@ def trainer_class(plain_loss: bool, base_model: str):
     from trl import SFTTrainer
 
     class RecipeSFTTrainer(SFTTrainer):
+        def save_model(self, output_dir=None, _internal_call=False):
+            super().save_model(output_dir, _internal_call)
+            if _internal_call:  # a checkpoint's weights: its optimizer and trainer state come next
+                faults.reached("checkpoint-weights-saved")
+
         def create_model_card(self, *args, **kwargs):
             super().create_model_card(*args, **kwargs)
             card = Path(self.args.output_dir) / "README.md"

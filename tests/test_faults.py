@@ -1,0 +1,200 @@
+"""Faults a training job meets, on `tiny` in real processes: kill -9 at named places (`PROBDIFF_FAULT`) and from
+outside, preemption by SIGTERM and SIGUSR1 mid-evaluation and between steps, an evaluation that runs out of memory
+among them. After each chain of faults, `resume=true` ends with the uninterrupted run's history, records, Trainer
+log and final table."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_sft import CHEAP, history_rows, run_sft, sft_command, sft_env
+
+from probdiff_callback import faults
+from probdiff_callback.run_files import RunFiles, read_history
+
+STEPS = 4
+SETTINGS = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], f"max_steps={STEPS}"]
+OOM_AT_STEP_1 = "answers-done:2=OOM"  # the baseline's answers are visit 1: step 1's evaluation runs out of memory
+
+
+def table(stdout: str) -> list[str]:
+    """The end-of-run table: ProbDiff over training, its header and one row per evaluated step (no timings)."""
+    lines = stdout[stdout.index("ProbDiff over training") :].splitlines()
+    rows = [line for line in lines[2:] if line[:1] == " " and line.split()[0].isdigit()]
+    return lines[:2] + rows
+
+
+def assert_same_run(reference: Path, run: Path) -> None:
+    """The history, every step's records and the Trainer's log equal the uninterrupted run's."""
+    expected, got = history_rows(reference), history_rows(run)
+    assert [r["global_step"] for r in got] == [r["global_step"] for r in expected]
+    for want, have in zip(expected, got):
+        assert have.get("abandoned") is None, have
+        for key in want.keys() | have.keys():
+            if key == "seconds" or (key == "error" and want[key]):
+                continue
+            if key == "checkpoint":
+                assert (want[key] and Path(want[key]).name) == (have[key] and Path(have[key]).name)
+            else:
+                assert want.get(key) == have.get(key), (want["global_step"], key)
+        if want["records"]:
+            assert (run / "probdiff" / have["records"]).read_text() == (
+                reference / "probdiff" / want["records"]
+            ).read_text()
+
+    def log(directory: Path) -> list[dict]:
+        state = json.loads((directory / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+        return [
+            {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k} for e in state["log_history"]
+        ]
+
+    assert log(run) == log(reference), "each step logged once, with the uninterrupted run's numbers"
+
+
+def assert_no_stray_files(run: Path) -> None:
+    assert not list(run.glob("**/.*.tmp*")), "no half-written file left behind"
+    assert not [p for p in run.glob("checkpoint-*") if not (p / "trainer_state.json").is_file()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_path):
+    """The uninterrupted run, with the same out-of-memory evaluation at step 1 as the interrupted ones."""
+    cwd = tmp_path_factory.mktemp("reference")
+    result = run_sft([*SETTINGS, "output_dir=run"], cwd, PROBDIFF_FAULT=OOM_AT_STEP_1)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = history_rows(cwd / "run")
+    # fail-soft: the failed evaluation is a row with NaN metrics, counted, and training went on to the end
+    assert [r["global_step"] for r in rows] == [0, 1, 2, 3, 4] and rows[1]["summary"] is None
+    assert "OutOfMemoryError" in rows[1]["error"]
+    assert "failed evaluations (see `error` in the history): steps 1" in result.stdout
+    return cwd / "run", result.stdout
+
+
+def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
+    """One run through five faults, each followed by `resume=true`; it ends as the uninterrupted run."""
+    args = [*SETTINGS, "output_dir=run"]
+    run = tmp_path / "run"
+
+    def start(fault: str, resume: bool = True) -> subprocess.CompletedProcess:
+        return run_sft([*args, *(["resume=true"] if resume else [])], tmp_path, PROBDIFF_FAULT=fault)
+
+    # 1. kill -9 in step 1's evaluation, revisions done: no checkpoint yet, so the resume starts over
+    killed = start("revisions-done:2", resume=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert [r["global_step"] for r in history_rows(run)] == [0]
+    # 2. from scratch (said so): step 1 runs out of memory (fail-soft), kill -9 with step 3's records written and
+    #    its history row not yet: the history ends at step 2, and step 3's records are not named by any row
+    killed = start(f"{OOM_AT_STEP_1},records-written:3")
+    assert "has no checkpoint yet; starting from step 0" in killed.stdout
+    assert killed.returncode == -signal.SIGKILL
+    assert [r["global_step"] for r in history_rows(run)] == [0, 1, 2] and (run / "probdiff/step-3").is_dir()
+    # 3. resumed from checkpoint-2: SIGTERM arrives in step 3's evaluation, which is abandoned; checkpoint-3 is saved
+    #    with its row marked abandoned, and the process exits 0 with one line naming it and the command
+    preempted = start("answers-done:1=TERM")
+    assert preempted.returncode == 0, preempted.stdout[-3000:] + preempted.stderr[-3000:]
+    assert "received SIGTERM: saving a checkpoint at the end of this step, then stopping" in preempted.stderr
+    line = next(line for line in preempted.stdout.splitlines() if line.startswith("stopped by SIGTERM"))
+    assert line == "stopped by SIGTERM: saved run/checkpoint-3. Continue with: accelerate launch train/sft.py " + (
+        " ".join(args) + " resume=true"
+    )
+    rows = history_rows(run)
+    assert rows[-1]["global_step"] == 3 and rows[-1]["abandoned"] and rows[-1]["eval_loss"] is not None
+    assert (run / "checkpoint-3/trainer_state.json").is_file() and not (run / "checkpoint-4").exists()
+    # 4. resumed from checkpoint-3: step 3 is evaluated first; kill -9 with checkpoint-4's weights saved, its
+    #    optimizer and trainer state not
+    killed = start("checkpoint-weights-saved:1")
+    assert killed.returncode == -signal.SIGKILL
+    assert (run / "checkpoint-4/adapter_model.safetensors").is_file()
+    assert not (run / "checkpoint-4/trainer_state.json").exists()
+    # 5. resume=true sets the cut-off checkpoint-4 aside and continues from checkpoint-3, to the end
+    finished = start("")
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert "checkpoint-4" in finished.stdout and "checkpoint-3" in finished.stdout
+
+    assert_same_run(reference[0], run)
+    assert table(finished.stdout) == table(reference[1])
+    assert "failed evaluations (see `error` in the history): steps 1" in finished.stdout
+    assert_no_stray_files(run)
+
+
+def test_a_history_write_cut_off_leaves_the_previous_history(tmp_path):
+    """kill -9 between writing the history's temporary file and renaming it: the history holds the rows before."""
+    script = (
+        "from probdiff_callback.run_files import HistoryRow, RunFiles\n"
+        f"files = RunFiles({str(tmp_path)!r})\n"
+        "files.continue_from(0)\n"
+        "files.add(HistoryRow(0, kind='baseline'), [{'id': 'a', 'd': 0.5}])\n"
+        "files.add(HistoryRow(1), [{'id': 'a', 'd': 0.7}])\n"
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", script], env=sft_env(PROBDIFF_FAULT="history-tmp-written:3"), capture_output=True
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert [row.global_step for row in read_history(tmp_path / "probdiff/history.jsonl")] == [0]
+    assert list((tmp_path / "probdiff").glob(".history.jsonl.tmp*")), "the cut-off write is the temporary file"
+    kept, dropped = RunFiles(tmp_path).continue_from(0)
+    assert (kept, dropped) == ([], 1) and not list((tmp_path / "probdiff").glob(".*.tmp*"))
+
+
+def test_a_bad_fault_plan_is_named():
+    with pytest.raises(ValueError, match="'answers:2' is not <place>"):
+        faults.planned_faults("answers:2")
+    assert faults.planned_faults("answers-done:2=oom, records-written") == [
+        ("answers-done", 2, "OOM"),
+        ("records-written", 1, "KILL"),
+    ]
+
+
+def workers(launcher: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train/sft.py" in " ".join(p.cmdline())]
+
+
+def test_two_processes_kill_9_then_sigusr1_then_resume(tmp_path, tiny_model_path):
+    """Two ranks: both killed -9 in an evaluation (a node lost), then preempted by SIGUSR1 sent from outside to the
+    training processes, as the SLURM script in docs/configuration.md does; each resume continues, and the end equals
+    an uninterrupted two-process run."""
+    (tmp_path / "reference").mkdir()
+    reference = run_sft([*SETTINGS, "output_dir=run"], tmp_path / "reference", launcher="accelerate", processes=2)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    args = [*SETTINGS, "output_dir=run"]
+    run = tmp_path / "run"
+
+    killed = run_sft(args, tmp_path, launcher="accelerate", processes=2, PROBDIFF_FAULT="answers-done:3")
+    assert killed.returncode != 0 and (run / "checkpoint-1/trainer_state.json").is_file()
+    assert not (run / "checkpoint-2").exists() and [r["global_step"] for r in history_rows(run)] == [0, 1]
+
+    # the launcher ignores SIGUSR1 (as the SLURM script starts it); the training processes act on it
+    launcher = subprocess.Popen(
+        [*sft_command("accelerate", 2), *args, "resume=true"], cwd=tmp_path, env=sft_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while not (run / "checkpoint-2/trainer_state.json").is_file() and launcher.poll() is None:
+        assert time.time() < deadline, "no checkpoint-2 within 5 minutes"
+        time.sleep(0.1)
+    signalled = time.time()
+    ranks = workers(launcher)
+    assert len(ranks) == 2
+    for rank in ranks:
+        rank.send_signal(signal.SIGUSR1)
+    out, err = launcher.communicate(timeout=300)
+    seconds = time.time() - signalled
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("stopped by SIGUSR1"))
+    saved = line.split("saved ")[1].split(".")[0]
+    assert saved in ("run/checkpoint-2", "run/checkpoint-3") and (tmp_path / saved / "trainer_state.json").is_file()
+    print(f"SIGUSR1 to the exit of both ranks: {seconds:.1f} s")
+
+    finished = run_sft([*args, "resume=true"], tmp_path, launcher="accelerate", processes=2)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert_same_run(tmp_path / "reference/run", run)
+    assert table(finished.stdout) == table(reference.stdout)
+    assert_no_stray_files(run)
