@@ -1,8 +1,9 @@
 """ProbDiffCallback: the model being trained evaluated with ProbDiff at every evaluation or checkpoint.
 
-The callback decides when to evaluate; the rest lives beside it: `evaluator` (the evaluation), `distributed`
-(shares across ranks), `unwrap` (the model ready to generate mid-training), `run_files` (the history, step records
-and checkpoint summaries), `outputs` (metrics, W&B) and `cost` (what evaluating adds to the run's time).
+The callback decides when to evaluate; the rest lives beside it: `schedule` (which queries, which steps),
+`distributed` (the model in training evaluated across ranks), `evaluator` (the evaluation), `run_files` (the history,
+step records and checkpoint summaries), `outputs` (metrics, W&B, the cost of evaluating) and `preemption` (a
+signal's stop, which abandons an evaluation in progress).
 """
 
 from __future__ import annotations
@@ -10,71 +11,31 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
-import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import EarlyStoppingCallback, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from probdiff_callback import distributed, outputs, reference_metrics
 from probdiff_callback.analysis.disagreement import Disagreement, format_disagreements
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.distributed import model_for_evaluation
-from probdiff_callback.evaluator import evaluate
+from probdiff_callback.distributed import EvaluationOutcome, evaluate_in_training
 from probdiff_callback.faults import ABANDONED
-from probdiff_callback.metric import compare_to_base, summarize
+from probdiff_callback.metric import compare_to_base
 from probdiff_callback.outputs import CostReport
-from probdiff_callback.queries import Query, fixed_subset, queries_from
+from probdiff_callback.queries import queries_from
 from probdiff_callback.run_files import HistoryRow, Record, RunFiles
+from probdiff_callback.schedule import (
+    checkpoint_to_come,
+    is_scheduled_save,
+    place_before_early_stopping,
+    select_queries,
+    triggers_before,
+)
+
+__all__ = ["EvaluationOutcome", "ProbDiffCallback", "select_queries"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EvaluationOutcome:
-    records: list[dict]
-    summary: dict | None
-    error: str | None
-    seconds: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    abandoned: bool = False  # given up for a preemption: not a failure, the resumed run evaluates the step
-
-
-def select_queries(queries: Sequence[Query], n_queries: int | None, seed: int) -> list[Query]:
-    """The fixed subset evaluated at every step: `n_queries` drawn once with `seed`, in their order."""
-    if not queries:
-        raise ValueError("ProbDiffCallback needs at least one held-out query")
-    ids = [q.id for q in queries]
-    if len(set(ids)) != len(ids):
-        raise ValueError("query ids must be unique: evaluations are compared query by query")
-    return fixed_subset(queries, n_queries, seed)
-
-
-def triggers_before(args: TrainingArguments, state: TrainerState) -> int:
-    """The evaluations (or saves, when the run does not evaluate) the Trainer made before `state.global_step`: a
-    resumed run counts on from there, so `every` picks the steps an uninterrupted run picks."""
-    strategy, interval = (
-        (args.eval_strategy, state.eval_steps) if args.eval_strategy != "no" else (args.save_strategy, state.save_steps)
-    )
-    if strategy == "steps" and interval:
-        return state.global_step // int(interval)
-    if strategy == "epoch":
-        return int(state.epoch or 0)
-    return 0
-
-
-def is_scheduled_save(args: TrainingArguments, state: TrainerState) -> bool:
-    """Whether the Trainer saves at this step by its schedule (and not only because a preemption asked)."""
-    if state.global_step >= state.max_steps > 0:
-        return True
-    if args.save_strategy == "steps" and state.save_steps:
-        return state.global_step % int(state.save_steps) == 0
-    if args.save_strategy == "epoch":
-        return abs((state.epoch or 0) - round(state.epoch or 0)) < 1e-6
-    return False
 
 
 class ProbDiffCallback(TrainerCallback):
@@ -163,7 +124,7 @@ class ProbDiffCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._place_before_early_stopping()
+        place_before_early_stopping(self.trainer.callback_handler, self)
         self._check_selection_setup(args)
         self._show_reference_notice()
         kept, self._baseline_records = distributed.broadcast(self.trainer.accelerator, self._history_to_continue(state))
@@ -192,7 +153,7 @@ class ProbDiffCallback(TrainerCallback):
             and not control.should_evaluate
             and not (args.eval_strategy == "no" and control.should_save)
         ):
-            self._run(state, kind="end", checkpoint=self._checkpoint_to_come(args, state, control))
+            self._run(state, kind="end", checkpoint=checkpoint_to_come(args, state, control))
             self._stop_if_abandoned(state, control)
 
     def on_evaluate(
@@ -213,7 +174,7 @@ class ProbDiffCallback(TrainerCallback):
         elif step not in self.evaluated:
             if not self._is_due(state, control):
                 return
-            checkpoint = self._checkpoint_to_come(args, state, control)
+            checkpoint = checkpoint_to_come(args, state, control)
             self._run(state, kind="evaluate", checkpoint=checkpoint, eval_loss=eval_loss)
             self._stop_if_abandoned(state, control)
         elif self._is_main():  # evaluated already: at the end of training, or the row of a resumed run
@@ -262,14 +223,6 @@ class ProbDiffCallback(TrainerCallback):
                 outputs.alert_wandb("ProbDiff disagrees with an independent measure", text)
             except Exception:  # the console has it; a failed alert is not worth the run
                 logger.exception("ProbDiff: sending the disagreement to W&B failed")
-
-    @staticmethod
-    def _checkpoint_to_come(args: TrainingArguments, state: TrainerState, control: TrainerControl) -> str | None:
-        """The checkpoint the Trainer saves right after this hook, named in the step's row from the start (readers
-        check that it exists). With `save_strategy="best"` the Trainer decides after on_evaluate: on_save names it."""
-        if not control.should_save:
-            return None
-        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
     def _is_due(self, state: TrainerState, control: TrainerControl) -> bool:
         """Every `every`-th trigger (evaluation, or save without evaluation), and the last one with `at_end`."""
@@ -321,21 +274,6 @@ class ProbDiffCallback(TrainerCallback):
             determine(metrics=metrics, trial=None)
 
     # ---- setup ----
-    def _place_before_early_stopping(self) -> None:
-        handler = self.trainer.callback_handler
-        callbacks = list(handler.callbacks)
-        if self not in callbacks:
-            return
-        early = [i for i, cb in enumerate(callbacks) if isinstance(cb, EarlyStoppingCallback)]
-        mine = callbacks.index(self)
-        if early and early[0] < mine:
-            callbacks.insert(early[0], callbacks.pop(mine))
-            # A new list, not an in-place edit: the handler may be iterating over the old one right now.
-            handler.callbacks = callbacks
-            logger.info(
-                "ProbDiff: moved ProbDiffCallback before EarlyStoppingCallback so early stopping sees its metric"
-            )
-
     def _check_selection_setup(self, args: TrainingArguments) -> None:
         metric = args.metric_for_best_model or ""
         if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and args.eval_strategy != "no":
@@ -429,41 +367,12 @@ class ProbDiffCallback(TrainerCallback):
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
         """Evaluate the current weights on the query subset, on all ranks; every rank returns the same records
         (in query order), summary, metrics and error."""
-        accelerator = self.trainer.accelerator
-        sharded = distributed.is_zero3(accelerator) and not self.config.gather_params
-        started = time.perf_counter()
-
-        def evaluate_share(queries: list[Query]) -> list[dict]:
-            with model_for_evaluation(
-                self.trainer, gather_params=self.config.gather_params, base_model=base_model
-            ) as model:
-                return evaluate(
-                    model,
-                    self.tokenizer,
-                    queries,
-                    self.config,
-                    progress=self.config.progress and accelerator.is_main_process,
-                    synced_gpus=sharded,
-                    sync_n_chunks=distributed.max_over_ranks(accelerator.device) if sharded else None,
-                    should_stop=self._asked_to_stop if self.preemption is not None else None,
-                )
-
-        records, error = distributed.evaluate_sharded(accelerator, self.queries, evaluate_share)
-        summary = None
-        if error is not None and ABANDONED in error:
-            return EvaluationOutcome([], None, error, time.perf_counter() - started, abandoned=True)
-        if error is None:
-            try:  # deterministic on the gathered records: every rank fails alike or not at all
-                if self.reference_plan.active:
-                    records = reference_metrics.score_records(records, self.queries)
-                summary = summarize(records, self.config.delta, self.config.sweep)
-                reference = reference_metrics.summarize_references(records)
-                if reference is not None:
-                    summary["reference"] = reference
-            except Exception:
-                error, records = f"summary: {traceback.format_exc()}", []
-        seconds = time.perf_counter() - started
-        return EvaluationOutcome(records, summary, error, seconds, metrics=self._metrics(summary, None))
+        should_stop = self._asked_to_stop if self.preemption is not None else None
+        outcome = evaluate_in_training(
+            self.trainer, self.tokenizer, self.queries, self.config, self.reference_plan, base_model, should_stop
+        )
+        outcome.metrics = self._metrics(outcome.summary, None)
+        return outcome
 
     def _log_to_wandb(self, step: int, records: list[Record]) -> None:
         if "wandb" in (self.trainer.args.report_to or []):

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from probdiff_callback.sampling import counter_uniforms, sample_tokens
-from probdiff_callback.scoring import split_model
+from probdiff_callback.scoring import NonFiniteLogits, split_model
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +67,9 @@ class RowSampler(LogitsProcessor):
         chosen = torch.full((scores.shape[0],), self.pad_token_id, dtype=torch.long, device=scores.device)
         live = (~self.finished).nonzero().squeeze(-1)
         if live.numel():
+            logits = scores[live] if self.n_valid_ids is None else scores[live, : self.n_valid_ids]
+            if torch.isnan(logits).any():  # a diverged or overflowing model: its texts would be noise
+                raise NonFiniteLogits(f"NaN in the model's logits at generated token {step + 1}")
             uniforms = counter_uniforms([self.seeds[i] for i in live.tolist()], step).to(scores.device)
             # sample_tokens overwrites its input: a float32 copy of the live rows (generate does not reuse scores)
             chosen[live] = sample_tokens(

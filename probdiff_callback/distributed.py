@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -22,7 +24,12 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers import TrainingArguments
 
+from probdiff_callback import reference_metrics
+from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.evaluator import evaluate
 from probdiff_callback.faults import ABANDONED, EvaluationAbandoned
+from probdiff_callback.metric import summarize
+from probdiff_callback.queries import Query
 
 T = TypeVar("T")
 
@@ -71,6 +78,61 @@ def evaluate_sharded(
         error = "\n".join(errors) if errors else None
         results = gather_object(results) if error is None else []
     return (results, None) if error is None else ([], error)
+
+
+@dataclass
+class EvaluationOutcome:
+    records: list[dict]
+    summary: dict | None
+    error: str | None
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    abandoned: bool = False  # given up for a preemption: not a failure, the resumed run evaluates the step
+
+
+def evaluate_in_training(
+    trainer,
+    tokenizer,
+    queries: Sequence[Query],
+    config: ProbDiffConfig,
+    reference_plan: reference_metrics.ReferencePlan,
+    base_model: bool = False,
+    should_stop: Callable[[], bool] | None = None,
+) -> EvaluationOutcome:
+    """The trainer's current weights evaluated on `queries`, shared across ranks; every rank returns the same
+    records (in query order), summary and error. `should_stop` abandons the evaluation (`evaluator.evaluate`)."""
+    accelerator = trainer.accelerator
+    sharded = is_zero3(accelerator) and not config.gather_params
+    started = time.perf_counter()
+
+    def evaluate_share(share: list[Query]) -> list[dict]:
+        with model_for_evaluation(trainer, gather_params=config.gather_params, base_model=base_model) as model:
+            return evaluate(
+                model,
+                tokenizer,
+                share,
+                config,
+                progress=config.progress and accelerator.is_main_process,
+                synced_gpus=sharded,
+                sync_n_chunks=max_over_ranks(accelerator.device) if sharded else None,
+                should_stop=should_stop,
+            )
+
+    records, error = evaluate_sharded(accelerator, queries, evaluate_share)
+    if error is not None and ABANDONED in error:
+        return EvaluationOutcome([], None, error, time.perf_counter() - started, abandoned=True)
+    summary = None
+    if error is None:
+        try:  # deterministic on the gathered records: every rank fails alike or not at all
+            if reference_plan.active:
+                records = reference_metrics.score_records(records, queries)
+            summary = summarize(records, config.delta, config.sweep)
+            reference = reference_metrics.summarize_references(records)
+            if reference is not None:
+                summary["reference"] = reference
+        except Exception:
+            error, records = f"summary: {traceback.format_exc()}", []
+    return EvaluationOutcome(records, summary, error, time.perf_counter() - started)
 
 
 def broadcast(accelerator, value: T) -> T:

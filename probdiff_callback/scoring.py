@@ -23,6 +23,10 @@ from torch.overrides import TorchFunctionMode
 SCORE_ROWS_PER_FORWARD = 16
 
 
+class NonFiniteLogits(FloatingPointError):
+    """The model's logits hold NaN (or a response's log-probability is not finite): the evaluation fails."""
+
+
 def split_model(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder that returns hidden states, LM head) of a causal LM, a PEFT wrapper or DDP."""
     model = getattr(model, "module", model)  # DDP / DeepSpeed engine
@@ -150,10 +154,11 @@ def score_batch(
     """(mean log-prob of the response tokens, number of response tokens) for each pair.
 
     Prompt and response are tokenized apart and concatenated, so no token merges across
-    their boundary. An empty response scores NaN. Sequences run `rows_per_forward` at a
-    time in order of length: one forward padded to the longest sequence would spend most
-    of its positions on the padding of the shorter ones (docs/benchmarks.md); the number
-    of forwards depends only on the number of pairs, as ZeRO-3 with sharded parameters needs.
+    their boundary. An empty response scores NaN; a non-finite score of a non-empty one raises
+    `NonFiniteLogits`. Sequences run `rows_per_forward` at a time in order of length: one forward
+    padded to the longest sequence would spend most of its positions on the padding of the shorter
+    ones (docs/benchmarks.md); the number of forwards depends only on the number of pairs, as ZeRO-3
+    with sharded parameters needs.
     """
     decoder, lm_head = split_model(model)
     device = lm_head.weight.device if hasattr(lm_head, "weight") else next(model.parameters()).device
@@ -173,6 +178,12 @@ def score_batch(
         )
         for i, total in zip(group, group_sums):
             sums[i] = total
+    broken = [i for i, r in enumerate(response_ids) if len(r) and not math.isfinite(sums[i])]
+    if broken:  # unlike an empty response (NaN by the paper's rule), this is the model failing
+        raise NonFiniteLogits(
+            f"the log-probability of {len(broken)} of {len(response_ids)} responses is not finite: the model's "
+            "logits hold NaN or infinity"
+        )
     return [(sums[i] / len(r) if len(r) else math.nan, len(r)) for i, r in enumerate(response_ids)]
 
 

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
-    import probdiff_callback.callback as callback_module
+    import probdiff_callback.distributed as evaluation_module
     from probdiff_callback.callback import ProbDiffCallback
 
     extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
@@ -161,16 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         seen["sharded"] = {"records": sharded.records, "summary": sharded.summary, "error": sharded.error}
         callback.config.gather_params = True
 
-    real_evaluate = callback_module.evaluate
+    real_evaluate = evaluation_module.evaluate
 
     def fail_on_rank_1(*a, **k):
         if rank == 1:
             raise RuntimeError("injected failure on rank 1")
         return real_evaluate(*a, **k)
 
-    callback_module.evaluate = fail_on_rank_1
+    evaluation_module.evaluate = fail_on_rank_1
     failed = callback.evaluate_model()
-    callback_module.evaluate = real_evaluate
+    evaluation_module.evaluate = real_evaluate
     seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
 
     from probdiff_callback.run_files import write_json

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import random
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,8 @@ import torch
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from transformers import EarlyStoppingCallback
 
-import probdiff_callback.callback as callback_module
-from probdiff_callback import distributed, run_files
+import probdiff_callback.distributed as evaluation_module  # where the callback calls `evaluate`
+from probdiff_callback import distributed, faults, run_files
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
 from probdiff_callback.callback import ProbDiffCallback, select_queries
 from probdiff_callback.config import ProbDiffConfig
@@ -503,7 +504,7 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
         records = evaluate(m, *args, **kwargs)
         return records
 
-    monkeypatch.setattr(callback_module, "evaluate", observing_evaluate)
+    monkeypatch.setattr(evaluation_module, "evaluate", observing_evaluate)
     torch_state, numpy_state = torch.random.get_rng_state(), np.random.get_state()
     outcome = callback.evaluate_model()
     assert outcome.error is None and len(outcome.records) == 2
@@ -517,7 +518,7 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
 
 def test_a_failed_evaluation_is_recorded_and_training_goes_on(tmp_path, tiny_model_path, monkeypatch):
     calls = {"n": 0}
-    real_evaluate = callback_module.evaluate
+    real_evaluate = evaluation_module.evaluate
 
     def fails_on_second_call(*args, **kwargs):
         calls["n"] += 1
@@ -525,7 +526,7 @@ def test_a_failed_evaluation_is_recorded_and_training_goes_on(tmp_path, tiny_mod
             raise RuntimeError("injected evaluation failure")
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(callback_module, "evaluate", fails_on_second_call)
+    monkeypatch.setattr(evaluation_module, "evaluate", fails_on_second_call)
     run = tmp_path / "run"
     # a plain Trainer with full fine-tuning; the metric is checked by the Trainer at every evaluation
     trainer = build_trainer(
@@ -555,11 +556,70 @@ def test_a_failed_evaluation_is_recorded_and_training_goes_on(tmp_path, tiny_mod
     assert [s.global_step for s in selection.ranked] == [4]
 
 
+class BadQueryTemplate:
+    """A chat template that rejects one query, as Llama's rejects roles that do not alternate."""
+
+    def __init__(self, tokenizer, marker: str) -> None:
+        self.real, self.marker = tokenizer.apply_chat_template, marker
+
+    def __call__(self, conversation, *args, **kwargs):
+        from jinja2.exceptions import TemplateError
+
+        if any(self.marker in str(message.get("content")) for message in conversation):
+            raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+        return self.real(conversation, *args, **kwargs)
+
+
+@pytest.mark.parametrize("fault", ["out of memory", "NaN logits", "bad query"])
+def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on(
+    fault, tmp_path, tiny_model_path, monkeypatch
+):
+    """Out of memory in generation and NaN logits at step 2's evaluation; a query the chat template rejects, at every
+    evaluation: the step's row holds the error, its metrics are NaN, `select` counts it, training ends normally."""
+    queries = held_out_queries()
+    trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=3, eval_strategy="steps", eval_steps=1,
+                            save_strategy="no", metric_for_best_model="probdiff_confidence")  # fmt: skip
+    failing = [2]
+    if fault == "out of memory":
+        monkeypatch.setattr(faults, "_reached", Counter())
+        monkeypatch.setenv(faults.FAULT_ENV, "answers-done:3=OOM")  # one batch per evaluation: visit 1 is the baseline
+    elif fault == "NaN logits":
+
+        def nan_in_evaluation(module, inputs, output):
+            if trainer.state.global_step == 2 and not module.training:
+                return output * math.nan
+
+        trainer.model.get_decoder().norm.register_forward_hook(nan_in_evaluation)
+    else:
+        queries = [*queries, Query("bad", "A query the template rejects")]
+        monkeypatch.setattr(
+            trainer.processing_class, "apply_chat_template", BadQueryTemplate(trainer.processing_class, "rejects")
+        )
+        failing = [0, 1, 2, 3]
+    trainer.add_callback(ProbDiffCallback(trainer, queries, probdiff_config(n_queries=None, batch_size=64)))
+    trainer.train()
+
+    assert trainer.state.global_step == 3
+    rows = history_rows(tmp_path / "run")
+    assert [r["global_step"] for r in rows if r["error"]] == failing
+    expected = {
+        "out of memory": "OutOfMemoryError",
+        "NaN logits": "NaN in the model's logits",
+        "bad query": "alternate",
+    }
+    assert all(expected[fault] in rows[step]["error"] and rows[step]["summary"] is None for step in failing)
+    logged = probdiff_logs(trainer)
+    assert all(math.isnan(logged[step]["eval_probdiff_confidence"]) for step in failing)
+    assert select_checkpoints(tmp_path / "run").failed_steps == failing
+    if fault != "bad query":
+        assert math.isfinite(trainer.state.best_metric)  # the NaN never counted as best
+
+
 def test_fail_on_error_reraises(tmp_path, tiny_model_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected evaluation failure")
 
-    monkeypatch.setattr(callback_module, "evaluate", broken)
+    monkeypatch.setattr(evaluation_module, "evaluate", broken)
     trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=2, save_strategy="no")
     trainer.add_callback(
         ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, fail_on_error=True))

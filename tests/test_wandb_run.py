@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import shlex
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,8 +16,9 @@ from _distributed_eval import REPO, build_trainer, probdiff_config
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 
-from probdiff_callback import run_files
+from probdiff_callback import faults, run_files
 from probdiff_callback.callback import ProbDiffCallback
+from probdiff_callback.preemption import PreemptionCallback
 from probdiff_callback.queries import load_queries
 from probdiff_callback.training.recipe import load_recipe, sft_config
 from probdiff_callback.training.wandb_run import (
@@ -214,6 +216,10 @@ def test_the_recorded_step_is_the_last_row_logged_also_right_after_a_rewind(tmp_
 # ---- an interrupted run, resumed ----
 
 
+def history_of(run: Path) -> list[dict]:
+    return [row.to_json() for row in run_files.read_history(run_files.history_path(run))]
+
+
 class Interrupted(Exception):
     pass
 
@@ -259,9 +265,12 @@ class Process:
         return SavedAfter()
 
 
+@pytest.mark.parametrize("fault", ["crash", "sigterm"])
 def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
-    tmp_path, tiny_model_path, fresh_wandb, monkeypatch
+    fault, tmp_path, tiny_model_path, fresh_wandb, monkeypatch
 ):
+    """crash: the process dies after step 3's evaluation is logged, checkpoint-2 the last one; sigterm: a preemption
+    in step 3's evaluation abandons it, checkpoint-3 is saved, and the resumed run logs step 3's ProbDiff metrics."""
     wandb = fresh_wandb
     run = tmp_path / "run"
     recipe = load_recipe(["recipe=translation", "model=tiny"])
@@ -286,7 +295,10 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
             report_to="wandb",
             eval_on_start=resume is None,  # as train/sft.py sets it
         )
-        trainer.add_callback(ProbDiffCallback(trainer, queries, probdiff_config(n_queries=8, wandb_table_rows=0)))
+        preemption = PreemptionCallback(trainer)
+        trainer.add_callback(preemption)
+        config = probdiff_config(n_queries=8, wandb_table_rows=0)
+        trainer.add_callback(ProbDiffCallback(trainer, queries, config, preemption=preemption))
         if interrupt_at is not None:  # after ProbDiff: its evaluation of the step is logged first
             trainer.add_callback(InterruptAt(interrupt_at))
         start_wandb(recipe, run, str(resume) if resume else None, trainer)
@@ -299,18 +311,31 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
         return [type(c) for c in trainer.callback_handler.callbacks]
 
     first = Process()
-    with pytest.raises(Interrupted):
-        train(first, None, interrupt_at=3)
+    if fault == "crash":
+        with pytest.raises(Interrupted):
+            train(first, None, interrupt_at=3)
+        last = 2
+    else:
+        monkeypatch.setattr(faults, "_reached", Counter())
+        monkeypatch.setenv(faults.FAULT_ENV, "answers-done:4=TERM")  # visit 1 is the baseline's
+        train(first, None, interrupt_at=None)
+        monkeypatch.delenv(faults.FAULT_ENV)
+        last = 3
+        assert history_of(run)[-1]["abandoned"] and (run / "checkpoint-3").is_dir()
     run_id = read_run_id(run)
     assert inits[0]["id"] == run_id and "resume_from" not in inits[0]
-    assert (run / "checkpoint-2").is_dir() and not (run / "checkpoint-4").exists()
+    assert (run / f"checkpoint-{last}").is_dir() and not (run / "checkpoint-4").exists()
     assert [row["_step"] for row in first.rows] == list(range(len(first.rows))), "one row per call, from 0"
-    recorded = read_step_record(run / "checkpoint-2", 2)
-    assert recorded == StepRecord(run_id, 2, first.saved_after_rows[2] - 1), "the last row before the save"
-    assert len(first.rows) > first.saved_after_rows[2], "the interrupted process logged step 3 after it"
+    recorded = read_step_record(run / f"checkpoint-{last}", last)
+    assert recorded == StepRecord(run_id, last, first.saved_after_rows[last] - 1), "the last row before the save"
+    if fault == "crash":
+        assert len(first.rows) > first.saved_after_rows[2], "the interrupted process logged step 3 after it"
+    else:
+        after = first.rows[first.saved_after_rows[3] :]  # the Trainer's end-of-training summary, rewound away
+        assert not [key for row in after for key in row if key.startswith("eval/")], "no evaluation after the save"
 
     resumed = Process()
-    callbacks = train(resumed, run / "checkpoint-2", interrupt_at=None)
+    callbacks = train(resumed, run / f"checkpoint-{last}", interrupt_at=None)
     assert inits[1]["resume_from"] == f"{run_id}?_step={recorded.last_wandb_step}" and "id" not in inits[1]
     # the step record comes after the Trainer's W&B integration and after ProbDiff's evaluations
     assert callbacks.index(WandbCallback) < callbacks.index(ProbDiffCallback) < callbacks.index(WandbStepRecord)
@@ -328,11 +353,12 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
 
     assert logged_at("eval/probdiff_confidence") == [0, 1, 2, 3, 4]
     assert logged_at("eval/probdiff_d") == [0, 1, 2, 3, 4]  # the histograms
-    assert logged_at("eval/loss") == [0, 1, 2, 3, 4], "the resumed process does not evaluate step 2 again"
+    assert logged_at("eval/loss") == [0, 1, 2, 3, 4], "the resumed process does not evaluate its start again"
     assert logged_at("train/loss") == [1, 2, 3, 4]
     # what W&B holds at each step is what the history holds: the resumed process's evaluation of step 3
     by_step = {row["train/global_step"]: row for row in uploaded if "eval/probdiff_confidence" in row}
-    for row in [r.to_json() for r in run_files.read_history(run_files.history_path(run))]:
+    for row in history_of(run):
+        assert "abandoned" not in row
         logged = by_step[row["global_step"]]
         assert logged["eval/probdiff_confidence"] == row["summary"]["confidence"]
         assert logged["eval/ref_chrf"] == pytest.approx(row["summary"]["reference"]["overall"]["chrf"])
