@@ -75,6 +75,8 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        if self.signals:
+            term_when_launcher_dies(self.signals[0])
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if not self.stopping and self._agreed():
@@ -100,3 +102,23 @@ class PreemptionCallback(TrainerCallback):
 
         flag = torch.tensor([int(self.received is not None)], device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item())
+
+
+def term_when_launcher_dies(signum: int) -> bool:
+    """Have the kernel send `signum` to this process when its launcher dies (Linux), if a launcher started it.
+
+    `accelerate launch` of one process forwards no signal: killing it would leave the training process running on
+    alone, and a torchrun agent killed with -9 leaves its workers so. With this they stop as on a preemption. Not
+    for a process a shell started: `nohup python train/sft.py &` must outlive its shell.
+    """
+    if sys.platform != "linux":
+        return False
+    import ctypes
+
+    import psutil
+
+    parent = " ".join(psutil.Process().parent().cmdline())
+    if not any(name in parent for name in ("accelerate", "torchrun", "torch.distributed.run")):
+        return False
+    pr_set_pdeathsig = 1
+    return ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum) == 0
