@@ -189,6 +189,7 @@ class ProbDiffCallback(TrainerCallback):
             return  # the preemption's own checkpoint: an uninterrupted run neither saves nor evaluates here
         if step not in self.evaluated and args.eval_strategy == "no" and self._is_due(state, control):
             self._run(state, kind="save", checkpoint=checkpoint)  # abandoned at once when stopping: owed on resume
+            self._stop_if_abandoned(state, control)
         elif step in self.evaluated and self._is_main() and os.path.isdir(checkpoint):
             self._files.link_checkpoint(step, checkpoint)
 
