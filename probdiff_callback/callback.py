@@ -24,7 +24,7 @@ from probdiff_callback.faults import ABANDONED
 from probdiff_callback.metric import compare_to_base
 from probdiff_callback.outputs import CostReport
 from probdiff_callback.queries import queries_from
-from probdiff_callback.run_files import HistoryRow, Record, RunFiles
+from probdiff_callback.run_files import HistoryRow, Record, RunFiles, read_records
 from probdiff_callback.schedule import (
     checkpoint_to_come,
     is_scheduled_save,
@@ -130,7 +130,7 @@ class ProbDiffCallback(TrainerCallback):
         kept, self._baseline_records = distributed.broadcast(self.trainer.accelerator, self._history_to_continue(state))
         self.evaluated = {row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned}
         self._triggers = triggers_before(args, state)
-        self._finish_abandoned(state, [row for row in kept if row.abandoned])
+        self._complete_resumed_step(state, kept)
         self._baseline_due = self.config.baseline and state.global_step == 0 and 0 not in self.evaluated
         # With eval_on_start the Trainer evaluates step 0 next: the baseline runs in that on_evaluate, so its row is
         # written once, with the base model's eval loss. The numbers are the same either way: the evaluation draws
@@ -249,10 +249,21 @@ class ProbDiffCallback(TrainerCallback):
             if self.preemption is not None:
                 self.preemption.stopping = True
 
-    def _finish_abandoned(self, state: TrainerState, rows: list[HistoryRow]) -> None:
-        """Evaluate the steps whose evaluation a preemption abandoned: the resumed step (its weights are the
-        checkpoint's) and a baseline of the base model. Others stay failed, and the log says why."""
-        for row in rows:
+    def _complete_resumed_step(self, state: TrainerState, kept: list[HistoryRow]) -> None:
+        """What the checkpoint resumed from lacks of its own step's ProbDiff evaluation, done now.
+
+        An evaluation a preemption abandoned runs: the resumed step's (its weights are the checkpoint's) and a
+        baseline of the base model; others stay failed, and the log says why. A row evaluated after its checkpoint
+        was saved (by an earlier resume that was then killed) is logged again, since the Trainer's log and W&B go
+        back to the checkpoint."""
+        for row in kept:
+            if not row.abandoned and row.global_step == state.global_step > 0 and not self._logged(state, row):
+                metrics = self.evaluated[row.global_step]
+                self.trainer.log(dict(metrics))
+                if self._is_main() and row.records:
+                    self._log_to_wandb(row.global_step, read_records(self._files.directory / row.records))
+                self._update_best_model(metrics)
+        for row in [row for row in kept if row.abandoned]:
             if row.global_step == state.global_step or row.base_model:
                 logger.warning(f"ProbDiff: evaluating step {row.global_step}, abandoned when the run was stopped")
                 outcome = self._run(state, kind=row.kind, base_model=row.base_model, checkpoint=row.checkpoint,
@@ -265,6 +276,10 @@ class ProbDiffCallback(TrainerCallback):
                     f"weights are gone (resumed at step {state.global_step}): it stays failed"
                 )
                 self.evaluated[row.global_step] = self._metrics(None, None)
+
+    @staticmethod
+    def _logged(state: TrainerState, row: HistoryRow) -> bool:
+        return any(e.get("step") == row.global_step and "eval_probdiff_confidence" in e for e in state.log_history)
 
     def _update_best_model(self, metrics: dict[str, float]) -> None:
         """The Trainer's best-model record as the uninterrupted run would have set it at this step."""

@@ -17,6 +17,7 @@ import pytest
 from test_sft import CHEAP, history_rows, run_sft, sft_command, sft_env
 
 from probdiff_callback import faults
+from probdiff_callback.checkpoints import checkpoints
 from probdiff_callback.run_files import RunFiles, read_history
 
 STEPS = 4
@@ -60,7 +61,7 @@ def assert_same_run(reference: Path, run: Path) -> None:
 
 def assert_no_stray_files(run: Path) -> None:
     assert not list(run.glob("**/.*.tmp*")), "no half-written file left behind"
-    assert not [p for p in run.glob("checkpoint-*") if not (p / "trainer_state.json").is_file()]
+    assert all((p / "trainer_state.json").is_file() for p in checkpoints(run)), "every checkpoint-N complete"
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,13 @@ def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
     # 5. resume=true sets the cut-off checkpoint-4 aside and continues from checkpoint-3, to the end
     finished = start("")
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert "checkpoint-4" in finished.stdout and "checkpoint-3" in finished.stdout
+    assert (
+        "resume=true: skipping checkpoint-4 (its save was cut off: no checkpoint-4/trainer_state.json). "
+        in (finished.stdout)
+        and "Continuing from run/checkpoint-3" in finished.stdout
+    )
+    assert "set run/checkpoint-4 aside as checkpoint-4.incomplete" in finished.stdout
+    assert (run / "checkpoint-4.incomplete/adapter_model.safetensors").is_file()
 
     assert_same_run(reference[0], run)
     assert table(finished.stdout) == table(reference[1])

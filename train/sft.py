@@ -21,7 +21,8 @@ from probdiff_callback.training.data import load_data, report_truncation
 from probdiff_callback.training.model_setup import load_model, lora_config, prepare_model_files
 from probdiff_callback.training.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
 from probdiff_callback.training.report import summarize_run
-from probdiff_callback.training.run_dir import preempted_hint, resolve_run, resume_hint
+from probdiff_callback.training.run_dir import preempted_hint, resolve_run, resume_hint, set_aside_unusable
+from probdiff_callback.training.run_lock import hold_on_every_rank
 from probdiff_callback.training.trainer import build_trainer, save_inference_files
 from probdiff_callback.training.wandb_run import setup_wandb, start_wandb
 
@@ -30,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     """Train; a configuration or data error stops with its message (exit status 2) before anything is written."""
     try:
         return train(sys.argv[1:] if argv is None else argv)
-    except (RecipeError, DataFileError) as err:
+    except RecipeError as err:  # the same on every rank: said once
+        if is_main_process():
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    except DataFileError as err:  # a node's own copy of a file may differ: every rank says its own
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before training started: nothing to continue
@@ -55,8 +60,12 @@ def train(args: list[str]) -> int:
     #    then the SFTConfig, before the model loads, so that ZeRO-3 can partition the weights while they load
     prepare_model_files(recipe.model)
     training_args = sft_config(recipe, run_dir, resuming=resume_from is not None)
+    # one job per run directory (a second one stops here, naming the first); then cut-off or broken checkpoints
+    # past the one resumed are moved aside, where the Trainer's lookup by name cannot take them for checkpoints
+    lock = hold_on_every_rank(run_dir, training_args.world_size)
     if is_main_process():
-        run_dir.mkdir(parents=True, exist_ok=True)
+        for line in set_aside_unusable(run_dir, resume_from, training_args.save_only_model):
+            say(line)
         save_resolved_recipe(recipe, run_dir / "recipe.yaml")
 
     # 4. Model and tokenizer; count the conversations truncation leaves without an assistant token
@@ -91,6 +100,8 @@ def train(args: list[str]) -> int:
         save_inference_files(final_dir, tokenizer, model.generation_config)
         summarize_run(trainer, recipe, run_dir, final_dir, wandb_sync, time.time() - started)
     trainer.accelerator.wait_for_everyone()
+    if lock is not None:
+        lock.release()
     return 0
 
 

@@ -7,7 +7,10 @@ import json
 import re
 from pathlib import Path
 
+from probdiff_callback.checkpoints import checkpoint_problem, checkpoint_step, checkpoints, is_cut_off
+from probdiff_callback.training import say
 from probdiff_callback.training.recipe import Recipe, RecipeError
+from probdiff_callback.training.run_lock import raise_if_held
 
 RUNS_DIR = Path("runs")
 # Settings that name or steer a run rather than define what is trained: left out of the run name's hash,
@@ -29,12 +32,60 @@ def default_run_name(recipe: Recipe) -> str:
     return f"{model_tag(recipe.model)}-{digest}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The Trainer's newest `checkpoint-N` in `run_dir`, if any (transformers' own lookup)."""
-    from transformers.trainer_utils import get_last_checkpoint
+def latest_checkpoint(run_dir: Path, save_only_model: bool = False) -> Path | None:
+    """The newest complete `checkpoint-N` in `run_dir`, if any (transformers' own lookup takes the newest by name,
+    whole or not)."""
+    return next((c for c in reversed(checkpoints(run_dir)) if checkpoint_problem(c, save_only_model) is None), None)
 
-    found = get_last_checkpoint(str(run_dir)) if run_dir.is_dir() else None
-    return None if found is None else Path(found)
+
+def checkpoint_to_resume(run_dir: Path, save_only_model: bool = False) -> Path | None:
+    """`resume=true`: the newest checkpoint, past any whose save a kill cut off (said in one line); a broken one (a
+    file missing or cut short, its save finished) stops with the file and the previous complete checkpoint."""
+    found = checkpoints(run_dir)
+    cut_off = []
+    for index in range(len(found) - 1, -1, -1):
+        checkpoint = found[index]
+        problem = checkpoint_problem(checkpoint, save_only_model)
+        if problem is None:
+            if cut_off:
+                say(f"resume=true: skipping {'; '.join(cut_off)}. Continuing from {checkpoint}")
+            return checkpoint
+        if not is_cut_off(checkpoint):
+            raise RecipeError(
+                f"cannot resume from {checkpoint}: {problem}. " + previous_offer(found[:index], save_only_model)
+            )
+        cut_off.append(f"{checkpoint.name} (its save was cut off: no {checkpoint.name}/trainer_state.json)")
+    if cut_off:
+        raise RecipeError(
+            f"{run_dir} has no complete checkpoint ({'; '.join(cut_off)}). Start afresh with overwrite=true"
+        )
+    return None
+
+
+def previous_offer(older: list[Path], save_only_model: bool) -> str:
+    """The command's way on: the newest complete checkpoint among `older`, or a fresh start."""
+    previous = next((c for c in reversed(older) if checkpoint_problem(c, save_only_model) is None), None)
+    if previous is None:
+        return "No earlier checkpoint is complete: start afresh with overwrite=true"
+    return f"Continue from the previous complete checkpoint with resume={previous}, or start afresh with overwrite=true"
+
+
+def set_aside_unusable(run_dir: Path, resumed: str | None, save_only_model: bool = False) -> list[str]:
+    """Move the cut-off or broken checkpoints newer than the one resumed to `checkpoint-N.incomplete`, so that the
+    Trainer's rotation and checkpoint lookup, which go by name, never take them for checkpoints. Main process, with
+    the run directory held (`run_lock`)."""
+    start = checkpoint_step(resumed) if resumed else 0
+    moved = []
+    for checkpoint in checkpoints(run_dir):
+        problem = checkpoint_problem(checkpoint, save_only_model) if checkpoint_step(checkpoint) > start else None
+        if problem is not None:
+            target = checkpoint.with_name(checkpoint.name + ".incomplete")
+            suffix = 1
+            while target.exists():
+                target, suffix = checkpoint.with_name(f"{checkpoint.name}.incomplete{suffix}"), suffix + 1
+            checkpoint.rename(target)
+            moved.append(f"set {checkpoint} aside as {target.name} ({problem})")
+    return moved
 
 
 def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
@@ -42,10 +93,15 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
     resume = recipe.resume
     resume_flag = None if resume is None else resume.strip().lower()
     checkpoint = None
+    save_only_model = bool(recipe.training.get("save_only_model"))
     if resume_flag not in (None, "", "false", "true"):
         checkpoint = Path(resume)  # type: ignore[arg-type]
-        if not (checkpoint / "trainer_state.json").is_file():
-            raise RecipeError(f"resume={resume}: not a training checkpoint (no trainer_state.json there)")
+        if not checkpoint.is_dir() or not checkpoint.name.startswith("checkpoint-"):
+            raise RecipeError(f"resume={resume}: not a training checkpoint (a checkpoint-N folder of a run)")
+        problem = checkpoint_problem(checkpoint, save_only_model)
+        if problem is not None:
+            older = [c for c in checkpoints(checkpoint.parent) if checkpoint_step(c) < checkpoint_step(checkpoint)]
+            raise RecipeError(f"cannot resume from {checkpoint}: {problem}. {previous_offer(older, save_only_model)}")
     output_dir, run_name = recipe.training.get("output_dir"), recipe.training.get("run_name")
     if output_dir:
         run_dir = Path(output_dir)
@@ -53,15 +109,15 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
         run_dir = checkpoint.parent  # the checkpoint's own run goes on
     else:
         run_dir = RUNS_DIR / recipe.recipe / (run_name or default_run_name(recipe))
-    latest = latest_checkpoint(run_dir)
+    raise_if_held(run_dir)  # before any advice on its checkpoints: a live job is writing them
     if resume_flag == "true":
-        if latest is not None:
-            checkpoint = latest
-        else:
-            print(f"resume=true: {run_dir} has no checkpoint yet; starting from step 0", flush=True)
-    elif checkpoint is None and latest is not None and not recipe.overwrite:
+        checkpoint = checkpoint_to_resume(run_dir, save_only_model)
+        if checkpoint is None:
+            say(f"resume=true: {run_dir} has no checkpoint yet; starting from step 0")
+    elif checkpoint is None and checkpoints(run_dir) and not recipe.overwrite:
+        latest = latest_checkpoint(run_dir, save_only_model) or checkpoints(run_dir)[-1]
         raise RecipeError(
-            f"{run_dir} already has checkpoints ({latest.name} the latest). "
+            f"{run_dir} already has checkpoints ({latest.name} the latest complete one). "
             "Continue it with resume=true, start afresh with overwrite=true, or choose another run_name="
         )
     return run_dir, None if checkpoint is None else str(checkpoint)
