@@ -271,11 +271,13 @@ class ProbDiffCallback(TrainerCallback):
                 if row.global_step == state.global_step and row.kind != "baseline":
                     self._update_best_model(outcome.metrics)
             else:
-                logger.warning(
-                    f"ProbDiff: step {row.global_step}'s evaluation was abandoned when the run stopped and its "
-                    f"weights are gone (resumed at step {state.global_step}): it stays failed"
-                )
+                why = (f"{ABANDONED} when the run stopped, and resuming from step {state.global_step} cannot run it: "
+                       "the weights of its step are gone")  # fmt: skip
+                logger.warning(f"ProbDiff: step {row.global_step}'s evaluation was {why}; it stays failed")
                 self.evaluated[row.global_step] = self._metrics(None, None)
+                if self._is_main():
+                    row.error, row.abandoned = why, False
+                    self._files.add(row, None)
 
     @staticmethod
     def _logged(state: TrainerState, row: HistoryRow) -> bool:

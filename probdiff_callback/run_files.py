@@ -207,7 +207,11 @@ class Run:
         return [row for row in self.rows if row.summary is not None]
 
     def failed_steps(self) -> list[int]:
-        return [row.global_step for row in self.rows if row.failed]
+        return [row.global_step for row in self.rows if row.failed and not row.abandoned]
+
+    def abandoned_steps(self) -> list[int]:
+        """Steps whose evaluation a preemption abandoned: resuming from their checkpoint evaluates them."""
+        return [row.global_step for row in self.rows if row.abandoned]
 
     def successful_or_raise(self, why: str) -> list[HistoryRow]:
         """The successful rows, or a FileNotFoundError naming the history file and `why` none is there."""

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
 
 from probdiff_callback.analysis.select import format_selection, ranked_rows, select_checkpoints
 from probdiff_callback.cli import main
@@ -54,6 +58,9 @@ def write_run(
             checkpoint = str(run / f"checkpoint-{step}")
             Path(checkpoint).mkdir(parents=True)
             (Path(checkpoint) / "adapter_config.json").write_text("{}")
+            save_file(
+                {"lora_A": np.zeros((4, 8), dtype=np.float32)}, str(Path(checkpoint) / "adapter_model.safetensors")
+            )
         row = {
             "global_step": step,
             "epoch": step / 10,
@@ -163,6 +170,26 @@ def test_select_names_the_best_step_with_a_checkpoint_still_on_disk(tmp_path, ca
     assert selection.best_checkpoint.global_step == 10
     main(["select", str(run)])
     assert "step 20 ranks higher but its checkpoint was not saved" in capsys.readouterr().out
+
+
+def test_select_and_best_skip_checkpoints_removed_or_broken_and_say_so(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_run(run, {0: POOR, 10: MIXED, 20: GOOD, 30: MIXED_HIGHER_D}, checkpoints=(10, 20, 30))
+    shutil.rmtree(run / "checkpoint-20")  # rotation, or a fault, removed the best-ranked step's checkpoint
+    weights = run / "checkpoint-10/adapter_model.safetensors"  # the next one's weights were cut short
+    weights.write_bytes(weights.read_bytes()[:-40])
+    selection = select_checkpoints(run)
+    assert [s.global_step for s in selection.ranked] == [20, 10, 30]
+    assert selection.best_checkpoint.global_step == 30
+    assert [step for step, _ in selection.skipped] == [20, 10]
+    assert main(["select", str(run), "--link"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped for best, ranked higher: step 20 (checkpoint-20 removed (checkpoint rotation, or a fault)); " in (
+        printed
+    )
+    assert f"step 10 ({weights} is truncated (" in printed
+    assert "Best checkpoint: step 30" in printed
+    assert (run / "best").resolve() == (run / "checkpoint-30").resolve()
 
 
 def test_select_works_on_a_run_that_is_still_training(tmp_path):

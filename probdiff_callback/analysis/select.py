@@ -18,6 +18,7 @@ from pathlib import Path
 from probdiff_callback.analysis.crosscheck import step_measures
 from probdiff_callback.analysis.disagreement import Disagreement, find_disagreements, format_disagreements
 from probdiff_callback.analysis.report import fmt, format_p, format_win_tie_lose, pct
+from probdiff_callback.checkpoints import weights_problem
 from probdiff_callback.metric import compare
 from probdiff_callback.run_files import DEFAULT_SUBDIR, HistoryRow, Run, read_run
 
@@ -45,6 +46,8 @@ class Selection:
     baseline: RankedStep | None
     best_checkpoint: RankedStep | None  # the best-ranked step with a checkpoint on disk
     failed_steps: list[int]
+    abandoned_steps: list[int]
+    skipped: list[tuple[int, str]]  # steps ranked above the best checkpoint whose checkpoint is gone or broken, why
     delta: float
     run_dir: Path
     disagreements: list[Disagreement]  # where an independent measure moves against ProbDiff (disagreement.py)
@@ -69,14 +72,19 @@ def ranked_rows(rows: Sequence[HistoryRow]) -> list[HistoryRow]:
 
 
 def resolve_checkpoint(run_dir: Path, checkpoint: str | None) -> str | None:
-    """The checkpoint directory if it exists (not yet saved, or deleted by rotation: None); the history holds the
-    path as the Trainer wrote it, which may be relative to another cwd."""
-    if checkpoint is None:
-        return None
+    """The checkpoint directory if it exists with whole weights (not yet saved, deleted by rotation or a fault, or
+    its weights missing or cut short: None); the history holds the path as the Trainer wrote it, which may be
+    relative to another cwd."""
+    return None if checkpoint is None else unusable_checkpoint(run_dir, checkpoint)[0]
+
+
+def unusable_checkpoint(run_dir: Path, checkpoint: str) -> tuple[str | None, str | None]:
+    """(the usable checkpoint directory, None) or (None, why not)."""
     for candidate in (Path(checkpoint), run_dir / Path(checkpoint).name):
         if candidate.is_dir():
-            return str(candidate)
-    return None
+            problem = weights_problem(candidate)
+            return (str(candidate), None) if problem is None else (None, problem)
+    return None, f"{Path(checkpoint).name} removed (checkpoint rotation, or a fault)"
 
 
 def picked_step(ranked: Sequence[HistoryRow], run_dir: str | os.PathLike) -> int | None:
@@ -127,11 +135,19 @@ def select(run: Run) -> Selection:
             result = compare(mine, best_records, delta)
             step.p_vs_best, step.win, step.lose = result["wilcoxon_p"], result["win"], result["lose"]
     best_checkpoint = next((s for s in steps if s.checkpoint is not None), None)
+    above_best = ranked if best_checkpoint is None else ranked[: steps.index(best_checkpoint)]
+    skipped = [
+        (row.global_step, unusable_checkpoint(run.run_dir, row.checkpoint)[1] or "")
+        for row in above_best
+        if row.checkpoint is not None
+    ]
     return Selection(
         ranked=steps,
         baseline=baseline,
         best_checkpoint=best_checkpoint,
         failed_steps=run.failed_steps(),
+        abandoned_steps=run.abandoned_steps(),
+        skipped=skipped,
         delta=delta,
         run_dir=run.run_dir,
         disagreements=find_disagreements(step_measures(run.rows), picked_step(ranked, run.run_dir)),
@@ -175,6 +191,11 @@ def format_selection(selection: Selection) -> str:
         lines.append(
             "failed evaluations (see `error` in the history): steps " + ", ".join(map(str, selection.failed_steps))
         )
+    if selection.abandoned_steps:
+        lines.append(
+            "evaluations abandoned when the run was stopped (resuming from their checkpoint evaluates them): steps "
+            + ", ".join(map(str, selection.abandoned_steps))
+        )
     if selection.baseline_beats_all:
         lines.append(
             f"The baseline (step {selection.baseline.global_step}, before fine-tuning) beats every evaluated "
@@ -188,10 +209,13 @@ def format_selection(selection: Selection) -> str:
             f"Best checkpoint: step {best.global_step}, {best.checkpoint} "
             f"(confidence {pct(best.confidence)}, d mean {best.d_mean:.4f})"
         )
-        if selection.ranked and selection.ranked[0] is not best:
+        if selection.skipped:
             lines.append(
-                f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved or was deleted)"
+                "skipped for best, ranked higher: "
+                + "; ".join(f"step {step} ({why})" for step, why in selection.skipped)
             )
+        elif selection.ranked and selection.ranked[0] is not best:
+            lines.append(f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved)")
     if selection.disagreements:
         lines.append(format_disagreements(selection.disagreements, selection.run_dir))
     return "\n".join(lines)
