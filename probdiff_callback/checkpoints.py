@@ -73,6 +73,8 @@ def weights_problem(path: str | Path) -> str | None:
     weights = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
     if weights is None:
         return f"{path}: no weights ({' or '.join(WEIGHT_FILES[:2])}) in it"
+    if weights.name.startswith("adapter_") and not (path / "adapter_config.json").is_file():
+        return f"{path / 'adapter_config.json'} is missing"
     if weights.name.endswith(".index.json"):
         problem = json_problem(weights)
         if problem:

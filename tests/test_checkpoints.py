@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from test_sft import CHEAP, history_rows, run_sft
+from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
 from probdiff_callback.checkpoints import checkpoint_problem, weights_problem
 
@@ -44,6 +45,7 @@ def truncate(path: Path, keep: float = 0.5) -> None:
         ("scheduler.pt", "delete", "scheduler.pt is missing"),
         ("adapter_model.safetensors", "delete", "no weights (adapter_model.safetensors or model.safetensors)"),
         ("adapter_model.safetensors", "truncate", "adapter_model.safetensors is truncated ("),
+        ("adapter_config.json", "delete", "adapter_config.json is missing"),
         ("rng_state.pth", "truncate", "rng_state.pth is truncated or damaged"),
     ],
 )
@@ -75,9 +77,12 @@ def test_a_truncated_adapter_stops_the_resume_and_the_offered_command_continues(
 
     offered = run_sft([*ARGS, "resume=run/checkpoint-1"], cwd)
     assert offered.returncode == 0, offered.stdout[-3000:] + offered.stderr[-3000:]
-    assert "set run/checkpoint-2 aside as checkpoint-2.incomplete" in offered.stdout
+    assert "set run/checkpoint-2 aside as incomplete-checkpoint-2" in offered.stdout
     assert checkpoint_problem(run / "checkpoint-2") is None  # saved again, whole
-    assert (run / "checkpoint-2.incomplete/adapter_model.safetensors").is_file()  # kept, not deleted
+    assert (run / "incomplete-checkpoint-2/adapter_model.safetensors").is_file()  # kept, not deleted
+    # neither the Trainer's rotation nor its lookup takes the folder set aside for a checkpoint
+    assert [Path(p).name for p in sort_checkpoints(str(run))] == ["checkpoint-1", "checkpoint-2"]
+    assert Path(get_last_checkpoint(str(run))).name == "checkpoint-2"
     assert [r["global_step"] for r in history_rows(run)] == [0, 1, 2]
     state = json.loads((run / "checkpoint-2/trainer_state.json").read_text())
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2]

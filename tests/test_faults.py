@@ -122,8 +122,8 @@ def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
         in (finished.stdout)
         and "Continuing from run/checkpoint-3" in finished.stdout
     )
-    assert "set run/checkpoint-4 aside as checkpoint-4.incomplete" in finished.stdout
-    assert (run / "checkpoint-4.incomplete/adapter_model.safetensors").is_file()
+    assert "set run/checkpoint-4 aside as incomplete-checkpoint-4" in finished.stdout
+    assert (run / "incomplete-checkpoint-4/adapter_model.safetensors").is_file()
 
     assert_same_run(reference[0], run)
     assert table(finished.stdout) == table(reference[1])

@@ -71,18 +71,18 @@ def previous_offer(older: list[Path], save_only_model: bool) -> str:
 
 
 def set_aside_unusable(run_dir: Path, resumed: str | None, save_only_model: bool = False) -> list[str]:
-    """Move the cut-off or broken checkpoints newer than the one resumed to `checkpoint-N.incomplete`, so that the
-    Trainer's rotation and checkpoint lookup, which go by name, never take them for checkpoints. Main process, with
-    the run directory held (`run_lock`)."""
+    """Move the cut-off or broken checkpoints newer than the one resumed to `incomplete-checkpoint-N`, so that the
+    Trainer's rotation and checkpoint lookup never take them for checkpoints (its rotation counts every folder whose
+    name starts with `checkpoint-`). Main process, with the run directory held (`run_lock`)."""
     start = checkpoint_step(resumed) if resumed else 0
     moved = []
     for checkpoint in checkpoints(run_dir):
         problem = checkpoint_problem(checkpoint, save_only_model) if checkpoint_step(checkpoint) > start else None
         if problem is not None:
-            target = checkpoint.with_name(checkpoint.name + ".incomplete")
-            suffix = 1
+            target = checkpoint.with_name(f"incomplete-{checkpoint.name}")
+            suffix = 2
             while target.exists():
-                target, suffix = checkpoint.with_name(f"{checkpoint.name}.incomplete{suffix}"), suffix + 1
+                target, suffix = checkpoint.with_name(f"incomplete-{checkpoint.name}.{suffix}"), suffix + 1
             checkpoint.rename(target)
             moved.append(f"set {checkpoint} aside as {target.name} ({problem})")
     return moved

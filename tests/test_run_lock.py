@@ -1,0 +1,83 @@
+"""Two jobs, one run directory: the second stops at once naming the first's host and pid, on one process or two; a
+lock left by a job killed with -9 does not block the resume."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_sft import CHEAP, run_sft, sft_command, sft_env
+
+from probdiff_callback.training.recipe import RecipeError
+from probdiff_callback.training.run_lock import LOCK_FILE, hold_run_dir, raise_if_held
+
+HOLD = "from pathlib import Path; import sys, time\n" + (
+    "from probdiff_callback.training.run_lock import hold_run_dir\n"
+    "lock = hold_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)\n"
+)
+
+
+def holder(run_dir: Path) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "locked"
+    return process
+
+
+def test_a_held_run_directory_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert raise_if_held(run_dir) is None and not run_dir.exists(), "the read-only check creates nothing"
+    first = holder(run_dir)
+    try:
+        for attempt in (hold_run_dir, raise_if_held):
+            with pytest.raises(RecipeError) as err:
+                attempt(run_dir)
+            text = str(err.value)
+            assert f"{run_dir} is in use by another training job: host {socket.gethostname()}, pid {first.pid}" in text
+            assert f"stop it (kill {first.pid} on {socket.gethostname()})" in text and "run_name=" in text
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    lock = hold_run_dir(run_dir)  # the kernel released the dead job's lock
+    taken = capsys.readouterr().out
+    assert f"taking over the lock of host {socket.gethostname()}, pid {first.pid}" in taken
+    assert "ended without releasing it" in taken
+    lock.release()
+    assert (run_dir / LOCK_FILE).read_text() == "", "released cleanly: an empty file"
+    hold_run_dir(run_dir).release()
+    assert capsys.readouterr().out == ""
+
+
+def test_a_second_training_job_stops_at_once_and_a_killed_one_does_not_block_the_resume(tmp_path, tiny_model_path):
+    args = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], "output_dir=run"]
+    first = subprocess.Popen(
+        [*sft_command(), *args, "max_steps=50"], cwd=tmp_path, env=sft_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while not (tmp_path / "run/checkpoint-1/trainer_state.json").is_file():
+            assert first.poll() is None and time.time() < deadline, "the first job saved no checkpoint"
+            time.sleep(0.2)
+        in_use = f"run is in use by another training job: host {socket.gethostname()}, pid {first.pid}"
+        for extra in (["max_steps=50"], ["max_steps=50", "resume=true"]):
+            started = time.time()
+            second = run_sft([*args, *extra], tmp_path)
+            print(f"second job ({' '.join(extra)}) refused after {time.time() - started:.1f} s")
+            assert second.returncode == 2 and in_use in second.stderr, second.stderr[-2000:]
+            assert "already has checkpoints" not in second.stderr
+        started = time.time()
+        two = run_sft([*args, "max_steps=50", "resume=true"], tmp_path, launcher="accelerate", processes=2, timeout=300)
+        print(f"second job on two processes refused after {time.time() - started:.1f} s")
+        assert two.returncode != 0 and two.stderr.count(in_use) == 1, two.stderr[-3000:]
+    finally:
+        first.kill()  # kill -9: the lock file keeps its text, the kernel drops the lock
+        first.wait()
+    resumed = run_sft([*args, "max_steps=2", "resume=true"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"taking over the lock of host {socket.gethostname()}, pid {first.pid}" in resumed.stdout
+    assert (tmp_path / "run" / LOCK_FILE).read_text() == ""
