@@ -410,13 +410,26 @@ def test_run_name_is_stable_and_ignores_run_level_keys():
     assert default_run_name(a).startswith("tiny-")
 
 
+def write_whole_checkpoint(path: Path) -> None:
+    """The files of a LoRA checkpoint, small but whole (`probdiff_callback.checkpoints` checks their headers)."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    (path / "adapter_config.json").write_text("{}")
+    save_file({"lora_A": np.zeros((2, 2), dtype=np.float32)}, str(path / "adapter_model.safetensors"))
+    for name in ("optimizer.pt", "scheduler.pt"):
+        torch.save({}, path / name)
+
+
 def test_resolve_run_resume_and_existing_checkpoints(tmp_path):
     run = tmp_path / "run"
     recipe = load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}"])
     assert resolve_run(recipe) == (run, None)
     for step in (4, 12, 8):
-        (run / f"checkpoint-{step}").mkdir(parents=True)
-        (run / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        write_whole_checkpoint(run / f"checkpoint-{step}")
     with pytest.raises(RecipeError, match="already has checkpoints .checkpoint-12.*resume=true"):
         resolve_run(recipe)
     assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "resume=true"])) == (
