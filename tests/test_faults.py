@@ -17,6 +17,7 @@ import pytest
 from test_sft import CHEAP, history_rows, run_sft, sft_command, sft_env
 
 from probdiff_callback import faults
+from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.checkpoints import checkpoints
 from probdiff_callback.run_files import RunFiles, read_history
 
@@ -105,6 +106,8 @@ def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
     assert line == "stopped by SIGTERM: saved run/checkpoint-3. Continue with: accelerate launch train/sft.py " + (
         " ".join(args) + " resume=true"
     )
+    assert (run / "run.lock").read_text() == "", "a preemption's stop releases the run directory cleanly"
+    assert select_checkpoints(run).abandoned_steps == [3]
     rows = history_rows(run)
     assert rows[-1]["global_step"] == 3 and rows[-1]["abandoned"] and rows[-1]["eval_loss"] is not None
     assert (run / "checkpoint-3/trainer_state.json").is_file() and not (run / "checkpoint-4").exists()

@@ -2,13 +2,17 @@
 
 Two jobs writing one run directory would interleave checkpoints, history rows and W&B steps. A pid file would
 outlive a job killed with -9 and block its resume; an `flock` is released by the kernel when the process ends, however
-it ends, so only a live job holds it (`flock` is also honoured across the nodes of an NFS or Lustre mount on Linux).
-The file's text (host, pid, start, command) only names the holder in the message. A clean end empties the file, so
-text found in an unheld lock names a job that died holding it, and the next start says so.
+it ends, so only a live job holds it. Linux honours `flock` across the clients of an NFS mount (a dead node's lock
+lasts until the server's lease expires, about 90 s on NFSv4); a file system without it (Lustre mounted without
+`-o flock`) gets a warning and no protection. The file's text (host, pid, start, command) only names the holder in
+the message. Any exit Python sees (the end, an error, Ctrl-C, a preemption's stop) empties the file, so text found in
+an unheld lock names a job that was killed outright, and the next start says so.
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
 import fcntl
 import json
 import os
@@ -82,6 +86,13 @@ def hold_run_dir(run_dir: Path) -> RunLock:
         holder = read_holder(fd)
         os.close(fd)
         raise RecipeError(in_use_message(run_dir, holder)) from None
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        os.close(fd)
+        print(f"warning: {path}: this file system does not lock files ({err.strerror}); nothing stops a second job "
+              "from training in the same run directory", flush=True)  # fmt: skip
+        return RunLock(path, -1, None)
     previous = read_holder(fd)
     if previous is not None:
         print(
@@ -93,7 +104,9 @@ def hold_run_dir(run_dir: Path) -> RunLock:
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, (holder_text() + "\n").encode())
     os.fsync(fd)
-    return RunLock(path, fd, previous)
+    lock = RunLock(path, fd, previous)
+    atexit.register(lock.release)
+    return lock
 
 
 def raise_if_held(run_dir: Path) -> None:
