@@ -1,7 +1,8 @@
 """What `train/sft.py` is built from, one concern per module: the recipe and its `SFTConfig` (`recipe`), the run
-directory and resuming (`run_dir`), the conversations and held-out queries (`data`), the model and its LoRA
-(`model_setup`), trl's `SFTTrainer` with the ProbDiff callback (`trainer`), one W&B run across resumes (`wandb_run`)
-and the end-of-run report (`report`). Training only: the library around it never imports this package.
+directory and resuming (`run_dir`), one job per run directory (`run_lock`), the conversations and held-out queries
+(`data`), the model and its LoRA (`model_setup`), trl's `SFTTrainer` with the ProbDiff and preemption callbacks
+(`trainer`), one W&B run across resumes (`wandb_run`) and the end-of-run report (`report`). Training only: the
+library around it never imports this package.
 
 The training script runs from a checkout: recipes and data are read from `PROJECT_ROOT`.
 """
