@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from probdiff_callback.decoding import RowSampler, left_padded, sample_continuations
+from probdiff_callback.decoding import RowSampler, StopWhenAsked, left_padded, sample_continuations
 
 from .report import Figure
 
@@ -37,9 +37,10 @@ def generate_continuations(
     synced_gpus: bool = False,
     static_cache: bool = False,
     compile_forward: bool = False,
+    stop_early: Callable[[], bool] | None = None,
 ) -> list[list[int]]:
     """`sample_continuations`' contract through `model.generate`, so the evaluator runs unchanged around it."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
     device = model.get_output_embeddings().weight.device
     input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_token_id))
@@ -67,6 +68,7 @@ def generate_continuations(
         attention_mask=attention_mask,
         generation_config=generation_config,
         logits_processor=LogitsProcessorList([sampler]),
+        stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
         synced_gpus=synced_gpus,
     )
     stops = set(stop_ids)
