@@ -59,6 +59,7 @@ class RowSampler(LogitsProcessor):
         self.pad_token_id = pad_token_id
         self.n_valid_ids = n_valid_ids
         self.finished = torch.zeros(len(self.seeds), dtype=torch.bool, device=device)
+        self.saw_nan = torch.zeros((), dtype=torch.bool, device=device)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
@@ -68,8 +69,7 @@ class RowSampler(LogitsProcessor):
         live = (~self.finished).nonzero().squeeze(-1)
         if live.numel():
             logits = scores[live] if self.n_valid_ids is None else scores[live, : self.n_valid_ids]
-            if torch.isnan(logits).any():  # a diverged or overflowing model: its texts would be noise
-                raise NonFiniteLogits(f"NaN in the model's logits at generated token {step + 1}")
+            self.saw_nan |= torch.isnan(logits).any()  # on the device: read once, after generate (no sync per step)
             uniforms = counter_uniforms([self.seeds[i] for i in live.tolist()], step).to(scores.device)
             # sample_tokens overwrites its input: a float32 copy of the live rows (generate does not reuse scores)
             chosen[live] = sample_tokens(
@@ -145,6 +145,8 @@ def sample_continuations(
         stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
         synced_gpus=synced_gpus,
     )
+    if sampler.saw_nan.item():  # a diverged or overflowing model: its texts are noise, and its scores would be too
+        raise NonFiniteLogits("NaN in the model's logits while generating")
     stops = set(stop_ids)
     generated = []
     for row in output[:, input_ids.shape[1] :].tolist():

@@ -604,7 +604,7 @@ def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on
     assert [r["global_step"] for r in rows if r["error"]] == failing
     expected = {
         "out of memory": "OutOfMemoryError",
-        "NaN logits": "NaN in the model's logits",
+        "NaN logits": "NaN in the model's logits while generating",
         "bad query": "alternate",
     }
     assert all(expected[fault] in rows[step]["error"] and rows[step]["summary"] is None for step in failing)
