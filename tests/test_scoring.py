@@ -54,6 +54,18 @@ def test_empty_response_scores_nan(small_model):
     assert abs(scores[1][0] - direct_mean_logprob(small_model, [4, 5], [6, 7])) < 1e-5
 
 
+def test_nan_hidden_states_raise_instead_of_scoring_as_not_confident(small_model):
+    """An empty response is NaN by the paper's rule; a NaN from the model itself fails the evaluation."""
+    from probdiff_callback.scoring import NonFiniteLogits
+
+    handle = small_model.model.norm.register_forward_hook(lambda module, inputs, output: output * math.nan)
+    try:
+        with pytest.raises(NonFiniteLogits, match="1 of 2 responses is not finite"):
+            score_batch(small_model, [[1, 2, 3], [4, 5]], [[], [6, 7]], pad_token_id=0)
+    finally:
+        handle.remove()
+
+
 def test_sync_runs_extra_lm_head_calls_without_changing_scores(small_model):
     calls = []
     head = small_model.get_output_embeddings()
