@@ -17,7 +17,6 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from probdiff_callback import distributed, outputs, reference_metrics
-from probdiff_callback.analysis.disagreement import Disagreement, format_disagreements
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.distributed import EvaluationOutcome, evaluate_in_training
 from probdiff_callback.faults import ABANDONED
@@ -26,6 +25,7 @@ from probdiff_callback.outputs import CostReport
 from probdiff_callback.queries import queries_from
 from probdiff_callback.run_files import HistoryRow, Record, RunFiles, read_records
 from probdiff_callback.schedule import (
+    check_selection_setup,
     checkpoint_to_come,
     is_scheduled_save,
     place_before_early_stopping,
@@ -106,7 +106,7 @@ class ProbDiffCallback(TrainerCallback):
         self._reference_notice_shown = False
         self._triggers = 0
         self._wandb = outputs.WandbRecords(self.config.wandb_table_rows)
-        self._disagreements_said: set[Disagreement] = set()
+        self._disagreements = outputs.DisagreementAlerts()
         self._cost = CostReport()
 
     def cost_summary(self) -> str | None:
@@ -125,7 +125,7 @@ class ProbDiffCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         place_before_early_stopping(self.trainer.callback_handler, self)
-        self._check_selection_setup(args)
+        check_selection_setup(args, self.config.every)
         self._show_reference_notice()
         kept, self._baseline_records = distributed.broadcast(self.trainer.accelerator, self._history_to_continue(state))
         self.evaluated = {row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned}
@@ -207,23 +207,10 @@ class ProbDiffCallback(TrainerCallback):
         self._say_disagreements()
 
     def _say_disagreements(self) -> None:
-        """As soon as an independent measure moves against ProbDiff: a warning on the console and a W&B alert."""
-        from probdiff_callback.analysis.select import disagreements
-
-        if not self._is_main():
-            return
-        found = disagreements(self._files.rows(), self._output_dir)
-        new = [d for d in found if d not in self._disagreements_said]
-        if not new:
-            return
-        self._disagreements_said.update(new)
-        text = format_disagreements(new, self._output_dir)
-        logger.warning(text)
-        if "wandb" in (self.trainer.args.report_to or []):
-            try:
-                outputs.alert_wandb("ProbDiff disagrees with an independent measure", text)
-            except Exception:  # the console has it; a failed alert is not worth the run
-                logger.exception("ProbDiff: sending the disagreement to W&B failed")
+        if self._is_main():
+            self._disagreements.announce(
+                self._files.rows(), self._output_dir, "wandb" in (self.trainer.args.report_to or [])
+            )
 
     def _is_due(self, state: TrainerState, control: TrainerControl) -> bool:
         """Every `every`-th trigger (evaluation, or save without evaluation), and the last one with `at_end`."""
@@ -292,14 +279,6 @@ class ProbDiffCallback(TrainerCallback):
             determine(metrics=metrics, trial=None)
 
     # ---- setup ----
-    def _check_selection_setup(self, args: TrainingArguments) -> None:
-        metric = args.metric_for_best_model or ""
-        if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and args.eval_strategy != "no":
-            if self.config.every != 1:
-                raise ValueError(
-                    f"metric_for_best_model={metric!r} needs ProbDiff at every evaluation, but "
-                    f"every={self.config.every}: set every=1 and space evaluations with eval_steps instead"
-                )
 
     def _history_to_continue(self, state: TrainerState) -> tuple[list[HistoryRow], list[Record] | None]:
         """(history rows up to the step training starts from, the baseline's records); main process only."""

@@ -8,6 +8,7 @@ once, and its answers can be far longer (or shorter) than those of the model bei
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,8 @@ from typing import Any
 from transformers import TrainerState, TrainingArguments
 
 from probdiff_callback.metric import delta_key
+
+logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "eval_probdiff_"
 WANDB_HISTOGRAM_KEY = "eval/probdiff_d"
@@ -87,6 +90,30 @@ class WandbRecords:
             payload[WANDB_TABLE_KEY] = self._table
         if len(payload) > 1:
             wandb.log(payload)
+
+
+class DisagreementAlerts:
+    """As soon as an independent measure moves against ProbDiff: a warning on the console and a W&B alert, once per
+    disagreement."""
+
+    def __init__(self) -> None:
+        self.said: set = set()
+
+    def announce(self, rows, run_dir: str, to_wandb: bool) -> None:
+        from probdiff_callback.analysis.disagreement import format_disagreements
+        from probdiff_callback.analysis.select import disagreements
+
+        new = [d for d in disagreements(rows, run_dir) if d not in self.said]
+        if not new:
+            return
+        self.said.update(new)
+        text = format_disagreements(new, run_dir)
+        logger.warning(text)
+        if to_wandb:
+            try:
+                alert_wandb("ProbDiff disagrees with an independent measure", text)
+            except Exception:  # the console has it; a failed alert is not worth the run
+                logger.exception("ProbDiff: sending the disagreement to W&B failed")
 
 
 def alert_wandb(title: str, text: str) -> None:

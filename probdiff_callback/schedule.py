@@ -69,3 +69,13 @@ def place_before_early_stopping(handler, callback) -> None:
         # A new list, not an in-place edit: the handler may be iterating over the old one right now.
         handler.callbacks = callbacks
         logger.info("ProbDiff: moved ProbDiffCallback before EarlyStoppingCallback so early stopping sees its metric")
+
+
+def check_selection_setup(args: TrainingArguments, every: int) -> None:
+    """Selecting checkpoints by a ProbDiff metric needs that metric at every evaluation."""
+    metric = args.metric_for_best_model or ""
+    if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and args.eval_strategy != "no" and every != 1:
+        raise ValueError(
+            f"metric_for_best_model={metric!r} needs ProbDiff at every evaluation, but every={every}: set every=1 "
+            "and space evaluations with eval_steps instead"
+        )

@@ -105,7 +105,7 @@ def test_the_callback_warns_once_per_disagreement_and_alerts_wandb(tmp_path, mon
         _output_dir=str(run),
         _files=files,
         trainer=SimpleNamespace(args=SimpleNamespace(report_to=["wandb"])),
-        _disagreements_said=set(),
+        _disagreements=outputs.DisagreementAlerts(),
     )
     history_file = history_path(run)
     history_file.rename(history_file.with_suffix(".moved"))  # the check reads nothing: it works from memory
