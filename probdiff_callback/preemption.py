@@ -13,9 +13,11 @@ one forward pass.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -115,9 +117,10 @@ def term_when_launcher_dies(signum: int) -> bool:
         return False
     import ctypes
 
-    import psutil
-
-    parent = " ".join(psutil.Process().parent().cmdline())
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
     if not any(name in parent for name in ("accelerate", "torchrun", "torch.distributed.run")):
         return False
     pr_set_pdeathsig = 1

@@ -7,7 +7,13 @@ import json
 import re
 from pathlib import Path
 
-from probdiff_callback.checkpoints import checkpoint_problem, checkpoint_step, checkpoints, is_cut_off
+from probdiff_callback.checkpoints import (
+    CHECKPOINT_NAME,
+    checkpoint_problem,
+    checkpoint_step,
+    checkpoints,
+    is_cut_off,
+)
 from probdiff_callback.training import say
 from probdiff_callback.training.recipe import Recipe, RecipeError
 from probdiff_callback.training.run_lock import raise_if_held
@@ -35,7 +41,11 @@ def default_run_name(recipe: Recipe) -> str:
 def latest_checkpoint(run_dir: Path, save_only_model: bool = False) -> Path | None:
     """The newest complete `checkpoint-N` in `run_dir`, if any (transformers' own lookup takes the newest by name,
     whole or not)."""
-    return next((c for c in reversed(checkpoints(run_dir)) if checkpoint_problem(c, save_only_model) is None), None)
+    return newest_complete(checkpoints(run_dir), save_only_model)
+
+
+def newest_complete(candidates: list[Path], save_only_model: bool) -> Path | None:
+    return next((c for c in reversed(candidates) if checkpoint_problem(c, save_only_model) is None), None)
 
 
 def checkpoint_to_resume(run_dir: Path, save_only_model: bool = False) -> Path | None:
@@ -64,7 +74,7 @@ def checkpoint_to_resume(run_dir: Path, save_only_model: bool = False) -> Path |
 
 def previous_offer(older: list[Path], save_only_model: bool) -> str:
     """The command's way on: the newest complete checkpoint among `older`, or a fresh start."""
-    previous = next((c for c in reversed(older) if checkpoint_problem(c, save_only_model) is None), None)
+    previous = newest_complete(older, save_only_model)
     if previous is None:
         return "No earlier checkpoint is complete: start afresh with overwrite=true"
     return f"Continue from the previous complete checkpoint with resume={previous}, or start afresh with overwrite=true"
@@ -96,7 +106,7 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
     save_only_model = bool(recipe.training.get("save_only_model"))
     if resume_flag not in (None, "", "false", "true"):
         checkpoint = Path(resume)  # type: ignore[arg-type]
-        if not checkpoint.is_dir() or not checkpoint.name.startswith("checkpoint-"):
+        if not checkpoint.is_dir() or not CHECKPOINT_NAME.match(checkpoint.name):
             raise RecipeError(f"resume={resume}: not a training checkpoint (a checkpoint-N folder of a run)")
         problem = checkpoint_problem(checkpoint, save_only_model)
         if problem is not None:
