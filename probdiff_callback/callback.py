@@ -18,7 +18,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from probdiff_callback import distributed, outputs, reference_metrics
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.distributed import EvaluationOutcome, evaluate_in_training
+from probdiff_callback.distributed import EvaluationOutcome, evaluate_in_training, start_training_engine
 from probdiff_callback.faults import ABANDONED
 from probdiff_callback.metric import compare_to_base
 from probdiff_callback.outputs import CostReport
@@ -108,6 +108,7 @@ class ProbDiffCallback(TrainerCallback):
         self._wandb = outputs.WandbRecords(self.config.wandb_table_rows)
         self._disagreements = outputs.DisagreementAlerts()
         self._cost = CostReport()
+        self._engine = None  # vLLM (use_vllm), on the main process: started when training begins
 
     def cost_summary(self) -> str | None:
         """What the evaluations added to the run's time, measured (for the end of the run)."""
@@ -126,6 +127,8 @@ class ProbDiffCallback(TrainerCallback):
     ) -> None:
         place_before_early_stopping(self.trainer.callback_handler, self)
         check_selection_setup(args, self.config.every)
+        if self.config.use_vllm and self._engine is None:
+            self._engine = self._start_engine()
         self._show_reference_notice()
         kept, self._baseline_records = distributed.broadcast(self.trainer.accelerator, self._history_to_continue(state))
         self.evaluated = {row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned}
@@ -205,6 +208,13 @@ class ProbDiffCallback(TrainerCallback):
         ):
             self._run(state, kind="end")
         self._say_disagreements()
+        self.close_engine()
+
+    def close_engine(self) -> None:
+        """Stop the vLLM server this run started (none for a server you started, or without vLLM)."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
 
     def _say_disagreements(self) -> None:
         if self._is_main():
@@ -296,6 +306,22 @@ class ProbDiffCallback(TrainerCallback):
             )
         return kept, self._files.baseline_records()
 
+    def _start_engine(self):
+        """The vLLM engine of this run on the main process (None on the others); a failure to start stops training
+        on every rank with the same message, before the first step."""
+        from probdiff_callback.distributed import broadcast
+
+        engine, error = None, None
+        if self._is_main():
+            try:
+                engine = start_training_engine(self.trainer, self.tokenizer, self.config)
+            except Exception as err:  # noqa: BLE001 - every rank raises it below
+                error = f"{type(err).__name__}: {err}"
+        error = broadcast(self.trainer.accelerator, error)
+        if error is not None:
+            raise RuntimeError(f"ProbDiff: use_vllm=true: {error}")
+        return engine
+
     def _show_reference_notice(self) -> None:
         notice = self.reference_plan.notice()
         if notice and not self._reference_notice_shown and self._is_main():
@@ -366,7 +392,14 @@ class ProbDiffCallback(TrainerCallback):
         (in query order), summary, metrics and error."""
         should_stop = self._asked_to_stop if self.preemption is not None else None
         outcome = evaluate_in_training(
-            self.trainer, self.tokenizer, self.queries, self.config, self.reference_plan, base_model, should_stop
+            self.trainer,
+            self.tokenizer,
+            self.queries,
+            self.config,
+            self.reference_plan,
+            base_model,
+            should_stop,
+            engine=self._engine,
         )
         outcome.metrics = self._metrics(outcome.summary, None)
         return outcome

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from probdiff_callback.analysis.report import format_comparison, format_summary
 from probdiff_callback.config import EVAL, SCORE, ProbDiffConfig, config_for_command
+from probdiff_callback.vllm_engine import EngineUnavailable
 
 
 def _settings_help(command: str) -> str:
@@ -160,15 +162,9 @@ def _load(args):
     return model, tokenizer
 
 
-def _write_results(command: str, out: str, records: list[dict], config: ProbDiffConfig, extra: dict) -> dict:
-    from probdiff_callback.metric import summarize
-    from probdiff_callback.reference_metrics import summarize_references
+def _write_results(command: str, out: str, records: list[dict], summary: dict, config: ProbDiffConfig, extra: dict):
     from probdiff_callback.run_files import write_json, write_jsonl
 
-    summary = summarize(records, config.delta, config.sweep)
-    reference = summarize_references(records)
-    if reference is not None:
-        summary["reference"] = reference
     reads = ProbDiffConfig.keys_read_by(command)
     summary["config"] = {key: value for key, value in config.to_dict().items() if key in reads}  # what applied
     summary.update(extra)
@@ -177,10 +173,43 @@ def _write_results(command: str, out: str, records: list[dict], config: ProbDiff
     return summary
 
 
+def _start_engine(args, config: ProbDiffConfig, model, tokenizer, scratch: Path):
+    """The vLLM engine `config` asks for, holding the weights `probdiff eval` evaluates: the base model, or with
+    --adapter the adapter (by path) or the merged weights (written to `scratch`), as `vllm_weight_sync` says."""
+    import torch
+
+    from probdiff_callback import vllm_engine
+    from probdiff_callback.chat_format import stop_token_ids
+    from probdiff_callback.models.loading import resolve_model_path
+
+    lora = args.adapter is not None and vllm_engine.weight_sync(config) == "lora"
+    started = time.time()
+    engine = vllm_engine.start_engine(
+        config,
+        resolve_model_path(args.model),
+        tokenizer,
+        stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
+        dtype=args.dtype,
+        max_lora_rank=vllm_engine.adapter_rank(args.adapter) if lora else 0,
+        threads=torch.get_num_threads(),
+        log_dir=args.out,
+    )
+    if args.adapter is None:
+        engine.use_base()
+    elif lora:
+        engine.use_adapter(str(Path(args.adapter).resolve()))
+    else:
+        vllm_engine.write_weights(model, scratch)
+        engine.use_weights(str(scratch))
+    where = config.vllm_server_base_url if config.vllm_mode == "server" else "in this job"
+    print(f"vLLM ({config.vllm_mode}, {where}) ready in {time.time() - started:.1f}s", file=sys.stderr)
+    return engine
+
+
 def cmd_eval(args) -> int:
-    from probdiff_callback.evaluator import evaluate
+    from probdiff_callback.evaluator import evaluate_and_summarise
     from probdiff_callback.queries import load_queries
-    from probdiff_callback.reference_metrics import plan_references, score_records
+    from probdiff_callback.reference_metrics import plan_references
 
     config = config_for_command(EVAL, args.overrides)
     queries = load_queries(args.queries)
@@ -192,13 +221,19 @@ def cmd_eval(args) -> int:
         print(f"note: {plan.notice()}", file=sys.stderr)
     model, tokenizer = _load(args)
     started = time.time()
-    records = evaluate(model, tokenizer, queries, config)
-    if plan.active:
-        records = score_records(records, queries)
+    with contextlib.ExitStack() as stack:
+        engine = None
+        if config.use_vllm:
+            from probdiff_callback.vllm_engine import scratch_folder
+
+            engine = _start_engine(args, config, model, tokenizer, stack.enter_context(scratch_folder()))
+            stack.callback(engine.close)
+        records, summary = evaluate_and_summarise(model, tokenizer, queries, config, engine=engine)
     summary = _write_results(
         EVAL,
         args.out,
         records,
+        summary,
         config,
         {
             "model": args.model,
@@ -231,18 +266,19 @@ def cmd_eval(args) -> int:
 
 
 def cmd_score(args) -> int:
-    from probdiff_callback.evaluator import score_pairs
+    from probdiff_callback.evaluator import score_pairs, summarise
     from probdiff_callback.queries import load_pairs
 
     config = config_for_command(SCORE, args.overrides)
     pairs = load_pairs(args.pairs)
     model, tokenizer = _load(args)
     started = time.time()
-    records = score_pairs(model, tokenizer, pairs, config)
+    records, summary = summarise(score_pairs(model, tokenizer, pairs, config), [q for q, _, _ in pairs], config)
     summary = _write_results(
         SCORE,
         args.out,
         records,
+        summary,
         config,
         {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": round(time.time() - started, 2)},
     )
@@ -363,7 +399,7 @@ def _dispatch(args) -> int:
     }[args.command]
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, EngineUnavailable) as err:
         print(f"probdiff {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -20,7 +20,11 @@ _EVERYWHERE = frozenset({EVAL, SCORE, CALLBACK})
 _GENERATING = frozenset({EVAL, CALLBACK})  # score is given its texts: nothing is sampled, revised or capped
 _TRAINING = frozenset({CALLBACK})
 
-METRIC, SAMPLING, LENGTHS, SCHEDULE = "metric", "sampling", "lengths and batching", "training schedule"
+METRIC, SAMPLING, LENGTHS, ENGINE, SCHEDULE = (
+    "metric", "sampling", "lengths and batching", "generation engine", "training schedule"
+)  # fmt: skip
+VLLM_MODES = ("colocate", "server")
+VLLM_WEIGHT_SYNCS = ("auto", "merged", "lora")
 
 
 def _setting(default=dataclasses.MISSING, *, group: str, read_by: frozenset[str], about: str = "", cli: str = "", **kw):
@@ -65,6 +69,17 @@ class ProbDiffConfig:
     max_prompt_tokens: int = _setting(2048, group=LENGTHS, read_by=_EVERYWHERE)
     batch_size: int = _setting(16, group=LENGTHS, read_by=_EVERYWHERE)
     score_chunk_tokens: int = _setting(512, group=LENGTHS, read_by=_EVERYWHERE)  # positions per LM-head chunk
+    # --- the generation engine (docs/vllm.md); scoring always stays with the model itself, in fp32 ---
+    # answers and revisions from vLLM instead of HF generate (TRL's option names)
+    use_vllm: bool = _setting(False, group=ENGINE, read_by=_GENERATING)
+    # colocate: an engine in this process's job, started once; server: a `vllm serve` you started
+    vllm_mode: str = _setting("colocate", group=ENGINE, read_by=_GENERATING)
+    vllm_server_base_url: str = _setting("http://127.0.0.1:8000", group=ENGINE, read_by=_GENERATING)
+    vllm_server_timeout: float = _setting(240.0, group=ENGINE, read_by=_GENERATING)  # seconds to wait for the server
+    vllm_gpu_memory_utilization: float = _setting(0.3, group=ENGINE, read_by=_GENERATING)  # colocate, on a GPU
+    # how a colocated engine gets the evaluated weights: merged (written, then reloaded: fast on a CPU), lora (the
+    # adapter by path: vLLM's LoRA kernels, the GPU's way), auto: merged on a CPU, lora on a GPU
+    vllm_weight_sync: str = _setting("auto", group=ENGINE, read_by=_GENERATING)
     # --- the callback's schedule (ProbDiffCallback only: the CLI has its own flags or behaviour for these) ---
     n_queries: int | None = _setting(  # a fixed subset drawn with `seed`; None: all
         64, group=SCHEDULE, read_by=_TRAINING, about="the held-out queries evaluated at each step", cli="use --limit N"
@@ -135,6 +150,14 @@ class ProbDiffConfig:
                 problems.append(f"{name}={getattr(self, name)}: must be positive")
         if self.n_queries is not None and self.n_queries < 1:
             problems.append(f"n_queries={self.n_queries}: must be positive (or None for all)")
+        if self.vllm_mode not in VLLM_MODES:
+            problems.append(f"vllm_mode={self.vllm_mode!r}: use one of {', '.join(VLLM_MODES)}")
+        if self.vllm_weight_sync not in VLLM_WEIGHT_SYNCS:
+            problems.append(f"vllm_weight_sync={self.vllm_weight_sync!r}: use one of {', '.join(VLLM_WEIGHT_SYNCS)}")
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            problems.append(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: must be in (0, 1]")
+        if self.vllm_server_timeout <= 0:
+            problems.append(f"vllm_server_timeout={self.vllm_server_timeout}: must be positive")
         if self.wandb_table_rows < 0:
             problems.append(f"wandb_table_rows={self.wandb_table_rows}: must be >= 0")
         if self.refinement_prompt not in REFINEMENT_PROMPTS and not (

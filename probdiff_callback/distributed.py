@@ -11,6 +11,7 @@ touches (it pads the ids by hand).
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 import traceback
@@ -26,9 +27,17 @@ from transformers import TrainingArguments
 
 from probdiff_callback import reference_metrics
 from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.evaluator import evaluate
+from probdiff_callback.evaluator import (
+    Chain,
+    evaluate,
+    generate_chains,
+    inference_mode,
+    make_chains,
+    records_from_chains,
+    score_chains,
+    summarise,
+)
 from probdiff_callback.faults import ABANDONED, EvaluationAbandoned
-from probdiff_callback.metric import summarize
 from probdiff_callback.queries import Query
 
 T = TypeVar("T")
@@ -98,9 +107,11 @@ def evaluate_in_training(
     reference_plan: reference_metrics.ReferencePlan,
     base_model: bool = False,
     should_stop: Callable[[], bool] | None = None,
+    engine=None,
 ) -> EvaluationOutcome:
     """The trainer's current weights evaluated on `queries`, shared across ranks; every rank returns the same
-    records (in query order), summary and error. `should_stop` abandons the evaluation (`evaluator.evaluate`)."""
+    records (in query order), summary and error. `should_stop` abandons the evaluation (`evaluator.evaluate`).
+    With `config.use_vllm`, the main process's `engine` writes the texts (`_evaluate_with_engine`)."""
     accelerator = trainer.accelerator
     sharded = is_zero3(accelerator) and not config.gather_params
     started = time.perf_counter()
@@ -118,21 +129,90 @@ def evaluate_in_training(
                 should_stop=should_stop,
             )
 
-    records, error = evaluate_sharded(accelerator, queries, evaluate_share)
+    if engine is not None or config.use_vllm:
+        records, error = _evaluate_with_engine(trainer, tokenizer, queries, config, engine, base_model, should_stop)
+    else:
+        records, error = evaluate_sharded(accelerator, queries, evaluate_share)
     if error is not None and ABANDONED in error:
         return EvaluationOutcome([], None, error, time.perf_counter() - started, abandoned=True)
     summary = None
     if error is None:
         try:  # deterministic on the gathered records: every rank fails alike or not at all
-            if reference_plan.active:
-                records = reference_metrics.score_records(records, queries)
-            summary = summarize(records, config.delta, config.sweep)
-            reference = reference_metrics.summarize_references(records)
-            if reference is not None:
-                summary["reference"] = reference
+            records, summary = summarise(records, queries, config)
         except Exception:
             error, records = f"summary: {traceback.format_exc()}", []
     return EvaluationOutcome(records, summary, error, time.perf_counter() - started)
+
+
+def _evaluate_with_engine(
+    trainer, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, engine, base_model: bool, should_stop
+) -> tuple[list[dict], str | None]:
+    """vLLM writes every text on the main process (which holds the engine) while the other ranks wait; then every
+    rank scores an equal share with the model in training, as without vLLM. The weights go to the engine first:
+    under ZeRO-3 they are gathered on every rank (a collective), and the main process writes or links them."""
+    from probdiff_callback.vllm_engine import load_evaluated_weights, scratch_folder, weight_sync
+
+    accelerator = trainer.accelerator
+    error: str | None = None
+    chains = None
+    with model_for_evaluation(trainer, gather_params=True, base_model=base_model) as model:
+        if accelerator.is_main_process:
+            try:
+                with scratch_folder(os.path.join(trainer.args.output_dir, config.output_subdir)) as scratch:
+                    load_evaluated_weights(
+                        engine, model, base_model=base_model, sync=weight_sync(config), scratch=scratch
+                    )
+                    chains = make_chains(tokenizer, queries, config)
+                    generate_chains(chains, tokenizer, engine, config, should_stop=should_stop)
+                    engine.sleep()
+            except EvaluationAbandoned as err:
+                error = f"rank 0: {ABANDONED}: {err}"
+            except Exception:
+                error = f"rank 0 (vLLM): {traceback.format_exc()}"
+        chains, error = broadcast(accelerator, (chains, error))
+        if error is not None:
+            return [], error
+
+        def score_share(share: list[Chain]) -> list[Chain]:
+            with inference_mode(model):
+                score_chains(model, tokenizer, share, config)
+            return share
+
+        scored, error = evaluate_sharded(accelerator, chains, score_share)
+    if error is not None:
+        return [], error
+    return records_from_chains(scored, config), None
+
+
+def start_training_engine(trainer, tokenizer, config: ProbDiffConfig):
+    """The run's vLLM engine (`config.vllm_mode`) for the model in `trainer`: a server this job starts on the base
+    model's folder, with LoRA slots when the weights go to it as an adapter, or the server you started."""
+    from probdiff_callback import vllm_engine
+    from probdiff_callback.chat_format import stop_token_ids
+    from probdiff_callback.vllm_engine import weight_sync
+
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    peft_config = getattr(model, "peft_config", {}).get("default")
+    if peft_config is None and config.vllm_mode == "server":
+        raise ValueError(
+            "vllm_mode=server takes LoRA adapters only, and this run fine-tunes all weights: train with LoRA, or use "
+            "vllm_mode=colocate (it reloads the whole weights at each evaluation) or the HF engine (use_vllm=false)"
+        )
+    if is_zero3(trainer.accelerator) and not config.gather_params:
+        raise ValueError("use_vllm=true needs the whole weights on the main process: set gather_params=true")
+    lora = peft_config is not None and weight_sync(config) == "lora"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
+    return vllm_engine.start_engine(
+        config,
+        base.name_or_path,
+        tokenizer,
+        stop_token_ids(tokenizer, getattr(base, "generation_config", None)),
+        dtype=dtype,
+        max_lora_rank=int(peft_config.r) if lora else 0,
+        threads=torch.get_num_threads(),
+        log_dir=os.path.join(trainer.args.output_dir, config.output_subdir),
+    )
 
 
 def broadcast(accelerator, value: T) -> T:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tqdm.auto import tqdm
 
@@ -16,11 +18,14 @@ from probdiff_callback import faults
 from probdiff_callback.chat_format import stop_token_ids
 from probdiff_callback.config import ProbDiffConfig
 from probdiff_callback.decoding import hit_cap, sample_continuations
-from probdiff_callback.metric import discrepancy, finite_mean, is_confident
+from probdiff_callback.engines import Engine, Generated, GenerationRequest
+from probdiff_callback.metric import discrepancy, finite_mean, is_confident, summarize
 from probdiff_callback.prompts import PreparedQuery, prepare_queries, refinement_prompt_ids, refinement_template
 from probdiff_callback.queries import Query
 from probdiff_callback.sampling import row_seed
 from probdiff_callback.scoring import score_batch
+
+T = TypeVar("T")
 
 
 def generate_texts(
@@ -76,8 +81,38 @@ def inference_mode(model):
         model.train(was_training)
 
 
-def _batches(indices: list[int], size: int) -> list[list[int]]:
-    return [indices[i : i + size] for i in range(0, len(indices), size)]
+def _batches(items: list[T], size: int) -> list[list[T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+class HFEngine:
+    """HF `generate` with our per-row sampler (`decoding.py`): the default engine. It runs on the model being
+    evaluated, `batch_size` requests at a time; with `synced_gpus` every rank of a sharded ZeRO-3 model runs the same
+    forward passes."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, batch_size: int, synced_gpus: bool = False) -> None:
+        self.model, self.tokenizer, self.batch_size, self.synced_gpus = model, tokenizer, batch_size, synced_gpus
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        max_new_tokens: int,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generated]:
+        texts, capped = generate_texts(
+            self.model,
+            self.tokenizer,
+            [r.prompt_ids for r in requests],
+            [r.seed for r in requests],
+            [r.temperature for r in requests],
+            [r.top_p for r in requests],
+            max_new_tokens,
+            self.synced_gpus,
+            None if self.synced_gpus else should_stop,
+        )
+        return [Generated(text, cut) for text, cut in zip(texts, capped)]
 
 
 def build_record(
@@ -125,12 +160,160 @@ def build_record(
     return record
 
 
+@dataclass
+class Chain:
+    """One answer -> revision(s) -> scores chain of a query, carried through the phases of an evaluation (as
+    lm-evaluation-harness's `Instance` carries a request): each phase fills its fields. A query has `n_samples`
+    chains; its record is built from them (`records_from_chains`)."""
+
+    prepared: PreparedQuery
+    sample: int = 0
+    answer: str = ""
+    answer_capped: bool = False
+    revisions: list[str] = field(default_factory=list)
+    revision_capped: bool = False  # the last revision's
+    request_cut: bool = False  # a refinement request was cut to max_prompt_tokens
+    score_answer: tuple[float, int] | None = None
+    score_revised: tuple[float, int] | None = None
+
+    def seed(self, config: ProbDiffConfig, stage: str) -> int:
+        return row_seed(config.seed, self.prepared.query.id, self.sample, stage)
+
+    def last_text(self) -> str:
+        return self.revisions[-1] if self.revisions else self.answer
+
+
+def make_chains(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[Chain]:
+    """The chains of `queries` in query order, `n_samples` per query, each query in its chat prompt."""
+    prepared = prepare_queries(
+        tokenizer, queries, system_prompt=config.system_prompt, max_prompt_tokens=config.max_prompt_tokens
+    )
+    return [Chain(item, s) for item in prepared for s in range(config.n_samples)]
+
+
+def generate_answers(chains: Sequence[Chain], engine: Engine, config: ProbDiffConfig, should_stop=None) -> None:
+    requests = [
+        GenerationRequest(
+            c.prepared.prompt_ids,
+            c.seed(config, "answer"),
+            config.answer_temperature_for(c.prepared.query.category),
+            config.answer_top_p,
+        )
+        for c in chains
+    ]
+    for chain, out in zip(chains, _generate(engine, requests, config, should_stop)):
+        chain.answer, chain.answer_capped = out.text, out.capped
+
+
+def generate_revisions(
+    chains: Sequence[Chain], round_: int, tokenizer, engine: Engine, config: ProbDiffConfig, should_stop=None
+) -> None:
+    """Revision round `round_` (1-based): each chain's last text revised with the refinement prompt."""
+    template = refinement_template(config.refinement_prompt)
+    requests = []
+    for c in chains:
+        ids, cut = refinement_prompt_ids(
+            tokenizer, config.system_prompt, template, c.prepared.text, c.last_text(), config.max_prompt_tokens
+        )
+        c.request_cut = c.request_cut or cut
+        seed = c.seed(config, f"revision-{round_}")
+        requests.append(GenerationRequest(ids, seed, config.revision_temperature, config.revision_top_p))
+    for chain, out in zip(chains, _generate(engine, requests, config, should_stop)):
+        chain.revisions.append(out.text)
+        chain.revision_capped = out.capped
+
+
+def _generate(engine: Engine, requests: list[GenerationRequest], config: ProbDiffConfig, should_stop) -> list:
+    raise_if_asked_to_stop(should_stop)
+    generated = engine.generate(requests, config.max_new_tokens, should_stop)
+    raise_if_asked_to_stop(should_stop)
+    return generated
+
+
+def score_chains(
+    model, tokenizer, chains: Sequence[Chain], config: ProbDiffConfig, sync_n_chunks: Callable[[int], int] | None = None
+) -> None:
+    """Each chain's answer and last revision scored by `model` under the query's chat prompt, `batch_size` chains
+    at a time."""
+    for batch in _batches(list(chains), config.batch_size):
+        texts = [c.answer for c in batch] + [c.last_text() for c in batch]
+        prompts = [c.prepared.prompt_ids for c in batch] * 2
+        scores = score_texts(model, tokenizer, prompts, texts, config, sync_n_chunks)
+        for c, s_answer, s_revised in zip(batch, scores[: len(batch)], scores[len(batch) :]):
+            c.score_answer, c.score_revised = s_answer, s_revised
+
+
+def records_from_chains(chains: Sequence[Chain], config: ProbDiffConfig) -> list[dict]:
+    """One record per query, in the order of the chains' queries."""
+    by_query: dict[int, list[Chain]] = {}
+    for c in chains:
+        by_query.setdefault(id(c.prepared), []).append(c)
+    records = []
+    for mine in by_query.values():
+        item = mine[0].prepared
+        records.append(
+            build_record(
+                item,
+                [c.answer for c in mine],
+                [c.revisions for c in mine],
+                [c.score_answer for c in mine],  # type: ignore[misc]
+                [c.score_revised for c in mine],  # type: ignore[misc]
+                config.delta,
+                answer_temperature=config.answer_temperature_for(item.query.category),
+                response_capped=any(c.answer_capped for c in mine),
+                revision_capped=any(c.revision_capped for c in mine),
+                revision_truncated=any(c.request_cut for c in mine),
+            )
+        )
+    return records
+
+
+def generate_chains(
+    chains: Sequence[Chain],
+    tokenizer,
+    engine: Engine,
+    config: ProbDiffConfig,
+    *,
+    bar=None,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
+    """Answers and every revision round for `chains`, `engine.batch_size` chains at a time (no scoring)."""
+    for batch in _generation_batches(chains, engine):
+        _generate_batch(batch, tokenizer, engine, config, bar, should_stop)
+
+
+def _generation_batches(chains: Sequence[Chain], engine: Engine) -> list[list[Chain]]:
+    # Similar lengths together waste less padding; the sampler makes the order irrelevant to the texts.
+    order = sorted(chains, key=lambda c: -len(c.prepared.prompt_ids))
+    return _batches(order, engine.batch_size or max(len(order), 1))
+
+
+def _generate_batch(batch, tokenizer, engine: Engine, config: ProbDiffConfig, bar, should_stop) -> None:
+    if bar is not None:
+        bar.set_postfix_str("answer")
+    generate_answers(batch, engine, config, should_stop)
+    _advance(bar)
+    faults.reached("answers-done")
+    for round_ in range(1, config.n_revisions + 1):
+        if bar is not None:
+            bar.set_postfix_str(f"revision {round_}")
+        generate_revisions(batch, round_, tokenizer, engine, config, should_stop)
+        _advance(bar)
+    faults.reached("revisions-done")
+
+
+def _advance(bar) -> None:
+    if bar is not None:
+        bar.update()
+
+
 def evaluate(
     model,
     tokenizer,
     queries: Sequence[Query],
     config: ProbDiffConfig,
     *,
+    engine: Engine | None = None,
     progress: bool = True,
     synced_gpus: bool = False,
     sync_n_chunks: Callable[[int], int] | None = None,
@@ -138,114 +321,62 @@ def evaluate(
 ) -> list[dict]:
     """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample).
 
-    `should_stop` (a preemption's flag) is checked between phases and at every generated token; once it is true
-    the evaluation raises `faults.EvaluationAbandoned`. Not with `synced_gpus`, where every rank must run the same
-    forward passes: a sharded ZeRO-3 evaluation always finishes.
+    `engine` generates the answers and revisions (default: HF `generate` on `model`, `HFEngine`); `model` scores
+    them. `should_stop` (a preemption's flag) is checked between phases and, with the HF engine, at every generated
+    token; once it is true the evaluation raises `faults.EvaluationAbandoned`. Not with `synced_gpus`, where every
+    rank must run the same forward passes: a sharded ZeRO-3 evaluation always finishes.
 
     Callers that hold the whole query set check `config.check_categories` on it first (the CLI and
     the callback do); here the queries may be one rank's share.
     """
-    prepared = prepare_queries(
-        tokenizer, queries, system_prompt=config.system_prompt, max_prompt_tokens=config.max_prompt_tokens
-    )
-    chains = [(qi, s) for qi in range(len(prepared)) for s in range(config.n_samples)]
-    # Similar lengths together waste less padding; the sampler makes the order irrelevant to the texts.
-    order = sorted(range(len(chains)), key=lambda c: -len(prepared[chains[c][0]].prompt_ids))
-    batches = _batches(order, config.batch_size)
-    template = refinement_template(config.refinement_prompt)
-    answers: list[str] = [""] * len(chains)
-    revisions: list[list[str]] = [[] for _ in chains]
-    answer_capped: list[bool] = [False] * len(chains)
-    revision_capped: list[bool] = [False] * len(chains)  # the last revision's
-    request_cut: list[bool] = [False] * len(chains)  # any refinement request cut to max_prompt_tokens
-    scores: list[list[tuple[float, int]]] = [[] for _ in chains]
-
-    steps = len(batches) * (2 + config.n_revisions)
-    bar = tqdm(total=steps, desc="ProbDiff", unit="batch", disable=not progress, dynamic_ncols=True)
+    chains = make_chains(tokenizer, queries, config)
+    if engine is None:
+        engine = HFEngine(model, tokenizer, config.batch_size, synced_gpus)
     if synced_gpus:
         should_stop = None
+    batches = _generation_batches(chains, engine)
+    n_scoring = sum(len(_batches(b, config.batch_size)) for b in batches)
+    steps = len(batches) * (1 + config.n_revisions) + n_scoring
+    bar = tqdm(total=steps, desc="ProbDiff", unit="batch", disable=not progress, dynamic_ncols=True)
     with inference_mode(model):
         for batch in batches:
             raise_if_asked_to_stop(should_stop)
-            bar.set_postfix_str("answer")
-            answers_batch, capped_batch = generate_texts(
-                model,
-                tokenizer,
-                [prepared[chains[c][0]].prompt_ids for c in batch],
-                [row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], "answer") for c in batch],
-                [config.answer_temperature_for(prepared[chains[c][0]].query.category) for c in batch],
-                [config.answer_top_p] * len(batch),
-                config.max_new_tokens,
-                synced_gpus,
-                should_stop,
-            )
-            for c, text, capped in zip(batch, answers_batch, capped_batch):
-                answers[c], answer_capped[c] = text, capped
-            bar.update()
-            faults.reached("answers-done")
-            for round_ in range(1, config.n_revisions + 1):
-                bar.set_postfix_str(f"revision {round_}")
-                last = [revisions[c][-1] if revisions[c] else answers[c] for c in batch]
-                requests = [
-                    refinement_prompt_ids(
-                        tokenizer,
-                        config.system_prompt,
-                        template,
-                        prepared[chains[c][0]].text,
-                        prev,
-                        config.max_prompt_tokens,
-                    )
-                    for c, prev in zip(batch, last)
-                ]
-                for c, (_, cut) in zip(batch, requests):
-                    request_cut[c] = request_cut[c] or cut
-                revised, capped_batch = generate_texts(
-                    model,
-                    tokenizer,
-                    [ids for ids, _ in requests],
-                    [
-                        row_seed(config.seed, prepared[chains[c][0]].query.id, chains[c][1], f"revision-{round_}")
-                        for c in batch
-                    ],
-                    [config.revision_temperature] * len(batch),
-                    [config.revision_top_p] * len(batch),
-                    config.max_new_tokens,
-                    synced_gpus,
-                    should_stop,
-                )
-                for c, text, capped in zip(batch, revised, capped_batch):
-                    revisions[c].append(text)
-                    revision_capped[c] = capped
-                bar.update()
-            faults.reached("revisions-done")
+            _generate_batch(batch, tokenizer, engine, config, bar, should_stop)
             raise_if_asked_to_stop(should_stop)
             bar.set_postfix_str("score")
-            texts = [answers[c] for c in batch] + [revisions[c][-1] for c in batch]
-            prompts = [prepared[chains[c][0]].prompt_ids for c in batch] * 2
-            batch_scores = score_texts(model, tokenizer, prompts, texts, config, sync_n_chunks)
-            for c, s_answer, s_revised in zip(batch, batch_scores[: len(batch)], batch_scores[len(batch) :]):
-                scores[c] = [s_answer, s_revised]
-            bar.update()
+            for part in _batches(batch, config.batch_size):
+                score_chains(model, tokenizer, part, config, sync_n_chunks)
+                bar.update()
     bar.close()
+    return records_from_chains(chains, config)
 
-    records = []
-    for qi, item in enumerate(prepared):
-        mine = [c for c, (q, _) in enumerate(chains) if q == qi]
-        records.append(
-            build_record(
-                item,
-                [answers[c] for c in mine],
-                [revisions[c] for c in mine],
-                [scores[c][0] for c in mine],
-                [scores[c][1] for c in mine],
-                config.delta,
-                answer_temperature=config.answer_temperature_for(item.query.category),
-                response_capped=any(answer_capped[c] for c in mine),
-                revision_capped=any(revision_capped[c] for c in mine),
-                revision_truncated=any(request_cut[c] for c in mine),
-            )
-        )
-    return records
+
+def evaluate_and_summarise(
+    model,
+    tokenizer,
+    queries: Sequence[Query],
+    config: ProbDiffConfig,
+    *,
+    engine: Engine | None = None,
+    progress: bool = True,
+) -> tuple[list[dict], dict]:
+    """`evaluate`, then `summarise`: what `probdiff eval` runs on a whole query set."""
+    records = evaluate(model, tokenizer, queries, config, engine=engine, progress=progress)
+    return summarise(records, queries, config)
+
+
+def summarise(records: list[dict], queries: Sequence[Query], config: ProbDiffConfig) -> tuple[list[dict], dict]:
+    """(records with their reference metrics where the queries carry references, the summary): one function for the
+    CLI and the callback, applied to the whole query set's records."""
+    from probdiff_callback import reference_metrics  # sacrebleu and rouge load on first use
+
+    if reference_metrics.plan_references(queries).active:
+        records = reference_metrics.score_records(records, queries)
+    summary = summarize(records, config.delta, config.sweep)
+    reference = reference_metrics.summarize_references(records)
+    if reference is not None:
+        summary["reference"] = reference
+    return records, summary
 
 
 def score_texts(

@@ -1,0 +1,51 @@
+"""Where answers and revisions are generated: an engine takes chat prompts (token ids) with each request's seed,
+temperature and top_p, and returns texts. Two engines implement it: HF `generate` with our per-row sampler
+(`evaluator.HFEngine`, the default) and vLLM (`vllm_engine`, `use_vllm=true`).
+
+Scoring never goes through an engine: both texts of a query are scored by the model itself, in fp32, from the weights
+being trained or evaluated (`scoring.py`), whichever engine wrote them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One text to sample: a chat prompt and its own sampling. The seed is derived from (run seed, query id, sample,
+    stage), so a query's text does not depend on the batch it is generated in."""
+
+    prompt_ids: Sequence[int]
+    seed: int
+    temperature: float
+    top_p: float
+
+
+@dataclass(frozen=True)
+class Generated:
+    text: str  # special tokens stripped, whitespace trimmed
+    capped: bool  # ended at max_new_tokens without a stop id, so it is scored cut short
+
+
+class Engine(Protocol):
+    """Generates texts for requests; the evaluator hands it `batch_size` requests at a time (None: all at once,
+    for engines that schedule their own batches)."""
+
+    name: str
+    batch_size: int | None
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        max_new_tokens: int,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generated]: ...
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int] | set[int]) -> list[int]:
+    """The ids before the first stop id (engines may return the stop id itself)."""
+    stops = set(stop_ids)
+    return list(next((ids[:i] for i, token in enumerate(ids) if token in stops), ids))

