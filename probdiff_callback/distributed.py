@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
+from tqdm.auto import tqdm
 from transformers import TrainingArguments
 
 from probdiff_callback import reference_metrics
@@ -163,7 +164,9 @@ def _evaluate_with_engine(
                         engine, model, base_model=base_model, sync=weight_sync(config), scratch=scratch
                     )
                     chains = make_chains(tokenizer, queries, config)
-                    generate_chains(chains, tokenizer, engine, config, should_stop=should_stop)
+                    total = len(chains) * (1 + config.n_revisions)
+                    with tqdm(total=total, desc="ProbDiff (vLLM)", unit="text", disable=not config.progress) as bar:
+                        generate_chains(chains, tokenizer, engine, config, bar=bar, should_stop=should_stop)
                     engine.sleep()
             except EvaluationAbandoned as err:
                 error = f"rank 0: {ABANDONED}: {err}"

