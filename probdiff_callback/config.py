@@ -76,7 +76,9 @@ class ProbDiffConfig:
     vllm_mode: str = _setting("colocate", group=ENGINE, read_by=_GENERATING)
     vllm_server_base_url: str = _setting("http://127.0.0.1:8000", group=ENGINE, read_by=_GENERATING)
     vllm_server_timeout: float = _setting(240.0, group=ENGINE, read_by=_GENERATING)  # seconds to wait for the server
-    vllm_gpu_memory_utilization: float = _setting(0.3, group=ENGINE, read_by=_GENERATING)  # colocate, on a GPU
+    # colocate, on a GPU: vLLM's share of its memory. Not TRL's 0.3: Qwen-14B-Chat's bf16 weights alone are 0.35 of
+    # an 80 GB GPU; 0.55 leaves them 16 GB of KV cache beside the model in training (docs/gpu.md)
+    vllm_gpu_memory_utilization: float = _setting(0.55, group=ENGINE, read_by=_GENERATING)
     # how a colocated engine gets the evaluated weights: merged (written, then reloaded: fast on a CPU), lora (the
     # adapter by path: vLLM's LoRA kernels, the GPU's way), auto: merged on a CPU, lora on a GPU
     vllm_weight_sync: str = _setting("auto", group=ENGINE, read_by=_GENERATING)

@@ -378,6 +378,9 @@ def _server_environment(threads: int | None, gpu: bool) -> dict[str, str]:
     for key, value in defaults.items():
         environment.setdefault(key, value)
     environment |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    # max_prompt_tokens + max_new_tokens may pass the model's max_position_embeddings (converted Qwen-14B-Chat:
+    # 2,048), where vLLM refuses to start; HF generate runs on past it, and so does vLLM with this.
+    environment.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     for key in _LAUNCHER_VARIABLES:
         environment.pop(key, None)
     return environment

@@ -1,11 +1,13 @@
-"""bench/gpu.py, the GPU benchmark kit, kept working on CPU: its `--shape tiny` run, its floor arithmetic, and
-the `generate` path's sampler. Timings are printed by the kit, never asserted here."""
+"""bench/gpu.py, the GPU benchmark kit, kept working on CPU: its `--shape tiny` run (with the vLLM path where vLLM
+is found, as in CI), its floor arithmetic, and the `generate` path's sampler. Timings are printed by the kit, never
+asserted here."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,11 @@ sys.path.insert(0, str(KIT.parent))  # the kit's modules, bench/gpu_kit, as benc
 
 from gpu_kit.decoding_paths import generate_continuations  # noqa: E402
 from gpu_kit.floor import Hardware, ModelCost, decode_floor, steps_per_row  # noqa: E402
+from gpu_kit.vllm_path import LABEL as VLLM_LABEL  # noqa: E402
+from gpu_kit.vllm_path import SCRATCH_PREFIX, vllm_unavailable  # noqa: E402
 from gpu_kit.workload import build_model, model_config  # noqa: E402
+
+from probdiff_callback import vllm_engine  # noqa: E402
 
 # A GPU machine may have only torch, transformers, peft and this package: the kit must run without these.
 NOT_NEEDED = ("trl", "wandb", "deepspeed", "datasets", "omegaconf", "scipy", "matplotlib", "bitsandbytes")
@@ -46,6 +52,45 @@ EXPECTED_ROWS = [
     "QLoRA step",
 ]
 POSITIVE_SUFFIXES = ("_s", "_bytes", "_per_s", "ratio_to_floor", "_tokens")
+VLLM_ROWS = [
+    f"{VLLM_LABEL}: {stage}"
+    for stage in (
+        "engine start-up",
+        "evaluation",
+        "answer decoding",
+        "revision decoding",
+        "scoring",
+        "share of training time",
+    )
+]
+
+
+def vllm_expected() -> bool:
+    """Whether the kit measures the vLLM path here: where vLLM is found ($PROBDIFF_VLLM_PYTHON), and always in CI,
+    which installs it."""
+    if os.environ.get("CI"):
+        return True
+    try:
+        vllm_engine.vllm_python()
+    except vllm_engine.EngineUnavailable:
+        return False
+    return True
+
+
+def measured_labels() -> tuple[str, ...]:
+    return (*PATH_LABELS, VLLM_LABEL) if vllm_expected() else PATH_LABELS
+
+
+def command_lines() -> list[str]:
+    """Every process's command line on this machine."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                lines.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                continue
+    return lines
 
 
 def load_kit():
@@ -126,13 +171,38 @@ def test_json_holds_the_table_with_finite_positive_figures(tiny_run):
     assert checked >= 40
     # the stage times of an evaluation add up to at most its wall time
     by_name = {figure["name"]: figure["numbers"] for figure in figures["figures"]}
-    for path in PATH_LABELS:
+    for path in measured_labels():
         stages = sum(
             by_name[f"{path}: {stage}"]["seconds_s"] for stage in ("answer decoding", "revision decoding", "scoring")
         )
         assert stages <= by_name[f"{path}: evaluation"]["seconds_s"]
         share = by_name[f"{path}: share of training time"]["share_at_32_tokens"]
         assert 0 < share < 1
+
+
+def test_the_vllm_path_runs_where_vllm_is_found(tiny_run):
+    rows = table_rows(tiny_run[0])
+    if not vllm_expected():
+        value, reason = rows[f"{VLLM_LABEL}: evaluation"]
+        assert value == "skipped" and "pip install" in reason and vllm_engine.PYTHON_VARIABLE in reason
+        return
+    missing = [name for name in VLLM_ROWS if name not in rows]
+    assert not missing, f"vLLM rows missing from the table: {missing}\n{tiny_run[0]}"
+    assert "LoRA on" in rows[f"{VLLM_LABEL}: engine start-up"][1]
+    assert "tokens/s" in rows[f"{VLLM_LABEL}: answer decoding"][1]
+    assert "the speed of ours" in rows[f"{VLLM_LABEL}: evaluation"][1]
+
+
+def test_no_vllm_server_outlives_the_run(tiny_run):
+    left = [line for line in command_lines() if SCRATCH_PREFIX in line]
+    assert not left, f"the kit's vLLM server is still running: {left}"
+
+
+def test_a_missing_vllm_is_skipped_with_the_line_that_installs_it(monkeypatch, tmp_path):
+    monkeypatch.setenv(vllm_engine.PYTHON_VARIABLE, str(tmp_path / "no-such-python"))
+    on_cpu, on_gpu = vllm_unavailable(torch.device("cpu")), vllm_unavailable(torch.device("cuda"))
+    assert vllm_engine.INSTALL_CPU in on_cpu and vllm_engine.INSTALL_GPU in on_gpu
+    assert f"export {vllm_engine.PYTHON_VARIABLE}=" in on_cpu and "no-such-python" in on_cpu
 
 
 def test_unknown_shape_lists_the_valid_ones(kit, capsys):

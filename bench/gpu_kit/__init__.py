@@ -6,6 +6,7 @@
 - `workload`: the blog recipe's settings, prompts and training text, and the model of a given shape;
 - `decoding_paths`: the decoding paths an evaluation is measured through;
 - `evaluation`: one evaluation, its stages timed, and against the floor; the decode batches;
+- `vllm_path`: the same evaluation through a vLLM server started on the model, a LoRA adapter loaded by path;
 - `training`: the LoRA and QLoRA steps, and an evaluation's share of training time;
 - `nominal`: the floor alone, from nominal bandwidth and FLOP/s (`--floor-only`).
 """

@@ -1,6 +1,6 @@
 """The decoding paths one evaluation is measured through: the library's `sample_continuations` (the evaluator's
 default) and the kit's own call of `model.generate` with the library's per-row sampler, plain, with a static cache,
-and with a static cache + torch.compile."""
+and with a static cache + torch.compile; and the vLLM engine, which runs in a server of its own (`vllm_path`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from probdiff_callback.decoding import RowSampler, StopWhenAsked, left_padded, sample_continuations
+from probdiff_callback.scoring import NonFiniteLogits
 
 from .report import Figure
 
@@ -18,6 +19,7 @@ PATHS = {
     "generate": "generate",
     "generate-static": "generate + static cache",
     "generate-compile": "generate + static cache + torch.compile",
+    "vllm": "vLLM (colocate, LoRA adapter by path)",  # no decode function: vllm_path measures it
 }
 
 
@@ -59,6 +61,7 @@ def generate_continuations(
         max_new_tokens=max_new_tokens,
         eos_token_id=sorted(stop_ids),
         pad_token_id=pad_token_id,
+        bos_token_id=None,  # a complete configuration, as sample_continuations': none of the model's defaults
         cache_implementation="static" if static_cache else None,
         # transformers compiles the forward by itself when the cache is static and the device a GPU
         disable_compile=not compile_forward,
@@ -71,6 +74,8 @@ def generate_continuations(
         stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
         synced_gpus=synced_gpus,
     )
+    if sampler.saw_nan.item():  # as sample_continuations: a NaN model's texts are noise, and so would its timings be
+        raise NonFiniteLogits("NaN in the model's logits while generating")
     stops = set(stop_ids)
     generated = []
     for row in output[:, input_ids.shape[1] :].tolist():
@@ -80,14 +85,15 @@ def generate_continuations(
 
 
 def decoding_paths(requested: Sequence[str], device: torch.device) -> tuple[dict[str, Callable], list[Figure]]:
-    """The decode functions to measure, and a row for each requested path that cannot run here."""
+    """The HF decode functions to measure, and a row for each requested one that cannot run here (the vLLM path is
+    not one of them)."""
     available = {
         "ours": sample_continuations,
         "generate": generate_continuations,
         "generate-static": functools.partial(generate_continuations, static_cache=True),
         "generate-compile": functools.partial(generate_continuations, static_cache=True, compile_forward=True),
     }
-    chosen = {name: available[name] for name in requested}
+    chosen = {name: available[name] for name in requested if name in available}
     skipped = []
     if device.type != "cuda" and chosen.pop("generate-compile", None) is not None:
         reason = "CUDA only: transformers compiles generate's forward itself on GPUs, not on a CPU"

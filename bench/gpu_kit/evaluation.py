@@ -51,27 +51,18 @@ def patched(module, name: str, replacement) -> Iterator[None]:
         setattr(module, name, original)
 
 
+def next_stage(run: EvaluationRun, n_revisions: int) -> str:
+    """The stage of the evaluator's next generation call: for each generation batch it asks once for the answers,
+    then once per revision round."""
+    calls_so_far = sum(len(calls) for calls in run.decode_calls.values())
+    return "answer" if calls_so_far % (1 + n_revisions) == 0 else "revision"
+
+
 @contextlib.contextmanager
-def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device: torch.device) -> Iterator[None]:
-    """Time the evaluator's stages by wrapping the functions `evaluate` calls by their module-level names: for
-    each batch it calls generate_texts once for the answers, once per revision round, then score_texts.
-    `decode` replaces sample_continuations, which generate_texts calls; it also records lengths for the floor."""
-    original_generate_texts, original_score_texts = evaluator.generate_texts, evaluator.score_texts
-    last_call: list[DecodeCall] = []
-
-    def recording_decode(model, prompts, *args, **kwargs):
-        generated = decode(model, prompts, *args, **kwargs)
-        last_call.append(DecodeCall([len(p) for p in prompts], [len(g) for g in generated]))
-        return generated
-
-    def timed_generate_texts(*args, **kwargs):
-        calls_so_far = sum(len(calls) for calls in run.decode_calls.values())
-        stage = "answer" if calls_so_far % (1 + n_revisions) == 0 else "revision"
-        started = clock(device)
-        texts = original_generate_texts(*args, **kwargs)
-        run.seconds[stage] += clock(device) - started
-        run.decode_calls[stage].append(last_call.pop())
-        return texts
+def timed_scoring(run: EvaluationRun, device: torch.device) -> Iterator[None]:
+    """Time score_texts, which `evaluate` calls by its module-level name for each scoring batch whatever engine
+    wrote the texts, and record what it scored, for the floor."""
+    original_score_texts = evaluator.score_texts
 
     def timed_score_texts(model, tokenizer, prompts, texts, *args, **kwargs):
         started = clock(device)
@@ -80,26 +71,70 @@ def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device:
         run.scored.extend((len(p), t) for p, t in zip(prompts, texts))
         return scores
 
+    with patched(evaluator, "score_texts", timed_score_texts):
+        yield
+
+
+@contextlib.contextmanager
+def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device: torch.device) -> Iterator[None]:
+    """Time the evaluator's stages by wrapping the functions `evaluate` calls by their module-level names: for
+    each batch it calls generate_texts once for the answers, once per revision round, then score_texts.
+    `decode` replaces sample_continuations, which generate_texts calls; it also records lengths for the floor."""
+    original_generate_texts = evaluator.generate_texts
+    last_call: list[DecodeCall] = []
+
+    def recording_decode(model, prompts, *args, **kwargs):
+        generated = decode(model, prompts, *args, **kwargs)
+        last_call.append(DecodeCall([len(p) for p in prompts], [len(g) for g in generated]))
+        return generated
+
+    def timed_generate_texts(*args, **kwargs):
+        stage = next_stage(run, n_revisions)
+        started = clock(device)
+        texts = original_generate_texts(*args, **kwargs)
+        run.seconds[stage] += clock(device) - started
+        run.decode_calls[stage].append(last_call.pop())
+        return texts
+
     with (
         patched(evaluator, "sample_continuations", recording_decode),
         patched(evaluator, "generate_texts", timed_generate_texts),
-        patched(evaluator, "score_texts", timed_score_texts),
+        timed_scoring(run, device),
     ):
         yield
+
+
+def timed_evaluation(
+    model,
+    tokenizer,
+    queries: Sequence[Query],
+    config: ProbDiffConfig,
+    device: torch.device,
+    instrumentation: Callable[[EvaluationRun], contextlib.AbstractContextManager],
+    engine=None,
+) -> EvaluationRun:
+    """One evaluation, its stages timed into the run by `instrumentation(run)`; the texts written by `engine`
+    (default: the evaluator's own, HF generate on `model`) and scored by `model`."""
+    run = EvaluationRun()
+    before = allocated_memory(device)
+    reset_peak_memory(device)
+    with instrumentation(run):
+        started = clock(device)
+        run.records = evaluator.evaluate(model, tokenizer, queries, config, engine=engine, progress=sys.stderr.isatty())
+        run.total_seconds = clock(device) - started
+    run.memory_detail, run.memory_numbers = memory_detail(device, before)
+    return run
 
 
 def run_evaluation(
     model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, decode: Callable, device: torch.device
 ) -> EvaluationRun:
-    run = EvaluationRun()
-    before = allocated_memory(device)
-    reset_peak_memory(device)
-    with instrumented(run, decode, config.n_revisions, device):
-        started = clock(device)
-        run.records = evaluator.evaluate(model, tokenizer, queries, config, progress=sys.stderr.isatty())
-        run.total_seconds = clock(device) - started
-    run.memory_detail, run.memory_numbers = memory_detail(device, before)
-    return run
+    """One evaluation through the HF decode function `decode`."""
+
+    def instrumentation(run: EvaluationRun) -> contextlib.AbstractContextManager:
+        return instrumented(run, decode, config.n_revisions, device)
+
+    return timed_evaluation(model, tokenizer, queries, config, device, instrumentation)
 
 
 def warm_up(model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, decode: Callable) -> None:
@@ -146,60 +181,85 @@ def identical_share(run: EvaluationRun, reference: EvaluationRun | None) -> str:
     return f"; texts identical to ours for {same}/{len(run.records)} queries"
 
 
+def evaluation_figure(
+    label: str, run: EvaluationRun, floors: Floors, comparison: str = "", numbers: dict[str, float] | None = None
+) -> Figure:
+    """The evaluation's wall time against its floor; `comparison` and `numbers` say how it compares with ours."""
+    staged = sum(run.seconds.values())
+    return Figure(
+        f"{label}: evaluation",
+        seconds(run.total_seconds),
+        f"{plural(len(run.records), 'query', 'queries')}; floor {seconds(floors.total)}, "
+        f"{run.total_seconds / floors.total:.2f}x the floor; "
+        f"other (prompts, tokenizing) {seconds(run.total_seconds - staged)}; memory {run.memory_detail}" + comparison,
+        {
+            "seconds_s": run.total_seconds,
+            "floor_s": floors.total,
+            "ratio_to_floor": run.total_seconds / floors.total,
+            **run.memory_numbers,
+            **(numbers or {}),
+        },
+    )
+
+
+# How a stage's texts were batched: (words, numbers) from its decode calls and its seconds.
+Batching = Callable[[list[DecodeCall], float], tuple[str, dict[str, float]]]
+
+
+def batches_and_steps(cap: int) -> Batching:
+    """An HF path's batching: batches decoded in lockstep, each for as many steps as its longest row."""
+
+    def described(calls: list[DecodeCall], took: float) -> tuple[str, dict[str, float]]:
+        steps = sum(max(steps_per_row(c.generated_lengths, cap)) for c in calls)
+        words = f"{plural(len(calls), 'batch', 'batches')}, {steps} decode steps: {steps / took:.1f} steps/s"
+        return words, {"decode_steps": steps, "steps_per_s": steps / took}
+
+    return described
+
+
+def stage_figure(label: str, stage: str, run: EvaluationRun, floor: float, cap: int, batching: Batching) -> Figure:
+    calls = run.decode_calls[stage]
+    tokens = sum(sum(c.generated_lengths) for c in calls)
+    rows = sum(len(c.generated_lengths) for c in calls)
+    at_cap = sum(length == cap for c in calls for length in c.generated_lengths)
+    took = run.seconds[stage]
+    how, numbers = batching(calls, took)
+    return Figure(
+        f"{label}: {stage} decoding",
+        seconds(took),
+        f"{how}; {tokens} tokens: {tokens / took:.1f} tokens/s ({at_cap}/{rows} rows ran to the cap); "
+        f"floor {seconds(floor)}, {took / floor:.2f}x the floor",
+        {
+            "seconds_s": took,
+            **numbers,
+            "tokens": tokens,
+            "tokens_per_s": tokens / took,
+            "floor_s": floor,
+            "ratio_to_floor": took / floor,
+        },
+    )
+
+
+def scoring_figure(label: str, run: EvaluationRun, floors: Floors) -> Figure:
+    took = run.seconds["scoring"]
+    return Figure(
+        f"{label}: scoring",
+        seconds(took),
+        f"{len(run.scored)} texts; compute floor {seconds(floors.scoring)}, {took / floors.scoring:.2f}x the floor",
+        {"seconds_s": took, "floor_s": floors.scoring, "ratio_to_floor": took / floors.scoring},
+    )
+
+
 def evaluation_figures(
     label: str, run: EvaluationRun, floors: Floors, cap: int, reference: EvaluationRun | None
 ) -> list[Figure]:
-    staged = sum(run.seconds.values())
-    figures = [
-        Figure(
-            f"{label}: evaluation",
-            seconds(run.total_seconds),
-            f"{plural(len(run.records), 'query', 'queries')}; floor {seconds(floors.total)}, "
-            f"{run.total_seconds / floors.total:.2f}x the floor; "
-            f"other (prompts, tokenizing) {seconds(run.total_seconds - staged)}; memory {run.memory_detail}"
-            + identical_share(run, reference),
-            {
-                "seconds_s": run.total_seconds,
-                "floor_s": floors.total,
-                "ratio_to_floor": run.total_seconds / floors.total,
-                **run.memory_numbers,
-            },
-        )
+    """An HF path's rows: the evaluation, its two decoding stages and its scoring."""
+    return [
+        evaluation_figure(label, run, floors, identical_share(run, reference)),
+        stage_figure(label, "answer", run, floors.answer, cap, batches_and_steps(cap)),
+        stage_figure(label, "revision", run, floors.revision, cap, batches_and_steps(cap)),
+        scoring_figure(label, run, floors),
     ]
-    for stage, floor in (("answer", floors.answer), ("revision", floors.revision)):
-        calls = run.decode_calls[stage]
-        steps = sum(max(steps_per_row(c.generated_lengths, cap)) for c in calls)
-        tokens = sum(sum(c.generated_lengths) for c in calls)
-        rows = sum(len(c.generated_lengths) for c in calls)
-        at_cap = sum(length == cap for c in calls for length in c.generated_lengths)
-        took = run.seconds[stage]
-        figures.append(
-            Figure(
-                f"{label}: {stage} decoding",
-                seconds(took),
-                f"{plural(len(calls), 'batch', 'batches')}, {steps} decode steps: {steps / took:.1f} steps/s; "
-                f"{tokens} tokens "
-                f"({at_cap}/{rows} rows ran to the cap); floor {seconds(floor)}, {took / floor:.2f}x the floor",
-                {
-                    "seconds_s": took,
-                    "decode_steps": steps,
-                    "steps_per_s": steps / took,
-                    "tokens": tokens,
-                    "floor_s": floor,
-                    "ratio_to_floor": took / floor,
-                },
-            )
-        )
-    took = run.seconds["scoring"]
-    figures.append(
-        Figure(
-            f"{label}: scoring",
-            seconds(took),
-            f"{len(run.scored)} texts; compute floor {seconds(floors.scoring)}, {took / floors.scoring:.2f}x the floor",
-            {"seconds_s": took, "floor_s": floors.scoring, "ratio_to_floor": took / floors.scoring},
-        )
-    )
-    return figures
 
 
 def evaluation_section(bench: Bench, model) -> tuple[dict[str, EvaluationRun], list[Figure]]:
