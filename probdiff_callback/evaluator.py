@@ -244,16 +244,23 @@ def _generate(
 
 
 def score_chains(
-    model, tokenizer, chains: Sequence[Chain], config: ProbDiffConfig, sync_n_chunks: Callable[[int], int] | None = None
+    model,
+    tokenizer,
+    chains: Sequence[Chain],
+    config: ProbDiffConfig,
+    sync_n_chunks: Callable[[int], int] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> None:
     """Each chain's answer and last revision scored by `model` under the query's chat prompt, `batch_size` chains
-    at a time."""
+    at a time; `progress(n)` is told as chains are scored."""
     for batch in _batches(list(chains), config.batch_size):
         texts = [c.answer for c in batch] + [c.last_text() for c in batch]
         prompts = [c.prepared.prompt_ids for c in batch] * 2
         scores = score_texts(model, tokenizer, prompts, texts, config, sync_n_chunks)
         for c, s_answer, s_revised in zip(batch, scores[: len(batch)], scores[len(batch) :]):
             c.score_answer, c.score_revised = s_answer, s_revised
+        if progress is not None:
+            progress(len(batch))
 
 
 def records_from_chains(chains: Sequence[Chain], config: ProbDiffConfig) -> list[dict]:
@@ -351,9 +358,7 @@ def evaluate(
             _generate_batch(batch, tokenizer, engine, config, bar, should_stop)
             raise_if_asked_to_stop(should_stop)
             bar.set_postfix_str("score")
-            for part in _batches(batch, config.batch_size):
-                score_chains(model, tokenizer, part, config, sync_n_chunks)
-                bar.update(len(part))
+            score_chains(model, tokenizer, batch, config, sync_n_chunks, progress=bar.update)
     bar.close()
     return records_from_chains(chains, config)
 
