@@ -15,10 +15,10 @@ import torch
 started = time.time()
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from probdiff_callback.core.prompts import REWRITER, refinement_request  # noqa: E402
+from probdiff_callback.core.queries import load_queries  # noqa: E402
 from probdiff_callback.models import resolve_model_path  # noqa: E402
-from probdiff_callback.prompts import REWRITER, refinement_request  # noqa: E402
-from probdiff_callback.queries import load_queries  # noqa: E402
-from probdiff_callback.threads import configure_threads  # noqa: E402
+from probdiff_callback.runtime.threads import configure_threads  # noqa: E402
 
 model_name, queries_path, limit, max_new_tokens, batch, out_path = sys.argv[1:7]
 limit, max_new_tokens, batch = int(limit), int(max_new_tokens), int(batch)

@@ -14,9 +14,9 @@ import torch
 started = time.time()
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from probdiff_callback.core.prompts import REWRITER, refinement_request  # noqa: E402
+from probdiff_callback.core.queries import load_queries  # noqa: E402
 from probdiff_callback.models.presets import tiny_model_dir  # noqa: E402
-from probdiff_callback.prompts import REWRITER, refinement_request  # noqa: E402
-from probdiff_callback.queries import load_queries  # noqa: E402
 
 queries_path, max_new_tokens, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 limit = int(sys.argv[4]) if len(sys.argv) > 4 else None

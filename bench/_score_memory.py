@@ -10,8 +10,8 @@ import sys
 
 import torch
 
+from probdiff_callback.core.scoring import score_batch
 from probdiff_callback.models import load_model_and_tokenizer
-from probdiff_callback.scoring import score_batch
 
 
 def status_kib(field: str) -> int:

@@ -50,11 +50,11 @@ def main() -> int:
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from probdiff_callback.callback import ProbDiffCallback
-    from probdiff_callback.config import ProbDiffConfig
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
+    from probdiff_callback.core.config import ProbDiffConfig
+    from probdiff_callback.core.queries import load_queries, read_jsonl
+    from probdiff_callback.core.scoring import SCORE_ROWS_PER_FORWARD
     from probdiff_callback.models import load_model_and_tokenizer
-    from probdiff_callback.queries import load_queries, read_jsonl
-    from probdiff_callback.scoring import SCORE_ROWS_PER_FORWARD
 
     model, tokenizer = load_model_and_tokenizer("tiny", dtype="float32")
     model.train()

@@ -39,7 +39,7 @@ def timed(command: list[str]) -> float:
 def forward_seconds(dtype: str, tokens: int = 300, rows: int = 8) -> float:
     code = (
         "import time, torch; from transformers import AutoModelForCausalLM;"
-        "from probdiff_callback.models import resolve_model_path; from probdiff_callback.threads import "
+        "from probdiff_callback.models import resolve_model_path; from probdiff_callback.runtime.threads import "
         f"configure_threads; configure_threads(); m = AutoModelForCausalLM.from_pretrained(resolve_model_path("
         f"'smollm2'), dtype=torch.{dtype}).eval(); x = torch.randint(0, 49152, ({rows}, {tokens}));"
         "m.model(x[:, :8]); t = time.perf_counter();\nwith torch.no_grad(): m.model(x)\n"

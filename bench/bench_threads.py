@@ -1,6 +1,6 @@
 """Why `probdiff eval` and train/sft.py leave busy cores alone: one decoding step of the `smollm2` preset (batch 8,
 60 cached positions) at 1 thread and at all cores, on an idle machine and with other processes spinning, measured
-side by side in one run. Also prints the thread count that `probdiff_callback.threads` picks in each situation.
+side by side in one run. Also prints the thread count that `probdiff_callback.runtime.threads` picks in each situation.
 
 Run: python bench/bench_threads.py [--busy 0,1,3] [--seconds 10]
 """
@@ -27,7 +27,9 @@ with torch.no_grad():
         steps += 1
 print((time.perf_counter() - started) / steps)
 """
-PICK = "from probdiff_callback.threads import configure_threads; print(*configure_threads(environ={}), sep=': ')"
+PICK = (
+    "from probdiff_callback.runtime.threads import configure_threads; print(*configure_threads(environ={}), sep=': ')"
+)
 
 
 def run(code: list[str]) -> str:

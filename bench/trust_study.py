@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from probdiff_callback.metric import compare
+from probdiff_callback.core.metric import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = ROOT.parent / "shared" / "data" / "probdiff-reference"

@@ -58,15 +58,9 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from probdiff_callback.queries import (
-    ALIGNBENCH,
-    DataFileError,
-    canonical_category,
-    chat_messages,
-    is_alignbench,
-    read_rows,
-)
-from probdiff_callback.run_files import write_jsonl
+from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, is_alignbench
+from probdiff_callback.core.queries import DataFileError, chat_messages, read_rows
+from probdiff_callback.runs.run_files import write_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "data" / "processed"

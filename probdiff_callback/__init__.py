@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "ProbDiffCallback": "probdiff_callback.callback",
-    "ProbDiffConfig": "probdiff_callback.config",
-    "PreemptionCallback": "probdiff_callback.preemption",
-    "evaluate": "probdiff_callback.evaluator",
-    "load_queries": "probdiff_callback.queries",
+    "ProbDiffCallback": "probdiff_callback.callback.probdiff",
+    "ProbDiffConfig": "probdiff_callback.core.config",
+    "PreemptionCallback": "probdiff_callback.callback.preemption",
+    "evaluate": "probdiff_callback.core.evaluator",
+    "load_queries": "probdiff_callback.core.queries",
     "load_model_and_tokenizer": "probdiff_callback.models",
 }
 __all__ = [
@@ -30,12 +30,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from probdiff_callback.callback import ProbDiffCallback
-    from probdiff_callback.config import ProbDiffConfig
-    from probdiff_callback.evaluator import evaluate
+    from probdiff_callback.callback.preemption import PreemptionCallback
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
+    from probdiff_callback.core.config import ProbDiffConfig
+    from probdiff_callback.core.evaluator import evaluate
+    from probdiff_callback.core.queries import load_queries
     from probdiff_callback.models import load_model_and_tokenizer
-    from probdiff_callback.preemption import PreemptionCallback
-    from probdiff_callback.queries import load_queries
 
 
 def __getattr__(name: str) -> Any:

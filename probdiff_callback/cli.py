@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from probdiff_callback.analysis.report import format_comparison, format_summary
-from probdiff_callback.config import EVAL, SCORE, ProbDiffConfig, config_for_command
-from probdiff_callback.vllm_engine import EngineUnavailable
+from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
+from probdiff_callback.core.vllm_engine import EngineUnavailable
 
 
 def _settings_help(command: str) -> str:
@@ -144,7 +144,7 @@ def _load(args):
 
         device = args.device or default_device()
         if device == "cpu":
-            from probdiff_callback.threads import configure_threads
+            from probdiff_callback.runtime.threads import configure_threads
 
             threads, why = configure_threads()
             print(f"{threads} CPU thread{'s' if threads > 1 else ''} ({why})", file=sys.stderr)
@@ -163,7 +163,7 @@ def _load(args):
 
 
 def _write_results(command: str, out: str, records: list[dict], summary: dict, config: ProbDiffConfig, extra: dict):
-    from probdiff_callback.run_files import write_json, write_jsonl
+    from probdiff_callback.runs.run_files import write_json, write_jsonl
 
     reads = ProbDiffConfig.keys_read_by(command)
     summary["config"] = {key: value for key, value in config.to_dict().items() if key in reads}  # what applied
@@ -178,8 +178,8 @@ def _start_engine(args, config: ProbDiffConfig, model, tokenizer, scratch: Path)
     --adapter the adapter (by path) or the merged weights (written to `scratch`), as `vllm_weight_sync` says."""
     import torch
 
-    from probdiff_callback import vllm_engine
-    from probdiff_callback.chat_format import stop_token_ids
+    from probdiff_callback.core import vllm_engine
+    from probdiff_callback.core.chat_format import stop_token_ids
     from probdiff_callback.models.loading import resolve_model_path
 
     lora = args.adapter is not None and vllm_engine.weight_sync(config) == "lora"
@@ -207,9 +207,9 @@ def _start_engine(args, config: ProbDiffConfig, model, tokenizer, scratch: Path)
 
 
 def cmd_eval(args) -> int:
-    from probdiff_callback.evaluator import evaluate_and_summarise
-    from probdiff_callback.queries import load_queries
-    from probdiff_callback.reference_metrics import plan_references
+    from probdiff_callback.core.evaluator import evaluate_and_summarise
+    from probdiff_callback.core.queries import load_queries
+    from probdiff_callback.core.reference_metrics import plan_references
 
     config = config_for_command(EVAL, args.overrides)
     queries = load_queries(args.queries)
@@ -224,7 +224,7 @@ def cmd_eval(args) -> int:
     with contextlib.ExitStack() as stack:
         engine = None
         if config.use_vllm:
-            from probdiff_callback.vllm_engine import scratch_folder
+            from probdiff_callback.core.vllm_engine import scratch_folder
 
             engine = _start_engine(args, config, model, tokenizer, stack.enter_context(scratch_folder()))
             stack.callback(engine.close)
@@ -266,8 +266,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_score(args) -> int:
-    from probdiff_callback.evaluator import score_pairs, summarise
-    from probdiff_callback.queries import load_pairs
+    from probdiff_callback.core.evaluator import score_pairs, summarise
+    from probdiff_callback.core.queries import load_pairs
 
     config = config_for_command(SCORE, args.overrides)
     pairs = load_pairs(args.pairs)
@@ -288,8 +288,8 @@ def cmd_score(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from probdiff_callback.metric import compare
-    from probdiff_callback.queries import read_jsonl
+    from probdiff_callback.core.metric import compare
+    from probdiff_callback.core.queries import read_jsonl
 
     records = []
     for directory in (args.dir_a, args.dir_b):
@@ -319,7 +319,7 @@ def cmd_convert(args) -> int:
 
 def cmd_select(args) -> int:
     from probdiff_callback.analysis.select import format_selection, point_best, select
-    from probdiff_callback.run_files import read_run
+    from probdiff_callback.runs.run_files import read_run
 
     selection = select(read_run(args.run_dir, args.subdir))
     print(format_selection(selection))
@@ -333,7 +333,7 @@ def cmd_select(args) -> int:
 
 def cmd_plot(args) -> int:
     from probdiff_callback.analysis.plot import plot_run
-    from probdiff_callback.run_files import read_run
+    from probdiff_callback.runs.run_files import read_run
 
     print(f"wrote {plot_run(read_run(args.run_dir, args.subdir), args.out)}")
     return 0
@@ -343,7 +343,7 @@ def cmd_crosscheck(args) -> int:
     from probdiff_callback.analysis.crosscheck import crosscheck, format_crosscheck
     from probdiff_callback.analysis.plot import plot_crosscheck
     from probdiff_callback.analysis.verdicts import check_verdicts
-    from probdiff_callback.run_files import read_run, write_json
+    from probdiff_callback.runs.run_files import read_run, write_json
 
     run = read_run(args.run_dir, args.subdir)
     rows, records = run.successful_or_raise("; was the run trained with ProbDiffCallback?"), run.records

@@ -27,13 +27,13 @@ EVAL_SETTINGS = dict(max_new_tokens=8, batch_size=8, seed=3)
 
 def probdiff_config(**options):
     """The tests' evaluation settings, with the callback's `options` (n_queries, every, ...)."""
-    from probdiff_callback.config import ProbDiffConfig
+    from probdiff_callback.core.config import ProbDiffConfig
 
     return ProbDiffConfig(**{**EVAL_SETTINGS, **options})
 
 
 def held_out_queries():
-    from probdiff_callback.queries import load_queries
+    from probdiff_callback.core.queries import load_queries
 
     return load_queries(QUERY_FILE)
 
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", action="store_true", help="generate through vLLM (colocate): train, evaluate, stop")
     args = parser.parse_args(argv)
 
-    import probdiff_callback.distributed as evaluation_module
-    from probdiff_callback.callback import ProbDiffCallback
+    import probdiff_callback.callback.distributed as evaluation_module
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
 
     extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
     trainer = build_trainer(args.model, Path(args.out) / "run", max_steps=2, save_steps=2, eval_strategy="no", **extra)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_seen(out: str, rank: int, seen: dict, trainer) -> int:
-    from probdiff_callback.run_files import write_json
+    from probdiff_callback.runs.run_files import write_json
 
     write_json(Path(out) / f"rank-{rank}.json", seen)
     trainer.accelerator.wait_for_everyone()

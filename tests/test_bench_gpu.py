@@ -25,7 +25,7 @@ from gpu_kit.vllm_path import LABEL as VLLM_LABEL  # noqa: E402
 from gpu_kit.vllm_path import SCRATCH_PREFIX, vllm_unavailable  # noqa: E402
 from gpu_kit.workload import build_model, model_config  # noqa: E402
 
-from probdiff_callback import vllm_engine  # noqa: E402
+from probdiff_callback.core import vllm_engine  # noqa: E402
 
 # A GPU machine may have only torch, transformers, peft and this package: the kit must run without these.
 NOT_NEEDED = ("trl", "wandb", "deepspeed", "datasets", "omegaconf", "scipy", "matplotlib", "bitsandbytes")
@@ -252,7 +252,7 @@ def test_decode_floor_counts_weights_per_step_and_kv_of_live_rows():
 
 def test_generate_with_the_row_sampler_draws_what_our_loop_draws():
     """The `generate` path does the same work as ours: same seeds and steps give the same tokens."""
-    from probdiff_callback.decoding import sample_continuations
+    from probdiff_callback.core.decoding import sample_continuations
 
     model = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
     arguments = dict(

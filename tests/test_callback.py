@@ -15,16 +15,17 @@ import torch
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from transformers import EarlyStoppingCallback
 
-import probdiff_callback.distributed as evaluation_module  # where the callback calls `evaluate`
-from probdiff_callback import distributed, faults, run_files
+import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
-from probdiff_callback.callback import ProbDiffCallback, select_queries
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.distributed import preserved_rng_state
-from probdiff_callback.evaluator import evaluate
-from probdiff_callback.metric import compare, summarize
-from probdiff_callback.outputs import metrics_from_summary
-from probdiff_callback.queries import DataFileError, Query, read_jsonl
+from probdiff_callback.callback.distributed import preserved_rng_state
+from probdiff_callback.callback.outputs import metrics_from_summary
+from probdiff_callback.callback.probdiff import ProbDiffCallback, distributed, select_queries
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.evaluator import evaluate
+from probdiff_callback.core.metric import compare, summarize
+from probdiff_callback.core.queries import DataFileError, Query, read_jsonl
+from probdiff_callback.runs import run_files
+from probdiff_callback.runtime import faults
 
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
 
@@ -179,7 +180,7 @@ def test_unwrapping_restores_zero3_hooks_and_the_runs_checkpointing_even_when_ev
     from transformers import AutoModelForCausalLM, TrainingArguments
     from trl.models import utils as trl_utils
 
-    from probdiff_callback.distributed import set_activation_checkpointing, unwrapped_for_generation
+    from probdiff_callback.callback.distributed import set_activation_checkpointing, unwrapped_for_generation
 
     events = []
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from _distributed_eval import N_QUERIES, held_out_queries, load_tiny, probdiff_config
 
-from probdiff_callback import run_files
-from probdiff_callback.callback import select_queries
-from probdiff_callback.evaluator import evaluate
-from probdiff_callback.queries import read_jsonl
+from probdiff_callback.callback.schedule import select_queries
+from probdiff_callback.core.evaluator import evaluate
+from probdiff_callback.core.queries import read_jsonl
+from probdiff_callback.runs import run_files
 
 SCRIPT = Path(__file__).with_name("_distributed_eval.py")
 LAUNCH_TIMEOUT_S = 420  # a hang (unequal collective calls) fails the test instead of blocking CI

@@ -4,11 +4,12 @@ import math
 
 import pytest
 
+from probdiff_callback.callback.outputs import metric_name, metrics_from_summary
 from probdiff_callback.cli import main
-from probdiff_callback.config import ProbDiffConfig, apply_overrides
-from probdiff_callback.metric import summarize
-from probdiff_callback.outputs import metric_name, metrics_from_summary
-from probdiff_callback.queries import ALIGNBENCH, Query, canonical_category, unmatched_keys
+from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, unmatched_keys
+from probdiff_callback.core.config import ProbDiffConfig, apply_overrides
+from probdiff_callback.core.metric import summarize
+from probdiff_callback.core.queries import Query
 
 RELEASE_ORDER = ["专业能力", "数学计算", "基本任务", "逻辑推理", "文本写作", "中文理解", "角色扮演", "综合问答"]
 

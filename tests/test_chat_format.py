@@ -14,7 +14,7 @@ import pytest
 import torch
 from _chat_families import END_OF_TURN, FAMILIES, build_model, build_tokenizer, save_family_model
 
-from probdiff_callback.chat_format import (
+from probdiff_callback.core.chat_format import (
     accepts_system_role,
     end_of_turn,
     ensure_pad_token,
@@ -25,9 +25,9 @@ from probdiff_callback.chat_format import (
     render,
     stop_token_ids,
 )
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.evaluator import evaluate
-from probdiff_callback.queries import Query
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.evaluator import evaluate
+from probdiff_callback.core.queries import Query
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION = [
@@ -112,7 +112,7 @@ def test_spans_equal_the_generation_markers_where_a_template_has_them(qwen_token
 
 
 def test_a_template_that_is_not_prefix_preserving_is_refused_with_a_way_out(qwen_tokenizer):
-    from probdiff_callback.chat_format import ChatTemplateError
+    from probdiff_callback.core.chat_format import ChatTemplateError
 
     tokenizer = build_tokenizer("chatml")
     # renders an assistant turn differently when it is the last one (as some "thinking" templates do)
@@ -151,7 +151,7 @@ def test_probdiff_evaluates_each_family_and_stops_at_its_end_of_turn(family):
 def test_trl_builds_labels_from_our_masks(family, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
-    from probdiff_callback.training.data import loss_datasets
+    from train.data import loss_datasets
 
     name, tokenizer = family
     rows = [{"id": "a", "messages": CONVERSATION}, {"id": "b", "messages": CONVERSATION[1:3]}]

@@ -11,7 +11,7 @@ import pytest
 from test_sft import CHEAP, history_rows, run_sft
 from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
-from probdiff_callback.checkpoints import checkpoint_problem, weights_problem
+from probdiff_callback.runs.checkpoints import checkpoint_problem, weights_problem
 
 ARGS = ["recipe=blog", *CHEAP, "output_dir=run"]  # 2 steps, a checkpoint at each
 

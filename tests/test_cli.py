@@ -8,7 +8,7 @@ import pytest
 
 from probdiff_callback.analysis.report import format_summary
 from probdiff_callback.cli import main
-from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.core.config import ProbDiffConfig
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 

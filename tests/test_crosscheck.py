@@ -26,12 +26,12 @@ from probdiff_callback.analysis.verdicts import (
     pairwise_agreement,
     read_verdicts,
 )
+from probdiff_callback.callback.outputs import vs_base_metrics
 from probdiff_callback.cli import main
-from probdiff_callback.metric import compare_to_base
-from probdiff_callback.outputs import vs_base_metrics
-from probdiff_callback.queries import DataFileError
-from probdiff_callback.run_files import history_path, read_run, step_records_path, write_jsonl
-from probdiff_callback.training.report import one_line
+from probdiff_callback.core.metric import compare_to_base
+from probdiff_callback.core.queries import DataFileError
+from probdiff_callback.runs.run_files import history_path, read_run, step_records_path, write_jsonl
+from train.report import one_line
 
 DELTA = -0.05
 

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from probdiff_callback.chat_format import stop_token_ids
-from probdiff_callback.decoding import hit_cap, sample_continuations
-from probdiff_callback.prompts import chat_prompt_ids
-from probdiff_callback.sampling import row_seed
+from probdiff_callback.core.chat_format import stop_token_ids
+from probdiff_callback.core.decoding import hit_cap, sample_continuations
+from probdiff_callback.core.prompts import chat_prompt_ids
+from probdiff_callback.core.sampling import row_seed
 
 QUESTIONS = [
     "写一首关于秋天的诗",

@@ -8,11 +8,10 @@ from types import SimpleNamespace
 import pytest
 from test_selection_plot import GOOD, MIXED, POOR, write_run
 
-from probdiff_callback import outputs
 from probdiff_callback.analysis.disagreement import find_disagreements, format_disagreements
-from probdiff_callback.callback import ProbDiffCallback
+from probdiff_callback.callback.probdiff import ProbDiffCallback, outputs
 from probdiff_callback.cli import main
-from probdiff_callback.run_files import RunFiles, history_path, read_history, write_jsonl
+from probdiff_callback.runs.run_files import RunFiles, history_path, read_history, write_jsonl
 
 
 def step(number: int, confidence: float, rouge_l: float | None = None, loss: float | None = None, kind="evaluate"):

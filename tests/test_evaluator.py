@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from probdiff_callback.config import ProbDiffConfig, apply_overrides
-from probdiff_callback.evaluator import build_record, evaluate, score_pairs
-from probdiff_callback.prompts import (
+from probdiff_callback.core.config import ProbDiffConfig, apply_overrides
+from probdiff_callback.core.evaluator import build_record, evaluate, score_pairs
+from probdiff_callback.core.prompts import (
     REWRITER,
     PreparedQuery,
     chat_prompt_ids,
@@ -13,7 +13,7 @@ from probdiff_callback.prompts import (
     refinement_request,
     truncate_middle,
 )
-from probdiff_callback.queries import Query, load_queries
+from probdiff_callback.core.queries import Query, load_queries
 
 SAMPLES = "data/samples/blog/heldout.jsonl"
 
@@ -79,7 +79,7 @@ def test_records_hold_the_documented_fields(reference_records, queries):
 
 
 def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queries):
-    from probdiff_callback.metric import summarize
+    from probdiff_callback.core.metric import summarize
 
     model, tokenizer = tiny_model
     cut = evaluate(model, tokenizer, queries[:4], ProbDiffConfig(max_new_tokens=1), progress=False)

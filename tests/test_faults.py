@@ -16,10 +16,10 @@ import psutil
 import pytest
 from test_sft import CHEAP, history_rows, run_sft, sft_command, sft_env
 
-from probdiff_callback import faults
 from probdiff_callback.analysis.select import select_checkpoints
-from probdiff_callback.checkpoints import checkpoints
-from probdiff_callback.run_files import RunFiles, read_history
+from probdiff_callback.runs.checkpoints import checkpoints
+from probdiff_callback.runs.run_files import RunFiles, read_history
+from probdiff_callback.runtime import faults
 
 STEPS = 4
 SETTINGS = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], f"max_steps={STEPS}"]
@@ -137,7 +137,7 @@ def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
 def test_a_history_write_cut_off_leaves_the_previous_history(tmp_path):
     """kill -9 between writing the history's temporary file and renaming it: the history holds the rows before."""
     script = (
-        "from probdiff_callback.run_files import HistoryRow, RunFiles\n"
+        "from probdiff_callback.runs.run_files import HistoryRow, RunFiles\n"
         f"files = RunFiles({str(tmp_path)!r})\n"
         "files.continue_from(0)\n"
         "files.add(HistoryRow(0, kind='baseline'), [{'id': 'a', 'd': 0.5}])\n"

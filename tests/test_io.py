@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback import run_files
-from probdiff_callback.queries import DataFileError, load_pairs, load_queries, read_jsonl
-from probdiff_callback.run_files import HistoryRow, RunFiles, read_history, read_run, to_json, write_jsonl
+from probdiff_callback.core.queries import DataFileError, load_pairs, load_queries, read_jsonl
+from probdiff_callback.runs import run_files
+from probdiff_callback.runs.run_files import HistoryRow, RunFiles, read_history, read_run, to_json, write_jsonl
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "probdiff-reference"
 

@@ -3,7 +3,7 @@ import math
 import pytest
 from scipy.stats import binom, multinomial
 
-from probdiff_callback.metric import (
+from probdiff_callback.core.metric import (
     compare,
     confidence,
     confidence_interval,

@@ -70,7 +70,7 @@ def venv_with(wheel: Path, venv: Path) -> Path:
 def test_wheel_carries_what_the_library_needs_at_run_time(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "probdiff_callback/assets/tiny.safetensors" in names
-    assert "probdiff_callback/prompts.py" in names  # the prompts
+    assert "probdiff_callback/core/prompts.py" in names  # the prompts
     assert "probdiff_callback/models/tokenizer.py" in names  # the chat template
     assert not any(name.startswith(("tests/", "data/", "train/", "bench/")) for name in names)
 

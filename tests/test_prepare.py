@@ -425,8 +425,8 @@ def test_changed_upstream_format_stops_naming_the_url_and_what_was_expected(tmp_
 
 
 def test_alignbench_downloads_questions_and_training_set_so_the_recipe_runs(tmp_path, monkeypatch):
-    from probdiff_callback.training.data import data_files
-    from probdiff_callback.training.recipe import load_recipe
+    from train.data import data_files
+    from train.recipe import load_recipe
 
     files = {
         f"{PAPER}/alignbench/data/data_release.jsonl": json_lines(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _distributed_eval import chat_dataset, load_tiny
 
-from probdiff_callback import run_files
+from probdiff_callback.runs import run_files
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.models import PRESETS
-from probdiff_callback.training.data import data_files
-from probdiff_callback.training.model_setup import quantization_config
-from probdiff_callback.training.recipe import (
+from train.data import data_files
+from train.model_setup import quantization_config
+from train.recipe import (
     RECIPES_DIR,
     SFT_DEFAULTS,
     TASKS,
@@ -26,8 +26,8 @@ from probdiff_callback.training.recipe import (
     load_recipe,
     sft_config,
 )
-from probdiff_callback.training.run_dir import default_run_name, resolve_run
-from probdiff_callback.training.wandb_run import setup_wandb, start_wandb, wandb_logged_in
+from train.run_dir import default_run_name, resolve_run
+from train.wandb_run import setup_wandb, start_wandb, wandb_logged_in
 
 TASK_RECIPES = sorted(p for p in RECIPES_DIR.rglob("*.yaml") if "accelerate" not in p.relative_to(RECIPES_DIR).parts)
 ACCELERATE_CONFIGS = sorted((RECIPES_DIR / "accelerate").glob("*.yaml"))
@@ -323,7 +323,7 @@ def test_cross_field_validation():
 def test_lora_targets_fit_the_architecture(tiny_model):
     from peft import LoraConfig, get_peft_model
 
-    from probdiff_callback.training.model_setup import lora_targets
+    from train.model_setup import lora_targets
 
     model, _ = tiny_model
     assert lora_targets(model, ["all-linear"]) == "all-linear"
@@ -411,7 +411,7 @@ def test_run_name_is_stable_and_ignores_run_level_keys():
 
 
 def write_whole_checkpoint(path: Path) -> None:
-    """The files of a LoRA checkpoint, small but whole (`probdiff_callback.checkpoints` checks their headers)."""
+    """The files of a LoRA checkpoint, small but whole (`probdiff_callback.runs.checkpoints` checks their headers)."""
     import numpy as np
     import torch
     from safetensors.numpy import save_file

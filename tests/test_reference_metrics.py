@@ -13,8 +13,8 @@ import sacrebleu
 from rouge_score import rouge_scorer
 
 from probdiff_callback.analysis.report import format_reference
-from probdiff_callback.queries import Query, load_queries
-from probdiff_callback.reference_metrics import (
+from probdiff_callback.core.queries import Query, load_queries
+from probdiff_callback.core.reference_metrics import (
     ReferencePlan,
     bleu_tokenizer,
     corpus_bleu_chrf,

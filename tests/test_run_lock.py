@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from test_sft import CHEAP, run_sft, sft_command, sft_env
 
-from probdiff_callback.training.recipe import RecipeError
-from probdiff_callback.training.run_lock import LOCK_FILE, hold_run_dir, raise_if_held
+from train.recipe import RecipeError
+from train.run_lock import LOCK_FILE, hold_run_dir, raise_if_held
 
 HOLD = "from pathlib import Path; import sys, time\n" + (
-    "from probdiff_callback.training.run_lock import hold_run_dir\n"
+    "from train.run_lock import hold_run_dir\n"
     "lock = hold_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)\n"
 )
 

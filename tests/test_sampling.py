@@ -3,7 +3,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from probdiff_callback.sampling import counter_uniforms, largest, row_seed, sample_tokens
+from probdiff_callback.core.sampling import counter_uniforms, largest, row_seed, sample_tokens
 
 
 def nucleus_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:

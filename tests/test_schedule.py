@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from probdiff_callback.schedule import is_scheduled_save, triggers_before
+from probdiff_callback.callback.schedule import is_scheduled_save, triggers_before
 
 
 def args(eval_strategy="steps", save_strategy="steps"):

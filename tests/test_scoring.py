@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.evaluator import score_texts
-from probdiff_callback.prompts import chat_prompt_ids
-from probdiff_callback.scoring import score_batch, token_logprobs_chunked
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.evaluator import score_texts
+from probdiff_callback.core.prompts import chat_prompt_ids
+from probdiff_callback.core.scoring import score_batch, token_logprobs_chunked
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_empty_response_scores_nan(small_model):
 
 def test_nan_hidden_states_raise_instead_of_scoring_as_not_confident(small_model):
     """An empty response is NaN by the paper's rule; a NaN from the model itself fails the evaluation."""
-    from probdiff_callback.scoring import NonFiniteLogits
+    from probdiff_callback.core.scoring import NonFiniteLogits
 
     handle = small_model.model.norm.register_forward_hook(lambda module, inputs, output: output * math.nan)
     try:

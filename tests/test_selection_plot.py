@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 
 from probdiff_callback.analysis.select import format_selection, ranked_rows, select_checkpoints
 from probdiff_callback.cli import main
-from probdiff_callback.metric import compare_to_base, summarize
-from probdiff_callback.run_files import (
+from probdiff_callback.core.metric import compare_to_base, summarize
+from probdiff_callback.runs.run_files import (
     HistoryRow,
     history_path,
     read_history,

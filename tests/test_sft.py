@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback.threads import choose_threads
-from probdiff_callback.training.data import count_without_assistant_tokens
-from probdiff_callback.training.recipe import TASKS
+from probdiff_callback.runtime.threads import choose_threads
+from train.data import count_without_assistant_tokens
+from train.recipe import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 # A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.

@@ -59,10 +59,10 @@ def test_the_dequantized_weights_are_pinned(smollm2_dir):
 def test_the_preset_answers_in_its_own_chat_format(smollm2_dir):
     import torch
 
-    from probdiff_callback.chat_format import stop_token_ids
-    from probdiff_callback.decoding import sample_continuations
+    from probdiff_callback.core.chat_format import stop_token_ids
+    from probdiff_callback.core.decoding import sample_continuations
+    from probdiff_callback.core.prompts import chat_prompt_ids
     from probdiff_callback.models import load_model_and_tokenizer
-    from probdiff_callback.prompts import chat_prompt_ids
 
     model, tokenizer = load_model_and_tokenizer("smollm2", dtype="float32", device="cpu")
     prompt = chat_prompt_ids(tokenizer, None, "What is the capital of France? Answer in one word.")

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from probdiff_callback import threads
-from probdiff_callback.threads import busy_cores_elsewhere, choose_threads, configure_threads
+from probdiff_callback.runtime import threads
+from probdiff_callback.runtime.threads import busy_cores_elsewhere, choose_threads, configure_threads
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@ import unicodedata
 
 import pytest
 
-from probdiff_callback.chat_format import stop_token_ids
+from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.models.qwen_v1_weights import qwen2_generation_config
 from probdiff_callback.models.tokenizer import DEFAULT_SYSTEM_PROMPT, QWEN_VOCAB_WITH_TEXT
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 from _distributed_eval import build_trainer, held_out_queries, probdiff_config
 
-from probdiff_callback import vllm_engine
-from probdiff_callback.callback import ProbDiffCallback
-from probdiff_callback.chat_format import stop_token_ids
+from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.cli import main
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.engines import GenerationRequest
-from probdiff_callback.evaluator import evaluate
-from probdiff_callback.queries import load_queries
+from probdiff_callback.core import vllm_engine
+from probdiff_callback.core.chat_format import stop_token_ids
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.engines import GenerationRequest
+from probdiff_callback.core.evaluator import evaluate
+from probdiff_callback.core.queries import load_queries
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOG = str(ROOT / "data/samples/blog/heldout.jsonl")

@@ -16,12 +16,13 @@ from _distributed_eval import REPO, build_trainer, probdiff_config
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 
-from probdiff_callback import faults, run_files
-from probdiff_callback.callback import ProbDiffCallback
-from probdiff_callback.preemption import PreemptionCallback
-from probdiff_callback.queries import load_queries
-from probdiff_callback.training.recipe import load_recipe, sft_config
-from probdiff_callback.training.wandb_run import (
+from probdiff_callback.callback.preemption import PreemptionCallback
+from probdiff_callback.callback.probdiff import ProbDiffCallback
+from probdiff_callback.core.queries import load_queries
+from probdiff_callback.runs import run_files
+from probdiff_callback.runtime import faults
+from train.recipe import load_recipe, sft_config
+from train.wandb_run import (
     RUN_ID_FILE,
     STEP_RECORD_FILE,
     StepRecord,

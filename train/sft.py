@@ -14,17 +14,20 @@ import sys
 import time
 from pathlib import Path
 
-from probdiff_callback.queries import DataFileError
-from probdiff_callback.threads import configure_threads
-from probdiff_callback.training import is_main_process, say
-from probdiff_callback.training.data import load_data, report_truncation
-from probdiff_callback.training.model_setup import load_model, lora_config, prepare_model_files
-from probdiff_callback.training.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
-from probdiff_callback.training.report import summarize_run
-from probdiff_callback.training.run_dir import preempted_hint, resolve_run, resume_hint, set_aside_unusable
-from probdiff_callback.training.run_lock import hold_on_every_rank
-from probdiff_callback.training.trainer import build_trainer, save_inference_files
-from probdiff_callback.training.wandb_run import setup_wandb, start_wandb
+if __package__ in (None, ""):  # run as a script (accelerate launch train/sft.py): import `train` from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from probdiff_callback.core.queries import DataFileError
+from probdiff_callback.runtime.threads import configure_threads
+from train import is_main_process, say
+from train.data import load_data, report_truncation
+from train.model_setup import load_model, lora_config, prepare_model_files
+from train.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
+from train.report import summarize_run
+from train.run_dir import preempted_hint, resolve_run, resume_hint, set_aside_unusable
+from train.run_lock import hold_on_every_rank
+from train.trainer import build_trainer, save_inference_files
+from train.wandb_run import setup_wandb, start_wandb
 
 
 def main(argv: list[str] | None = None) -> int:

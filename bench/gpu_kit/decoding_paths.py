@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from probdiff_callback.decoding import RowSampler, StopWhenAsked, left_padded, sample_continuations
-from probdiff_callback.scoring import NonFiniteLogits
+from probdiff_callback.core.decoding import RowSampler, StopWhenAsked, left_padded, sample_continuations
+from probdiff_callback.core.scoring import NonFiniteLogits
 
 from .report import Figure
 

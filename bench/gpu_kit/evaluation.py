@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from probdiff_callback import evaluator
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.decoding import sample_continuations
-from probdiff_callback.queries import Query
+from probdiff_callback.core import evaluator
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.decoding import sample_continuations
+from probdiff_callback.core.queries import Query
 
 from .decoding_paths import PATHS, decoding_paths
 from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory

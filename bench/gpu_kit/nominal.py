@@ -7,9 +7,9 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from probdiff_callback import prompts
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.prompts import refinement_request, refinement_template
+from probdiff_callback.core import prompts
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.prompts import refinement_request, refinement_template
 
 from .floor import DecodeFloor, Hardware, ModelCost, cost_figures, decode_floor, scoring_floor, training_floor
 from .report import Figure, gib, seconds

@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from probdiff_callback.config import ProbDiffConfig
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.queries import Query, load_queries
 from probdiff_callback.models.presets import TINY_ARCHITECTURE
-from probdiff_callback.queries import Query, load_queries
 
 from . import ROOT
 from .device import allocated_memory, clock
@@ -95,7 +95,7 @@ def read_recipe() -> dict:
     without the recipe loader, which needs trl and omegaconf that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
-    from probdiff_callback.training.recipe import SFT_DEFAULTS, RecipeKeys
+    from train.recipe import SFT_DEFAULTS, RecipeKeys
 
     body, defaults = yaml.safe_load(RECIPE.read_text(encoding="utf-8")), asdict(RecipeKeys())
     return {**defaults, **SFT_DEFAULTS, **body, **{k: {**defaults[k], **body.get(k, {})} for k in ("lora", "probdiff")}}

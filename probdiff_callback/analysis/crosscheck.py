@@ -23,9 +23,9 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from probdiff_callback.analysis.report import fmt
-from probdiff_callback.metric import is_finite
-from probdiff_callback.reference_metrics import METRIC_LABELS
-from probdiff_callback.run_files import HistoryRow, as_row
+from probdiff_callback.core.metric import is_finite
+from probdiff_callback.core.reference_metrics import METRIC_LABELS
+from probdiff_callback.runs.run_files import HistoryRow, as_row
 
 PROBDIFF_MEASURES = {"confidence": "confidence", "d_mean": "mean d"}
 LOSS = "eval_loss"

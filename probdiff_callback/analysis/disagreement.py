@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from probdiff_callback.analysis.report import pct
-from probdiff_callback.metric import is_finite
-from probdiff_callback.reference_metrics import METRIC_LABELS
+from probdiff_callback.core.metric import is_finite
+from probdiff_callback.core.reference_metrics import METRIC_LABELS
 
 LOSS = "eval_loss"
 LABELS = {**METRIC_LABELS, LOSS: "eval loss"}

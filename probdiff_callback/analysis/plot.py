@@ -18,9 +18,9 @@ from pathlib import Path
 from probdiff_callback.analysis.crosscheck import LABELS, LOSS, PROBDIFF_MEASURES
 from probdiff_callback.analysis.report import fmt
 from probdiff_callback.analysis.select import Selection, select
-from probdiff_callback.metric import finite_values, is_finite
-from probdiff_callback.reference_metrics import METRIC_LABELS
-from probdiff_callback.run_files import HistoryRow, Run
+from probdiff_callback.core.metric import finite_values, is_finite
+from probdiff_callback.core.reference_metrics import METRIC_LABELS
+from probdiff_callback.runs.run_files import HistoryRow, Run
 
 
 def plot_run(run: Run, out: str | os.PathLike | None = None, selection: Selection | None = None) -> Path:

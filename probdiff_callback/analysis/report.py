@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from probdiff_callback.metric import is_finite
-from probdiff_callback.reference_metrics import METRIC_LABELS
+from probdiff_callback.core.metric import is_finite
+from probdiff_callback.core.reference_metrics import METRIC_LABELS
 
 
 def format_summary(summary: dict) -> str:

@@ -18,9 +18,9 @@ from pathlib import Path
 from probdiff_callback.analysis.crosscheck import step_measures
 from probdiff_callback.analysis.disagreement import Disagreement, find_disagreements, format_disagreements
 from probdiff_callback.analysis.report import fmt, format_p, format_win_tie_lose, pct
-from probdiff_callback.checkpoints import weights_problem
-from probdiff_callback.metric import compare
-from probdiff_callback.run_files import DEFAULT_SUBDIR, HistoryRow, Run, read_run
+from probdiff_callback.core.metric import compare
+from probdiff_callback.runs.checkpoints import weights_problem
+from probdiff_callback.runs.run_files import DEFAULT_SUBDIR, HistoryRow, Run, read_run
 
 
 @dataclass

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from probdiff_callback.analysis.report import fmt, pct
-from probdiff_callback.metric import compare, is_confident
-from probdiff_callback.queries import DataFileError, read_rows
-from probdiff_callback.run_files import HistoryRow, as_row
+from probdiff_callback.core.metric import compare, is_confident
+from probdiff_callback.core.queries import DataFileError, read_rows
+from probdiff_callback.runs.run_files import HistoryRow, as_row
 
 PAIRWISE = "pairwise"
 REVISION = "revision"

@@ -67,7 +67,7 @@ def load_tokenizer(path_or_id: str):
         from probdiff_callback.models.qwen_v1 import load_qwen_v1_tokenizer
 
         return load_qwen_v1_tokenizer(path_or_id)
-    from probdiff_callback.chat_format import ensure_pad_token
+    from probdiff_callback.core.chat_format import ensure_pad_token
 
     tokenizer = AutoTokenizer.from_pretrained(path_or_id)
     notice = ensure_pad_token(tokenizer)

@@ -6,8 +6,8 @@ import importlib.util
 import os
 import time
 
-from probdiff_callback.training import say
-from probdiff_callback.training.recipe import Recipe, RecipeError
+from train import say
+from train.recipe import Recipe, RecipeError
 
 
 def prepare_model_files(name: str) -> None:

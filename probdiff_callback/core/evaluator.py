@@ -14,18 +14,23 @@ from typing import TypeVar
 
 from tqdm.auto import tqdm
 
-from probdiff_callback import faults
-from probdiff_callback.chat_format import stop_token_ids
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.decoding import hit_cap, sample_continuations
-from probdiff_callback.engines import Engine, Generated, GenerationRequest
-from probdiff_callback.metric import discrepancy, finite_mean, is_confident, summarize
-from probdiff_callback.prompts import PreparedQuery, prepare_queries, refinement_prompt_ids, refinement_template
-from probdiff_callback.queries import Query
-from probdiff_callback.sampling import row_seed
-from probdiff_callback.scoring import score_batch
+from probdiff_callback.core.chat_format import stop_token_ids
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.decoding import hit_cap, sample_continuations
+from probdiff_callback.core.engines import Engine, Generated, GenerationRequest
+from probdiff_callback.core.metric import discrepancy, finite_mean, is_confident, summarize
+from probdiff_callback.core.prompts import PreparedQuery, prepare_queries, refinement_prompt_ids, refinement_template
+from probdiff_callback.core.queries import Query
+from probdiff_callback.core.sampling import row_seed
+from probdiff_callback.core.scoring import score_batch
+from probdiff_callback.runtime import faults
 
 T = TypeVar("T")
+ABANDONED = "evaluation abandoned"  # in the error every rank sees when any rank abandoned its share
+
+
+class EvaluationAbandoned(Exception):  # noqa: N818 (not an error: the run was asked to stop)
+    """An evaluation given up because the run was asked to stop (preemption); its step is evaluated on resume."""
 
 
 def generate_texts(
@@ -61,7 +66,7 @@ def generate_texts(
 
 def raise_if_asked_to_stop(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
-        raise faults.EvaluationAbandoned("the run was asked to stop (preemption) during this evaluation")
+        raise EvaluationAbandoned("the run was asked to stop (preemption) during this evaluation")
 
 
 @contextlib.contextmanager
@@ -337,7 +342,7 @@ def evaluate(
 
     `engine` generates the answers and revisions (default: HF `generate` on `model`, `HFEngine`); `model` scores
     them. `should_stop` (a preemption's flag) is checked between phases and, with the HF engine, at every generated
-    token; once it is true the evaluation raises `faults.EvaluationAbandoned`. Not with `synced_gpus`, where every
+    token; once it is true the evaluation raises `EvaluationAbandoned`. Not with `synced_gpus`, where every
     rank must run the same forward passes: a sharded ZeRO-3 evaluation always finishes.
 
     Callers that hold the whole query set check `config.check_categories` on it first (the CLI and
@@ -380,7 +385,7 @@ def evaluate_and_summarise(
 def summarise(records: list[dict], queries: Sequence[Query], config: ProbDiffConfig) -> tuple[list[dict], dict]:
     """(records with their reference metrics where the queries carry references, the summary): one function for the
     CLI and the callback, applied to the whole query set's records."""
-    from probdiff_callback import reference_metrics  # sacrebleu and rouge load on first use
+    from probdiff_callback.core import reference_metrics  # sacrebleu and rouge load on first use
 
     if reference_metrics.plan_references(queries).active:
         records = reference_metrics.score_records(records, queries)

@@ -26,10 +26,12 @@ from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 from transformers import TrainingArguments
 
-from probdiff_callback import reference_metrics
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.evaluator import (
+from probdiff_callback.core import reference_metrics
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.evaluator import (
+    ABANDONED,
     Chain,
+    EvaluationAbandoned,
     evaluate,
     generate_chains,
     inference_mode,
@@ -38,8 +40,7 @@ from probdiff_callback.evaluator import (
     score_chains,
     summarise,
 )
-from probdiff_callback.faults import ABANDONED, EvaluationAbandoned
-from probdiff_callback.queries import Query
+from probdiff_callback.core.queries import Query
 
 T = TypeVar("T")
 
@@ -151,7 +152,7 @@ def _evaluate_with_engine(
     """vLLM writes every text on the main process (which holds the engine) while the other ranks wait; then every
     rank scores an equal share with the model in training, as without vLLM. The weights go to the engine first:
     under ZeRO-3 they are gathered on every rank (a collective), and the main process writes or links them."""
-    from probdiff_callback.vllm_engine import load_evaluated_weights, scratch_folder, weight_sync
+    from probdiff_callback.core.vllm_engine import load_evaluated_weights, scratch_folder, weight_sync
 
     accelerator = trainer.accelerator
     error: str | None = None
@@ -190,9 +191,9 @@ def _evaluate_with_engine(
 def start_training_engine(trainer, tokenizer, config: ProbDiffConfig):
     """The run's vLLM engine (`config.vllm_mode`) for the model in `trainer`: a server this job starts on the base
     model's folder, with LoRA slots when the weights go to it as an adapter, or the server you started."""
-    from probdiff_callback import vllm_engine
-    from probdiff_callback.chat_format import stop_token_ids
-    from probdiff_callback.vllm_engine import weight_sync
+    from probdiff_callback.core import vllm_engine
+    from probdiff_callback.core.chat_format import stop_token_ids
+    from probdiff_callback.core.vllm_engine import weight_sync
 
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     peft_config = getattr(model, "peft_config", {}).get("default")

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from probdiff_callback.training.recipe import RecipeError
+from train.recipe import RecipeError
 
 LOCK_FILE = "run.lock"
 
@@ -126,7 +126,7 @@ def raise_if_held(run_dir: Path) -> None:
 
 def hold_on_every_rank(run_dir: Path, world_size: int) -> RunLock | None:
     """The main process takes the lock; every rank stops with its error (one broadcast), none hangs waiting."""
-    from probdiff_callback.training import is_main_process
+    from train import is_main_process
 
     lock, error = None, None
     if is_main_process():

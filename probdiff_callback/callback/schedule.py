@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from transformers import EarlyStoppingCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback.queries import Query, fixed_subset
+from probdiff_callback.core.queries import Query, fixed_subset
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from probdiff_callback.config import ProbDiffConfig, did_you_mean, raise_if_problems, wrong_type_message
+from probdiff_callback.core.config import ProbDiffConfig, did_you_mean, raise_if_problems, wrong_type_message
 from probdiff_callback.models import PRESETS
-from probdiff_callback.training import PROJECT_ROOT
+from train import PROJECT_ROOT
 
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 TASKS = ("translation", "summarization", "blog", "alignbench")

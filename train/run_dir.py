@@ -7,16 +7,16 @@ import json
 import re
 from pathlib import Path
 
-from probdiff_callback.checkpoints import (
+from probdiff_callback.runs.checkpoints import (
     CHECKPOINT_NAME,
     checkpoint_problem,
     checkpoint_step,
     checkpoints,
     is_cut_off,
 )
-from probdiff_callback.training import say
-from probdiff_callback.training.recipe import Recipe, RecipeError
-from probdiff_callback.training.run_lock import raise_if_held
+from train import say
+from train.recipe import Recipe, RecipeError
+from train.run_lock import raise_if_held
 
 RUNS_DIR = Path("runs")
 # Settings that name or steer a run rather than define what is trained: left out of the run name's hash,

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerState, TrainingArguments
 
-from probdiff_callback.metric import delta_key
+from probdiff_callback.core.metric import delta_key
 
 logger = logging.getLogger(__name__)
 

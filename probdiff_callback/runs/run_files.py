@@ -10,11 +10,11 @@
 - `checkpoint-N/probdiff.json`: the step's row beside its weights, so it travels with the checkpoint.
 
 Writing: `RunFiles`, the callback's, keeps the rows in memory and writes the whole history from them
-(`io.write_atomic`: a temp file, then `os.replace`), so `probdiff select` on a run still training never sees half a
+(`write_atomic`: a temp file, then `os.replace`), so `probdiff select` on a run still training never sees half a
 row and the callback never reads the file back. Reading: `read_run`, once, for `probdiff select`, `plot`,
 `crosscheck` and the end of a training run.
 
-JSON has no NaN: a NaN is written as null (`io.to_json`) and read back as NaN by `HistoryRow.from_json` and
+JSON has no NaN: a NaN is written as null (`to_json`) and read back as NaN by `HistoryRow.from_json` and
 `read_records`, so the rest of the package sees NaN only.
 """
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from probdiff_callback import faults
-from probdiff_callback.metric import is_finite
-from probdiff_callback.queries import DataFileError, read_jsonl
+from probdiff_callback.runtime import faults
+from probdiff_callback.core.config import DEFAULT_SUBDIR
+from probdiff_callback.core.metric import is_finite
+from probdiff_callback.core.queries import DataFileError, read_jsonl
 
-DEFAULT_SUBDIR = "probdiff"
 HISTORY_FILE = "history.jsonl"
 RECORDS_FILE = "records.jsonl"
 CHECKPOINT_SUMMARY_FILE = "probdiff.json"

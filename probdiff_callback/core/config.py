@@ -8,9 +8,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from probdiff_callback.prompts import REFINEMENT_PROMPTS
-from probdiff_callback.queries import ALIGNBENCH, canonical_category, describe, unmatched_keys
-from probdiff_callback.run_files import DEFAULT_SUBDIR
+from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, describe, unmatched_keys
+from probdiff_callback.core.prompts import REFINEMENT_PROMPTS
 
 # Who reads a setting: `probdiff eval`, `probdiff score`, and ProbDiffCallback, which runs eval's evaluation during
 # training (so it reads everything eval reads) on its own schedule. The CLI refuses a key its command would not read
@@ -24,6 +23,7 @@ METRIC, SAMPLING, LENGTHS, ENGINE, SCHEDULE = (
     "metric", "sampling", "lengths and batching", "generation engine", "training schedule"
 )  # fmt: skip
 VLLM_MODES = ("colocate", "server")
+DEFAULT_SUBDIR = "probdiff"  # a run's ProbDiff files: <output_dir>/probdiff/
 VLLM_WEIGHT_SYNCS = ("auto", "merged", "lora")
 
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback.training import say
-from probdiff_callback.training.recipe import Recipe, RecipeError, report_to_list
+from train import say
+from train.recipe import Recipe, RecipeError, report_to_list
 
 RUN_ID_FILE = "wandb_run_id"
 STEP_RECORD_FILE = "wandb_step.json"

@@ -7,8 +7,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from probdiff_callback.chat_format import query_messages, render
-from probdiff_callback.queries import Query
+from probdiff_callback.core.chat_format import query_messages, render
+from probdiff_callback.core.queries import Query
 
 REWRITER = (
     "I want you to act as a Response Rewriter.\n"

@@ -16,15 +16,10 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback import distributed, outputs, reference_metrics
-from probdiff_callback.config import ProbDiffConfig
-from probdiff_callback.distributed import EvaluationOutcome, evaluate_in_training, start_training_engine
-from probdiff_callback.faults import ABANDONED
-from probdiff_callback.metric import compare_to_base
-from probdiff_callback.outputs import CostReport
-from probdiff_callback.queries import queries_from
-from probdiff_callback.run_files import HistoryRow, Record, RunFiles, read_records
-from probdiff_callback.schedule import (
+from probdiff_callback.callback.distributed import EvaluationOutcome, evaluate_in_training, start_training_engine
+from probdiff_callback.callback.outputs import CostReport
+from probdiff_callback.callback import distributed, outputs
+from probdiff_callback.callback.schedule import (
     check_selection_setup,
     checkpoint_to_come,
     is_scheduled_save,
@@ -32,6 +27,12 @@ from probdiff_callback.schedule import (
     select_queries,
     triggers_before,
 )
+from probdiff_callback.core import reference_metrics
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.evaluator import ABANDONED
+from probdiff_callback.core.metric import compare_to_base
+from probdiff_callback.core.queries import queries_from
+from probdiff_callback.runs.run_files import HistoryRow, Record, RunFiles, read_records
 
 __all__ = ["EvaluationOutcome", "ProbDiffCallback", "select_queries"]
 
@@ -309,7 +310,7 @@ class ProbDiffCallback(TrainerCallback):
     def _start_engine(self):
         """The vLLM engine of this run on the main process (None on the others); a failure to start stops training
         on every rank with the same message, before the first step."""
-        from probdiff_callback.distributed import broadcast
+        from probdiff_callback.callback.distributed import broadcast
 
         engine, error = None, None
         if self._is_main():

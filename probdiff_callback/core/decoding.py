@@ -18,8 +18,8 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from probdiff_callback.sampling import counter_uniforms, sample_tokens
-from probdiff_callback.scoring import NonFiniteLogits, split_model
+from probdiff_callback.core.sampling import counter_uniforms, sample_tokens
+from probdiff_callback.core.scoring import NonFiniteLogits, split_model
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from probdiff_callback.engines import Generated, GenerationRequest, cut_at_stop
+from probdiff_callback.core.engines import Generated, GenerationRequest, cut_at_stop
 
 PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
 INSTALL_CPU = (

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from probdiff_callback.queries import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
-from probdiff_callback.training import PROJECT_ROOT, say
-from probdiff_callback.training.recipe import Recipe, RecipeError
+from probdiff_callback.core.queries import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
+from train import PROJECT_ROOT, say
+from train.recipe import Recipe, RecipeError
 
 PROCESSED_DIR = PROJECT_ROOT / "data" / "processed"
 SAMPLES_DIR = PROJECT_ROOT / "data" / "samples"
@@ -89,7 +89,7 @@ def assistant_mask(tokenizer, messages: list[dict]) -> list[int]:
     has them, else by locating the assistant turns (chat_format.mask_assistant_turns)."""
     from trl.chat_template_utils import has_generation_markers
 
-    from probdiff_callback.chat_format import fold_system_turns, mask_assistant_turns
+    from probdiff_callback.core.chat_format import fold_system_turns, mask_assistant_turns
 
     messages = fold_system_turns(tokenizer, messages)
     if has_generation_markers(tokenizer.chat_template or ""):
@@ -116,7 +116,7 @@ def loss_datasets(tokenizer, train_rows: list[dict], eval_rows: list[dict], assi
     """
     from datasets import Dataset
 
-    from probdiff_callback.chat_format import fold_system_turns, loss_masking, mask_assistant_turns
+    from probdiff_callback.core.chat_format import fold_system_turns, loss_masking, mask_assistant_turns
 
     masking = loss_masking(tokenizer) if assistant_only else "off"
 

@@ -28,8 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from probdiff_callback.metric import finite_mean
-from probdiff_callback.queries import Query
+from probdiff_callback.core.metric import finite_mean
+from probdiff_callback.core.queries import Query
 
 TRANSLATION = "translation"
 SUMMARIZATION = "summarization"

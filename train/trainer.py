@@ -7,17 +7,17 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from probdiff_callback import faults
-from probdiff_callback.training import say
-from probdiff_callback.training.data import LOSS_MASKING_NOTES, loss_datasets
-from probdiff_callback.training.recipe import Recipe
+from probdiff_callback.runtime import faults
+from train import say
+from train.data import LOSS_MASKING_NOTES, loss_datasets
+from train.recipe import Recipe
 
 
 def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):
     """(trainer, its PreemptionCallback): the script asks the latter whether training stopped for a signal."""
-    from probdiff_callback.callback import ProbDiffCallback
+    from probdiff_callback.callback.preemption import PreemptionCallback
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
     from probdiff_callback.models import peft_without_deprecated_alias_warning
-    from probdiff_callback.preemption import PreemptionCallback
 
     train_dataset, eval_dataset, masking = loss_datasets(tokenizer, train_rows, eval_rows, args.assistant_only_loss)
     say(LOSS_MASKING_NOTES[masking])

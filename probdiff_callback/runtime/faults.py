@@ -1,5 +1,4 @@
-"""Named places where a test makes the process fail as a real fault would, and the exception of an abandoned
-evaluation.
+"""Named places where a test makes the process fail as a real fault would.
 
 `PROBDIFF_FAULT=<place>[:<n>][=<fault>]` acts the n-th time (1 by default) this process gets to `place`. The fault
 is a real signal sent to the process itself, `KILL` (the default: kill -9, the OOM killer, a node lost), `TERM` or
@@ -24,12 +23,7 @@ PLACES = {
     "checkpoint-weights-saved": "a checkpoint's weights saved, its optimizer and trainer state not yet",
 }
 FAULTS = ("KILL", "TERM", "USR1", "OOM")
-ABANDONED = "evaluation abandoned"  # in the error every rank sees when any rank abandoned its share
 _reached: Counter[str] = Counter()
-
-
-class EvaluationAbandoned(Exception):  # noqa: N818 (not an error: the run was asked to stop)
-    """An evaluation given up because the run was asked to stop (preemption); its step is evaluated on resume."""
 
 
 def planned_faults(text: str) -> list[tuple[str, int, str]]:

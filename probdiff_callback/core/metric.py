@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from probdiff_callback.queries import canonical_category
+from probdiff_callback.core.categories import canonical_category
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 LENGTH_CHANGE_LIMIT = 0.5  # the paper's length bias: revisions that change length by more than half

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from probdiff_callback.analysis.crosscheck import LABELS
 from probdiff_callback.analysis.report import fmt, format_p, format_table, format_win_tie_lose, pct
-from probdiff_callback.run_files import HistoryRow
-from probdiff_callback.training.recipe import Recipe
+from probdiff_callback.runs.run_files import HistoryRow
+from train.recipe import Recipe
 
 
 def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: list[str]) -> list[list[str]]:
@@ -40,8 +40,8 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     from probdiff_callback.analysis.crosscheck import crosscheck
     from probdiff_callback.analysis.plot import plot_run
     from probdiff_callback.analysis.select import format_selection, point_best, select
-    from probdiff_callback.reference_metrics import METRIC_LABELS
-    from probdiff_callback.run_files import read_run
+    from probdiff_callback.core.reference_metrics import METRIC_LABELS
+    from probdiff_callback.runs.run_files import read_run
 
     # Read once, ranked once: the table, the cross-check, the selection and the plot all show what was read here.
     run = read_run(run_dir, recipe.probdiff.output_subdir)
@@ -76,7 +76,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         plot = plot_run(run, selection=selection)
     except FileNotFoundError as err:
         print(f"no plot: {err}")
-    from probdiff_callback.callback import ProbDiffCallback
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
 
     for callback in trainer.callback_handler.callbacks:
         if isinstance(callback, ProbDiffCallback) and callback.cost_summary():

@@ -1,0 +1,26 @@
+"""The training script (`sft.py`) and what only it uses, one concern per module: the recipe and its `SFTConfig`
+(`recipe`), the run directory and resuming (`run_dir`), one job per run directory (`run_lock`), the conversations and
+held-out queries (`data`), the model and its LoRA (`model_setup`), trl's `SFTTrainer` with the ProbDiff and preemption
+callbacks (`trainer`), one W&B run across resumes (`wandb_run`) and the end-of-run report (`report`).
+
+It lives beside the library, as alignment-handbook keeps `scripts/` beside `src/`: it runs from a checkout, which
+holds the recipes and data it reads (`PROJECT_ROOT`), and the installed package (`probdiff_callback`) does not ship it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the launch, known before any distributed state exists (the launcher sets RANK)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(message: str) -> None:
+    """Print once per run (on the main process)."""
+    if is_main_process():
+        print(message, flush=True)
