@@ -12,13 +12,39 @@ from pathlib import Path
 
 from probdiff_callback.analysis.report import format_comparison, format_summary
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
+from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
 from probdiff_callback.core.vllm_engine import EngineUnavailable
 
 
-def _settings_help(command: str) -> str:
-    groups = ProbDiffConfig.read_by(command)
-    listed = "; ".join(f"{group}: {', '.join(names)}" for group, names in groups.items())
-    return f"ProbDiff settings `{command}` reads (docs/configuration.md#probdiff-settings). {listed}"
+def _settings_epilog(command: str) -> str:
+    """The ProbDiff settings `command` reads, by group, each with its default and its help (the fields' own)."""
+    import dataclasses
+    import textwrap
+
+    defaults = ProbDiffConfig()
+    fields = {f.name: f for f in dataclasses.fields(ProbDiffConfig)}
+    lines = [
+        f"ProbDiff settings (key=value) that `probdiff {command}` reads (docs/configuration.md#probdiff-settings):"
+    ]
+    for group, names in ProbDiffConfig.read_by(command).items():
+        lines.append(f"  {group}:")
+        for name in names:
+            head = f"    {name}={_shown(getattr(defaults, name))}"
+            lines += textwrap.wrap(
+                fields[name].metadata["help"], 110, initial_indent=f"{head}  ", subsequent_indent=" " * 8
+            )
+    return "\n".join(lines)
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count (leave --limit out for every query)")
+    return value
 
 
 def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
@@ -34,10 +60,7 @@ def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... [cuda if available]")
     parser.add_argument("--out", required=True, help="output directory for records.jsonl and summary.json")
     parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help=_settings_help(command),
+        "overrides", nargs="*", metavar="key=value", help="ProbDiff settings, each with its default: see below"
     )
 
 
@@ -49,21 +72,38 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     evaluate = commands.add_parser(
-        "eval", help="answer, revise and score queries; writes records.jsonl and summary.json"
+        "eval",
+        help="answer, revise and score queries; writes records.jsonl and summary.json",
+        epilog=_settings_epilog(EVAL),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_args(evaluate, EVAL)
-    evaluate.add_argument("--queries", required=True, help="JSON lines or a JSON list of queries")
-    evaluate.add_argument("--limit", type=int, default=None, help="only the first N queries")
+    evaluate.add_argument(
+        "--queries",
+        required=True,
+        help="JSON lines or a JSON list; each row's query is the first of "
+        f"{', '.join(QUERY_FIELDS)} that holds text, or the first user turn of {', '.join(TURN_FIELDS)} (a chat); "
+        "optional: id (or question_id), category, and a reference answer (reference, completion, or the chat's "
+        "assistant turn) for BLEU/chrF or ROUGE (docs/cli.md#query-files)",
+    )
+    evaluate.add_argument("--limit", type=_positive_int, default=None, help="only the first N queries (N >= 1)")
 
-    score = commands.add_parser("score", help="score texts generated elsewhere (rows {id, query, response, revised})")
+    score = commands.add_parser(
+        "score",
+        help="score texts generated elsewhere (rows {id, query, response, revised})",
+        epilog=_settings_epilog(SCORE),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_model_args(score, SCORE)
     score.add_argument("--pairs", required=True, help="JSON lines or a JSON list of {id, query, response, revised}")
 
     compare = commands.add_parser(
         "compare", help="win/tie/lose of two result directories on the same queries, a sign test and an interval"
     )
-    compare.add_argument("dir_a")
-    compare.add_argument("dir_b")
+    compare.add_argument(
+        "dir_a", help="a `probdiff eval` or `score` output directory (records.jsonl, summary.json): model A"
+    )
+    compare.add_argument("dir_b", help="another one, on the same query ids: model B (wins are A's)")
     compare.add_argument("--delta", type=float, default=None, help="threshold [the delta in DIR_A's summary]")
 
     convert = commands.add_parser(

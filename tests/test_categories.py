@@ -7,7 +7,7 @@ import pytest
 from probdiff_callback.callback.outputs import metric_name, metrics_from_summary
 from probdiff_callback.cli import main
 from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, unmatched_keys
-from probdiff_callback.core.config import ProbDiffConfig, apply_overrides
+from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.metric import summarize
 from probdiff_callback.core.queries import Query
 
@@ -29,7 +29,7 @@ def test_temperature_keys_match_either_name():
     assert english_keys.answer_temperature_for("数学计算") == 0.1
     assert english_keys.answer_temperature_for("Writing Ability") == 0.9
     assert english_keys.answer_temperature_for("逻辑推理") == 0.7  # no key: the default
-    chinese_keys = apply_overrides(ProbDiffConfig(), ["answer_temperature_by_category.文本写作=0.3"])
+    chinese_keys = ProbDiffConfig().with_overrides(["answer_temperature_by_category.文本写作=0.3"])
     assert chinese_keys.answer_temperature_for("Writing") == 0.3 and chinese_keys.answer_temperature_for(None) == 0.7
     with pytest.raises(ValueError, match=r"'Writing' and '文本写作' name the same category"):
         ProbDiffConfig(answer_temperature_by_category={"Writing": 0.7, "文本写作": 0.1})

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.models import PRESETS
 from train.data import data_files
 from train.model_setup import quantization_config
@@ -29,7 +28,8 @@ from train.recipe import (
 from train.run_dir import default_run_name, resolve_run
 from train.wandb_run import setup_wandb, start_wandb, wandb_logged_in
 
-TASK_RECIPES = sorted(p for p in RECIPES_DIR.rglob("*.yaml") if "accelerate" not in p.relative_to(RECIPES_DIR).parts)
+TASK_RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+MODEL_FILES = sorted((RECIPES_DIR / "models").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((RECIPES_DIR / "accelerate").glob("*.yaml"))
 
 
@@ -147,17 +147,84 @@ def test_a_preset_sets_sftconfig_fields_for_its_model():
     assert load_recipe(["recipe=blog"]).training["max_length"] == 2048
 
 
-@pytest.mark.parametrize("path", TASK_RECIPES, ids=lambda p: p.stem)
-def test_recipe_files_state_only_what_differs_from_the_defaults(path: Path):
-    """A default is stated once: a recipe file that repeats one would hide which settings are its own."""
+def _leaves(mapping: dict, prefix: tuple = ()) -> list[tuple]:
+    """The key paths of a nested mapping's values (`presets.tiny.lora.r` as a tuple)."""
+    return [
+        leaf
+        for key, value in mapping.items()
+        for leaf in (_leaves(value, (*prefix, key)) if isinstance(value, dict) and value else [(*prefix, key)])
+    ]
+
+
+def _without(mapping: dict, path: tuple) -> dict:
+    if len(path) == 1:
+        return {k: v for k, v in mapping.items() if k != path[0]}
+    return {**mapping, path[0]: _without(mapping[path[0]], path[1:])}
+
+
+def _resolved(directory: Path, recipe: str, model: str | None) -> dict | str:
+    """The recipe as the run gets it, or why it cannot run (a key its other keys need was left out)."""
+    try:
+        resolved = load_recipe([f"recipe={recipe}", *([f"model={model}"] if model else [])], directory=directory)
+        return {key: value for key, value in resolved.to_dict().items() if key != "presets"}
+    except RecipeError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("path", TASK_RECIPES + MODEL_FILES, ids=lambda p: str(p.relative_to(RECIPES_DIR)))
+def test_every_key_of_a_recipe_or_model_file_changes_the_run(path: Path, tmp_path):
+    """A default is stated once: every key a recipe file (its body and its `presets.<model>`) or a model file
+    (`recipes/models/<model>.yaml`) states must change some resolved recipe. One that the layers under it already
+    give (the project defaults, the model file under a recipe's preset) would hide which settings are its own."""
+    import shutil
+
     from omegaconf import OmegaConf
 
+    shutil.copytree(RECIPES_DIR, tmp_path / "recipes")
+    directory, copy = tmp_path / "recipes", tmp_path / "recipes" / path.relative_to(RECIPES_DIR)
     body = OmegaConf.to_container(OmegaConf.load(path))
-    defaults = {**{f.name: getattr(RecipeKeys(), f.name) for f in dataclasses.fields(RecipeKeys)}, **SFT_DEFAULTS}
-    repeated = [key for key, value in body.items() if key in defaults and defaults[key] == value]
-    repeated += [f"lora.{k}" for k, v in body.get("lora", {}).items() if getattr(RecipeKeys().lora, k) == v]
-    repeated += [f"probdiff.{k}" for k, v in body.get("probdiff", {}).items() if getattr(ProbDiffConfig(), k) == v]
-    assert not repeated, f"{path.name} repeats the defaults of {repeated}"
+    is_model_file = path.parent.name == "models"
+    contexts = (
+        [(recipe.stem, path.stem) for recipe in TASK_RECIPES]
+        if is_model_file
+        else [(path.stem, None), *((path.stem, model) for model in body.get("presets", {}))]
+    )
+    before = {context: _resolved(directory, *context) for context in contexts}
+    repeated = []
+    for leaf in _leaves({k: v for k, v in body.items() if k not in ("description", "task")}):
+        copy.write_text(OmegaConf.to_yaml(_without(body, leaf)))
+        presets = leaf[1] if leaf[0] == "presets" else None
+        mine = [c for c in contexts if presets is None or c[1] == presets]
+        if all(_resolved(directory, *context) == before[context] for context in mine):
+            repeated.append(".".join(leaf))
+    assert not repeated, f"{path.relative_to(RECIPES_DIR)} states what the layers under it already give: {repeated}"
+
+
+def test_a_model_file_is_a_layer_between_the_recipe_and_its_preset(tmp_path):
+    import shutil
+
+    shutil.copytree(RECIPES_DIR, tmp_path / "recipes")
+    directory = tmp_path / "recipes"
+    (directory / "models" / "smollm2.yaml").write_text("learning_rate: 0.5\nmax_steps: 3\neval_steps: 1\n")
+    recipe = load_recipe(["recipe=summarization", "model=smollm2"], directory=directory)
+    assert recipe.training["learning_rate"] == 0.5  # the model file over the recipe's body and the project defaults
+    assert recipe.training["max_steps"] == 40  # the recipe's presets.smollm2 over the model file
+    assert recipe.sources["learning_rate"].endswith("models/smollm2.yaml")
+    (directory / "models" / "smollm2.yaml").write_text("model: tiny\n")
+    with pytest.raises(RecipeError, match=r"smollm2.yaml: must be a mapping of keys other than `model` and `presets`"):
+        load_recipe(["recipe=blog", "model=smollm2"], directory=directory)
+
+
+@pytest.mark.parametrize("path", TASK_RECIPES + MODEL_FILES, ids=lambda p: str(p.relative_to(RECIPES_DIR)))
+def test_the_paths_a_recipe_header_names_exist(path: Path):
+    import re
+
+    root = RECIPES_DIR.parent
+    named = set(re.findall(r"(?:train|recipes|data|probdiff_callback)/[\w/.<>-]+\.(?:py|yaml)", path.read_text()))
+    named = {n.replace("<model>", "tiny").replace("<name>", "blog") for n in named}
+    assert named, f"{path.name} names no file"
+    missing = sorted(n for n in named if not (root / n).is_file())
+    assert not missing, f"{path.name} names files that do not exist: {missing}"
 
 
 def test_the_resolved_recipe_lists_the_defaults_it_applied():
@@ -217,7 +284,7 @@ def test_unknown_key_names_it_and_lists_valid_keys():
         r"Valid keys in lora: enabled, r, alpha, dropout, target_modules",
     ):
         load_recipe(["recipe=blog", "lora.rank=8"])
-    with pytest.raises(RecipeError, match=r"unknown key 'probdiff.dleta'.*Valid keys in probdiff: delta"):
+    with pytest.raises(RecipeError, match=r"unknown key 'dleta'.*Valid ProbDiff settings: delta"):
         load_recipe(["recipe=blog", "probdiff.dleta=0"])
 
 
@@ -228,7 +295,7 @@ def test_unknown_key_suggests_the_closest_valid_one():
         load_recipe(["recipe=blog", "delta=-0.02"])
     with pytest.raises(RecipeError, match="the `callback` section is now part of `probdiff`"):
         load_recipe(["recipe=blog", "callback.n_queries=5"])
-    with pytest.raises(RecipeError, match=r"unknown key 'probdiff.n_querys' \(did you mean 'probdiff.n_queries'\?\)"):
+    with pytest.raises(RecipeError, match=r"unknown key 'n_querys' \(did you mean 'n_queries'\?\)"):
         load_recipe(["recipe=blog", "probdiff.n_querys=3"])
     with pytest.raises(RecipeError) as info:
         load_recipe(["recipe=blog", "zzzz=1"])
@@ -238,12 +305,12 @@ def test_unknown_key_suggests_the_closest_valid_one():
 def test_wrong_type_names_key_and_expected_type():
     with pytest.raises(RecipeError, match=r"wrong type for 'learning_rate'.*'fast'.*expected float"):
         load_recipe(["recipe=blog", "learning_rate=fast"])
-    with pytest.raises(RecipeError, match=r"wrong type for 'probdiff.n_queries'"):
+    with pytest.raises(RecipeError, match=r"wrong type for ProbDiff setting 'n_queries'"):
         load_recipe(["recipe=blog", "probdiff.n_queries=many"])
     with pytest.raises(RecipeError) as info:
         load_recipe(["recipe=blog", "probdiff.delta=abc"])
     message = str(info.value)
-    assert message == "command line: wrong type for 'probdiff.delta': got 'abc', expected float"
+    assert message == "command line: wrong type for ProbDiff setting 'delta': got 'abc', expected float"
     assert "full_key" not in message and "object_type" not in message
     with pytest.raises(RecipeError, match=r"wrong type for 'adam_epsilon': got 'tiny', expected float"):
         load_recipe(["recipe=blog", "adam_epsilon=tiny"])
@@ -255,7 +322,7 @@ def test_wrong_type_names_key_and_expected_type():
         load_recipe(["recipe=blog", "learning_rate=null"])
     with pytest.raises(RecipeError, match=r"wrong type for 'lora': got 5, expected dict$"):
         load_recipe(["recipe=blog", "lora=5"])
-    with pytest.raises(RecipeError, match=r"wrong type for 'probdiff.sweep': got \[0, 'x'\], expected list\[float\]"):
+    with pytest.raises(RecipeError, match=r"ProbDiff setting 'sweep': got \[0, 'x'\], expected list\[float\]"):
         load_recipe(["recipe=blog", "probdiff.sweep=[0,x]"])
 
 
@@ -271,9 +338,9 @@ def test_values_keep_the_types_the_run_had():
 
 
 def test_the_probdiff_sections_own_checks_stop_the_recipe():
-    with pytest.raises(RecipeError, match=r"^recipe 'blog': Invalid ProbDiff config: n_revisions=0: needs at least 1"):
+    with pytest.raises(RecipeError, match=r"^Invalid ProbDiff config: n_revisions=0: needs at least 1"):
         load_recipe(["recipe=blog", "probdiff.n_revisions=0"])
-    with pytest.raises(RecipeError, match=r"presets.tiny must be a mapping of keys other than `model` and `presets`"):
+    with pytest.raises(RecipeError, match=r"presets.tiny: must be a mapping of keys other than `model` and `presets`"):
         load_recipe(["recipe=blog", "model=tiny", "presets.tiny.model=smollm2"])
 
 
@@ -450,5 +517,5 @@ def test_schema_defaults_validate():
 def test_selecting_by_a_reference_metric_needs_every_evaluation():
     recipe = load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_chrf"])
     assert recipe.setting("metric_for_best_model") == "ref_chrf"
-    with pytest.raises(RecipeError, match="metric_for_best_model=ref_bleu needs probdiff.every=1"):
+    with pytest.raises(RecipeError, match="metric_for_best_model=ref_bleu needs ProbDiff at every evaluation"):
         load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_bleu", "probdiff.every=2"])

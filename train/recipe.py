@@ -1,10 +1,12 @@
 """Training recipes: `recipes/<name>.yaml` and `key=value` overrides, read in layers, each overriding the one before,
 
-    project defaults  <  recipes/<name>.yaml  <  presets.<model> in that YAML  <  command-line key=value
+    project defaults < recipes/<name>.yaml < recipes/models/<model>.yaml < presets.<model> in the recipe < key=value
 
 The project's own keys (`model`, `lora.*`, `probdiff.*`, the data files, ...) are the fields of `RecipeKeys`; every
 other key is a field of trl's `SFTConfig` and goes to `SFTConfig(**fields)` unchanged. Defaults are stated once:
-`RecipeKeys` and `ProbDiffConfig` for the project's keys, `SFT_DEFAULTS` for SFTConfig's; a recipe states what differs.
+`RecipeKeys` and `ProbDiffConfig` for the project's keys, `SFT_DEFAULTS` for SFTConfig's, `recipes/models/<model>.yaml`
+for what a model preset needs in every recipe; a recipe states what differs. Every layer is checked by the same typed
+check as the CLI's settings (`probdiff_callback.core.config`), so a bad value gets the same message on both paths.
 """
 
 from __future__ import annotations
@@ -13,17 +15,28 @@ import dataclasses
 import enum
 import functools
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from probdiff_callback.core.config import ProbDiffConfig, did_you_mean, raise_if_problems, wrong_type_message
+from probdiff_callback.core.config import (
+    WRONG,
+    ConfigError,
+    ProbDiffConfig,
+    check_settings,
+    check_value,
+    deep_merge,
+    did_you_mean,
+    members,
+    raise_if_problems,
+    type_name,
+)
 from probdiff_callback.models import PRESETS
 from train import PROJECT_ROOT
 
 RECIPES_DIR = PROJECT_ROOT / "recipes"
+MODELS_DIR = "models"  # recipes/models/<preset>.yaml: what a model preset needs in every recipe
 TASKS = ("translation", "summarization", "blog", "alignbench")
 
 # The project's SFTConfig settings, the layer under every recipe. `logging_steps` and `seed` equal trl's defaults:
@@ -64,42 +77,62 @@ RENAMED = {
 SFTCONFIG_DOCS = "https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig"
 
 
-class RecipeError(ValueError):
+class RecipeError(ConfigError):
     """A recipe or override that cannot be used; the message says which key and what is valid."""
+
+
+def _key(default=dataclasses.MISSING, *, help: str, **kw):
+    return field(default=default, metadata={"help": help}, **kw)
 
 
 @dataclass
 class LoraArgs:
-    enabled: bool = True  # false: train all weights (no adapters)
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # all-linear: all but the LM head
+    enabled: bool = _key(True, help="false: train all weights (full fine-tuning; set learning_rate too)")
+    r: int = _key(16, help="the adapters' rank")
+    alpha: int = _key(32, help="LoRA's scaling numerator (scale = alpha / r)")
+    dropout: float = _key(0.05, help="dropout on the adapters' input")
+    target_modules: list[str] = _key(
+        help="module names or `all-linear` (every linear layer but the LM head)",
+        default_factory=lambda: ["all-linear"],
+    )
 
 
 @dataclass
 class RecipeKeys:
     """The project's own keys; any other key of a recipe is an SFTConfig field."""
 
-    recipe: str = ""  # set from recipe=NAME
-    description: str = ""
-    task: str = ""  # translation | summarization | blog | alignbench: data/processed/<task>, data/samples/<task>
-    model: str = "qwen-14b-chat"  # a preset (tiny, smollm2, qwen-14b-chat, qwen1.5-14b-chat), a directory or a hub id
-    dtype: str = "bfloat16"  # weights as loaded: auto | float32 | bfloat16 | float16
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (where flash-attn is installed)
-    quantization: str = "none"  # none | 4bit (QLoRA: bitsandbytes NF4, CUDA only)
-    lora: LoraArgs = field(default_factory=LoraArgs)
-    train_file: str | None = None  # default data/processed/<task>/train.jsonl
-    heldout_file: str | None = None  # default data/processed/<task>/heldout.jsonl (eval loss and ProbDiff queries)
-    samples_fallback: bool = True  # prepared data missing: use data/samples/<task>/ (and say so)
-    max_eval_samples: int | None = 200  # held-out conversations for the eval loss (a fixed subset); null: all
-    probdiff: ProbDiffConfig = field(default_factory=ProbDiffConfig)  # the metric, when and on how many queries
-    threads: int | None = None  # torch CPU threads per process; null: the cores divided among local processes
-    resume: str | None = None  # true: the run's latest checkpoint; a path: that checkpoint
-    overwrite: bool = False  # start afresh in a run directory that already has checkpoints
-    wandb_project: str | None = None  # default probdiff-<recipe>
-    wandb_entity: str | None = None
-    presets: dict[str, Any] = field(default_factory=dict)  # model preset -> settings applied when model=<preset>
+    recipe: str = _key("", help="set from recipe=NAME (a file in recipes/, or a path to a .yaml file)")
+    description: str = _key("", help="one line on the task and its data")
+    task: str = _key(
+        "", help="translation, summarization, blog or alignbench: data from data/processed/<task>, data/samples/<task>"
+    )
+    model: str = _key(
+        "qwen-14b-chat", help="a preset (tiny, smollm2, qwen-14b-chat, qwen1.5-14b-chat), a directory or a hub id"
+    )
+    dtype: str = _key("bfloat16", help="weights as loaded: auto, float32, bfloat16, float16")
+    attn_implementation: str = _key("sdpa", help="sdpa, eager, flash_attention_2 (where flash-attn is installed)")
+    quantization: str = _key("none", help="none, 4bit (QLoRA: bitsandbytes NF4, CUDA only)")
+    lora: LoraArgs = _key(help="the adapters: `lora.r`, `lora.alpha`, ... (below)", default_factory=LoraArgs)
+    train_file: str | None = _key(None, help="null: data/processed/<task>/train.jsonl")
+    heldout_file: str | None = _key(
+        None, help="null: data/processed/<task>/heldout.jsonl (the eval loss and the ProbDiff queries)"
+    )
+    samples_fallback: bool = _key(True, help="the recipe's prepared data missing: train on data/samples/<task>/")
+    max_eval_samples: int | None = _key(
+        200, help="held-out conversations for the eval loss (a fixed subset); null: all"
+    )
+    probdiff: ProbDiffConfig = _key(
+        help="the metric, and when and on how many queries it runs: `probdiff.<key>` (the ProbDiff settings, below)",
+        default_factory=ProbDiffConfig,
+    )
+    threads: int | None = _key(None, help="torch CPU threads per process; null: the free cores divided among processes")
+    resume: str | None = _key(None, help="true: the run's latest complete checkpoint; a path: that checkpoint")
+    overwrite: bool = _key(False, help="start afresh in a run directory that already has checkpoints")
+    wandb_project: str | None = _key(None, help="null: probdiff-<recipe>")
+    wandb_entity: str | None = _key(None, help="null: your default entity")
+    presets: dict[str, Any] = _key(
+        help="model preset -> keys applied when model=<preset>, over recipes/models/<preset>.yaml", default_factory=dict
+    )
 
 
 @dataclass
@@ -139,52 +172,30 @@ def sft_fields() -> dict[str, Any]:
     return _fields(SFTConfig)
 
 
-def _members(hint: Any) -> tuple:
-    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    return typing.get_args(hint) if union else (hint,)
-
-
-_WRONG = object()
-
-
-def _cast(value: Any, hint: Any, keep_ints: bool) -> Any:
-    """`value` (as YAML types it) as a field of type `hint` takes it, else _WRONG: SFTConfig takes
-    `learning_rate='abc'` and fails only once training starts. Where a float is expected, an int stays an int for
-    SFTConfig (`eval_steps: 10`) and becomes a float for the project's keys, as OmegaConf's schema did."""
-    for member in _members(hint):
-        kind, args = typing.get_origin(member) or member, typing.get_args(member)
-        if kind in (list, dict) and isinstance(value, kind):
-            items = dict(enumerate(value)) if kind is list else value
-            cast = {k: _cast(v, args[-1], keep_ints) for k, v in items.items()} if args else items
-            if _WRONG not in cast.values():
-                return list(cast.values()) if kind is list else cast
-        elif kind is float and type(value) is int:
-            return value if keep_ints else float(value)
-        elif type(value) is kind or (isinstance(kind, enum.EnumMeta) and type(value) is str):
-            return value
-        elif kind not in (type(None), bool, int, float, str, list, dict) and not isinstance(kind, enum.EnumMeta):
-            return value  # a type YAML cannot spell (Any, a callable): SFTConfig's to check
-    return str(value) if str in _members(hint) and type(value) in (bool, int, float) else _WRONG  # run_name=2024
-
-
 def _checked(layer: dict, where: str, cls: type | None = None, prefix: str = "") -> dict:
-    """A layer's values, typed; an unknown key or a wrong type stops with the key and the layer."""
+    """A layer's values, typed; an unknown key or a wrong type stops with the key and the layer. The `probdiff`
+    section goes through ProbDiff's own validator, the one the CLI uses."""
     fields = _fields(cls) if cls else {**sft_fields(), **_fields(RecipeKeys)}
     checked = {}
     for key, value in layer.items():
         name, hint = f"{prefix}{key}", fields.get(key)
         if hint is None:
             raise _key_error(name, where)
-        if dataclasses.is_dataclass(hint):  # a section: lora, probdiff
+        if hint is ProbDiffConfig and isinstance(value, dict):
+            try:
+                checked[key] = check_settings(value, where)
+            except ConfigError as err:
+                raise RecipeError(str(err)) from None
+            continue
+        if dataclasses.is_dataclass(hint):  # a section: lora
             if isinstance(value, dict):
                 checked[key] = _checked(value, where, hint, f"{name}.")  # type: ignore[arg-type]
                 continue
             hint = dict
-        checked[key] = _cast(value, hint, keep_ints=cls is None and key in sft_fields())
-        if checked[key] is _WRONG:
-            expected = str(hint).replace("typing.", "") if typing.get_args(hint) else hint.__name__
-            raise RecipeError(f"{where}: {wrong_type_message(name, value, expected)}")
-        choices = [str(c.value) for m in _members(hint) if isinstance(m, enum.EnumMeta) for c in m]
+        checked[key] = check_value(value, hint, keep_ints=cls is None and key in sft_fields())
+        if checked[key] is WRONG:
+            raise RecipeError(f"{where}: wrong type for {name!r}: got {value!r}, expected {type_name(hint)}")
+        choices = [str(c.value) for m in members(hint) if isinstance(m, enum.EnumMeta) for c in m]
         if choices and value is not None and str(value) not in choices:
             close = did_you_mean(str(value), choices)
             raise RecipeError(f"{where}: {name}={value!r}{close}: use one of {', '.join(choices)}")
@@ -212,19 +223,43 @@ def _merge(layers: list[tuple[str, dict]]) -> tuple[dict, dict]:
     """(the layers merged, each checked first; the layer that set each top-level key)."""
     merged: dict = {}
     for where, layer in layers:
-        merged = _deep_merge(merged, _checked(layer, where))
+        merged = deep_merge(merged, _checked(layer, where))
     return merged, {key: where for where, layer in layers for key in layer}
-
-
-def _deep_merge(base: dict, layer: dict) -> dict:
-    """`layer` over `base`, where a mapping in both gains keys (activation_checkpointing_kwargs, presets)."""
-    both = {k for k, v in layer.items() if isinstance(v, dict) and isinstance(base.get(k), dict)}
-    return {**base, **layer, **{k: _deep_merge(base[k], layer[k]) for k in both}}
 
 
 # --- loading ------------------------------------------------------------------------------------
 def available_recipes(directory: Path = RECIPES_DIR) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
+def _recipe_path(name: str | None, directory: Path) -> Path:
+    """The file `recipe=NAME` names: recipes/NAME.yaml, or a path to a .yaml file."""
+    recipes = f"Recipes: {', '.join(available_recipes(directory)) or '(none)'} (files in {directory})"
+    if not name:
+        raise RecipeError(f"give recipe=NAME. {recipes}, or a path to a .yaml file; e.g. recipe=blog model=tiny")
+    if name.endswith((".yaml", ".yml")):
+        if not Path(name).is_file():
+            raise RecipeError(f"recipe={name}: no such file. {recipes}")
+        return Path(name)
+    path = directory / f"{name}.yaml"
+    if not path.is_file():
+        raise RecipeError(f"recipe={name!r} is not a recipe{did_you_mean(name, available_recipes(directory))}. "
+                          f"{recipes}, or a path to a .yaml file")  # fmt: skip
+    return path
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:  # OmegaConf's YAML reads 1e-4 as a number, where PyYAML's reads text
+        body = OmegaConf.to_container(OmegaConf.load(path))
+    except (yaml.YAMLError, ValueError, OmegaConfBaseException) as err:
+        raise RecipeError(f"{path}: not a valid YAML mapping ({str(err).splitlines()[0]})") from None
+    if not isinstance(body, dict):
+        raise RecipeError(f"{path}: expected a mapping of keys, got {type(body).__name__}")
+    return body
 
 
 def parse_overrides(args: list[str]) -> tuple[str | None, list[str]]:
@@ -243,42 +278,31 @@ def parse_overrides(args: list[str]) -> tuple[str | None, list[str]]:
 
 def load_recipe(args: list[str], directory: Path = RECIPES_DIR) -> Recipe:
     """The validated recipe for `recipe=NAME key=value ...`."""
-    import yaml
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     name, overrides = parse_overrides(args)
-    path = Path(name) if name and name.endswith((".yaml", ".yml")) else directory / f"{name}.yaml"
-    if not name or not path.is_file():
-        recipes = ", ".join(available_recipes(directory)) or "(none)"
-        given = f"recipe={name!r} is not a recipe" if name else "give recipe=NAME"
-        raise RecipeError(
-            f"{given}. Recipes: {recipes} (files in {directory}), or a path to a .yaml file; "
-            "e.g. python train/sft.py recipe=blog model=tiny"
-        )
-    try:  # OmegaConf's YAML reads 1e-4 as a number, where PyYAML's reads text
-        body = OmegaConf.to_container(OmegaConf.load(path))
-    except (yaml.YAMLError, ValueError, OmegaConfBaseException) as err:
-        raise RecipeError(f"{path}: not a valid YAML mapping ({str(err).splitlines()[0]})") from None
-    if not isinstance(body, dict):
-        raise RecipeError(f"{path}: expected a mapping of keys, got {type(body).__name__}")
+    path = _recipe_path(name, directory)
+    body = _read_yaml(path)
     command_line = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
     layers = [("project defaults", SFT_DEFAULTS), (str(path), body), ("command line", command_line)]
     values, _ = _merge(layers)  # type: ignore[arg-type]
     model = values.get("model", RecipeKeys.model)
-    preset = values.get("presets", {}).get(model)  # between the YAML and the command line
-    if preset is not None:
-        if not isinstance(preset, dict) or {"model", "presets"} & set(preset):
-            raise RecipeError(f"{path}: presets.{model} must be a mapping of keys other than `model` and `presets`")
-        layers.insert(2, (f"{path} presets.{model}", preset))
+    model_file = directory / MODELS_DIR / f"{model}.yaml"
+    preset = values.get("presets", {}).get(model)
+    for where, layer in ((str(model_file), _read_yaml(model_file) if model_file.is_file() else None),
+                         (f"{path} presets.{model}", preset)):  # fmt: skip
+        if layer is not None:  # between the YAML and the command line, in this order
+            if not isinstance(layer, dict) or {"model", "presets"} & set(layer):
+                raise RecipeError(f"{where}: must be a mapping of keys other than `model` and `presets`")
+            layers.insert(-1, (where, layer))
     values, sources = _merge(layers)  # type: ignore[arg-type]
     own = {key: values.pop(key) for key in list(values) if key in _fields(RecipeKeys)}
-    try:  # the sections' own checks (ProbDiffConfig's: n_revisions >= 1, ...)
+    try:  # the sections' own checks (ProbDiffConfig's: n_revisions >= 1, ...), with the CLI's messages
         own |= {
             k: cls(**own[k]) for k, cls in _fields(RecipeKeys).items() if dataclasses.is_dataclass(cls) and k in own
         }
     except ValueError as err:
-        raise RecipeError(f"recipe {Path(name).stem!r}: {err}") from None
+        raise RecipeError(str(err)) from None
     recipe = Recipe(**own, training=values, sources={key: sources[key] for key in values})
     recipe.recipe = Path(name).stem
     # Defaults that follow from the task and the name, written out so that RUN_DIR/recipe.yaml names them
@@ -340,9 +364,8 @@ def validate(recipe: Recipe) -> None:
             f"save_steps={saves} must be a multiple of eval_steps={evals}, "
             "so every checkpoint has a ProbDiff score to be selected by"
         )
-    metric = value("metric_for_best_model") or ""
-    if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and recipe.probdiff.every != 1:
-        problems.append(f"metric_for_best_model={metric} needs probdiff.every=1 (space evaluations with eval_steps)")
+    if selection := recipe.probdiff.selection_problem(value("metric_for_best_model")):
+        problems.append(selection)
     reports = report_to_values(value("report_to"))
     if not reports or ("none" in reports and len(reports) > 1):
         problems.append(f"report_to={value('report_to')!r}: give `none` or integrations such as wandb, tensorboard")

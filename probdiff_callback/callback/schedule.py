@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from transformers import EarlyStoppingCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query, fixed_subset
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,9 @@ def place_before_early_stopping(handler, callback) -> None:
         logger.info("ProbDiff: moved ProbDiffCallback before EarlyStoppingCallback so early stopping sees its metric")
 
 
-def check_selection_setup(args: TrainingArguments, every: int) -> None:
-    """Selecting checkpoints by a ProbDiff metric needs that metric at every evaluation."""
-    metric = args.metric_for_best_model or ""
-    if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and args.eval_strategy != "no" and every != 1:
-        raise ValueError(
-            f"metric_for_best_model={metric!r} needs ProbDiff at every evaluation, but every={every}: set every=1 "
-            "and space evaluations with eval_steps instead"
-        )
+def check_selection_setup(args: TrainingArguments, config: ProbDiffConfig) -> None:
+    """Selecting checkpoints by a ProbDiff metric needs that metric at every evaluation (the rule is the config's, so
+    a recipe states it the same way)."""
+    problem = config.selection_problem(args.metric_for_best_model) if args.eval_strategy != "no" else None
+    if problem is not None:
+        raise ValueError(problem)

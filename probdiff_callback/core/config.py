@@ -1,19 +1,30 @@
-"""The ProbDiff settings as one typed object (the metric, sampling, lengths and batching, and when the callback
-runs it), each field scoped to what reads it, with `key=value` overrides that reject unknown keys and, for a CLI
-command, the keys it would not read."""
+"""The ProbDiff settings as one typed object, and the one way any setting is checked.
+
+`ProbDiffConfig` holds the metric, sampling, lengths and batching, the generation engine and the callback's schedule.
+Each field states its default and its help once, in its definition (`metadata["help"]`, as trl's configs do); `probdiff
+eval --help` and the table in docs/configuration.md are made from them. Each field also names its group and who reads
+it: the CLI refuses a key its command would not read rather than accept it and do nothing with it.
+
+`ProbDiffConfig.from_values` is the one validator of these settings: `probdiff eval|score key=value` and a recipe's
+`probdiff.*` keys both go through it, so a bad value gets the same message on both paths. Its typed check
+(`check_value`) also checks the recipe's own keys and trl.SFTConfig's fields (`train/recipe.py`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+import enum
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, describe, unmatched_keys
 from probdiff_callback.core.prompts import REFINEMENT_PROMPTS
 
 # Who reads a setting: `probdiff eval`, `probdiff score`, and ProbDiffCallback, which runs eval's evaluation during
-# training (so it reads everything eval reads) on its own schedule. The CLI refuses a key its command would not read
-# rather than accept it and do nothing with it.
+# training (so it reads everything eval reads) on its own schedule.
 EVAL, SCORE, CALLBACK = "eval", "score", "callback"
 _EVERYWHERE = frozenset({EVAL, SCORE, CALLBACK})
 _GENERATING = frozenset({EVAL, CALLBACK})  # score is given its texts: nothing is sampled, revised or capped
@@ -23,114 +34,187 @@ METRIC, SAMPLING, LENGTHS, ENGINE, SCHEDULE = (
     "metric", "sampling", "lengths and batching", "generation engine", "training schedule"
 )  # fmt: skip
 VLLM_MODES = ("colocate", "server")
-DEFAULT_SUBDIR = "probdiff"  # a run's ProbDiff files: <output_dir>/probdiff/
 VLLM_WEIGHT_SYNCS = ("auto", "merged", "lora")
+DEFAULT_SUBDIR = "probdiff"  # a run's ProbDiff files: <output_dir>/probdiff/
 
 
-def _setting(default=dataclasses.MISSING, *, group: str, read_by: frozenset[str], about: str = "", cli: str = "", **kw):
-    """A field with its scope: `group` (its section in the docs and in `--help`), `read_by` (the commands and the
-    callback that read it), and for a training-only setting `about` (what it does) and `cli` (how the CLI gets the
-    same, where it can), both for the CLI's refusal of the key."""
-    metadata = {"group": group, "read_by": read_by, "about": about, "cli": cli}
-    return field(default=default, metadata=metadata, **kw)
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the key, where it came from and what is valid."""
+
+
+def _setting(default=dataclasses.MISSING, *, help: str, group: str, read_by: frozenset[str], cli: str = "", **kw):
+    """A field with its help and scope: `group` (its section in the docs and in `--help`), `read_by` (the commands
+    and the callback that read it) and, for a training-only setting, `cli`: how the CLI gets the same, where it can."""
+    return field(default=default, metadata={"help": help, "group": group, "read_by": read_by, "cli": cli}, **kw)
 
 
 @dataclass
 class ProbDiffConfig:
     # --- the metric (paper defaults: camera-ready version) ---
-    delta: float = _setting(-0.05, group=METRIC, read_by=_EVERYWHERE)  # confident when d >= delta
-    sweep: list[float] = _setting(group=METRIC, read_by=_EVERYWHERE, default_factory=lambda: [0.0, -0.02, -0.05, -0.1])
-    n_revisions: int = _setting(1, group=METRIC, read_by=_GENERATING)  # K: revise the last revision K times
-    # rewriter | rewriter-translation | simple | a template with {instruction} and {response}
-    refinement_prompt: str = _setting("rewriter", group=METRIC, read_by=_GENERATING)
-    # None: the chat template's own default (for Qwen, the paper's "You are a helpful assistant."). score reads it
-    # too: both texts are scored under the chat prompt of the query.
-    system_prompt: str | None = _setting(None, group=METRIC, read_by=_EVERYWHERE)
-    # --- sampling (the reference code's: generation_task/vllm_inference.py and vllm_modify.py) ---
-    # Temperature only: the reference code samples with top_p 1 and top_k -1 (off), and its runs
-    # produced the published tables. The submission version of the paper states top_p 0.8 for
-    # answers and 0.9 for revisions (the camera-ready states none): answer_top_p=0.8 revision_top_p=0.9.
-    answer_temperature: float = _setting(0.7, group=SAMPLING, read_by=_GENERATING)
-    answer_top_p: float = _setting(1.0, group=SAMPLING, read_by=_GENERATING)
-    # AlignBench's official settings, keyed by any name of a category (see `canonical_category`)
-    answer_temperature_by_category: dict[str, float] = _setting(
-        group=SAMPLING, read_by=_GENERATING, default_factory=dict
+    delta: float = _setting(-0.05, help="confident when d ≥ delta", group=METRIC, read_by=_EVERYWHERE)
+    sweep: list[float] = _setting(
+        help="thresholds reported in `confidence_sweep`",
+        group=METRIC,
+        read_by=_EVERYWHERE,
+        default_factory=lambda: [0.0, -0.02, -0.05, -0.1],
     )
-    revision_temperature: float = _setting(0.1, group=SAMPLING, read_by=_GENERATING)
-    revision_top_p: float = _setting(1.0, group=SAMPLING, read_by=_GENERATING)
-    # average d over this many independent answer -> revise chains
-    n_samples: int = _setting(1, group=SAMPLING, read_by=_GENERATING)
-    # the sampler's seed (texts depend only on seed, query id and sample); the callback also draws its subset with it
-    seed: int = _setting(0, group=SAMPLING, read_by=_GENERATING)
+    n_revisions: int = _setting(1, help="K, revisions of the last revision", group=METRIC, read_by=_GENERATING)
+    refinement_prompt: str = _setting(
+        "rewriter",
+        help="`rewriter`, `rewriter-translation`, `simple` (appendix C), or a template with {instruction} and "
+        "{response}",
+        group=METRIC,
+        read_by=_GENERATING,
+    )
+    system_prompt: str | None = _setting(
+        None,
+        help="null: the chat template's own default (for Qwen, the paper's \"You are a helpful assistant.\"); score "
+        "reads it too: both texts are scored under the query's chat prompt",
+        group=METRIC,
+        read_by=_EVERYWHERE,
+    )
+    # --- sampling (the reference code's: generation_task/vllm_inference.py and vllm_modify.py) ---
+    # Temperature only: the reference code samples with top_p 1 and top_k -1 (off), and its runs produced the
+    # published tables. The submission version of the paper states top_p 0.8 for answers and 0.9 for revisions.
+    answer_temperature: float = _setting(
+        0.7, help="temperature of the answers, as the paper's code", group=SAMPLING, read_by=_GENERATING
+    )
+    answer_top_p: float = _setting(
+        1.0, help="top_p of the answers (the submission paper's 0.8 on request)", group=SAMPLING, read_by=_GENERATING
+    )
+    answer_temperature_by_category: dict[str, float] = _setting(
+        help="e.g. AlignBench's official ones: `answer_temperature_by_category.Mathematics=0.1`; any name of a "
+        "category (数学计算, Math.); a key that matches no category stops",
+        group=SAMPLING,
+        read_by=_GENERATING,
+        default_factory=dict,
+    )
+    revision_temperature: float = _setting(
+        0.1, help="temperature of the revisions", group=SAMPLING, read_by=_GENERATING
+    )
+    revision_top_p: float = _setting(
+        1.0, help="top_p of the revisions (the submission paper's 0.9 on request)", group=SAMPLING, read_by=_GENERATING
+    )
+    n_samples: int = _setting(
+        1,
+        help="average d over n independent answer → revise chains per query (beyond the paper)",
+        group=SAMPLING,
+        read_by=_GENERATING,
+    )
+    seed: int = _setting(
+        0,
+        help="texts depend only on (seed, query id, sample); the callback also draws its query subset with it",
+        group=SAMPLING,
+        read_by=_GENERATING,
+    )
     # --- lengths and batching ---
-    # the reference code: 2,048 (AlignBench 1,024); answers cut here are flagged
-    max_new_tokens: int = _setting(512, group=LENGTHS, read_by=_GENERATING)
-    # longer queries (and refinement requests) are cut in the middle; score cuts its queries alike
-    max_prompt_tokens: int = _setting(2048, group=LENGTHS, read_by=_EVERYWHERE)
-    batch_size: int = _setting(16, group=LENGTHS, read_by=_EVERYWHERE)
-    score_chunk_tokens: int = _setting(512, group=LENGTHS, read_by=_EVERYWHERE)  # positions per LM-head chunk
+    max_new_tokens: int = _setting(
+        512,
+        help="cap of an answer or revision (the reference code's: 2,048, AlignBench 1,024); capped ones are flagged "
+        "and counted",
+        group=LENGTHS,
+        read_by=_GENERATING,
+    )
+    max_prompt_tokens: int = _setting(
+        2048,
+        help="longer queries and refinement requests are cut in the middle, counted and reported",
+        group=LENGTHS,
+        read_by=_EVERYWHERE,
+    )
+    batch_size: int = _setting(16, help="rows decoded or scored together", group=LENGTHS, read_by=_EVERYWHERE)
+    score_chunk_tokens: int = _setting(
+        512, help="positions per LM-head chunk when scoring", group=LENGTHS, read_by=_EVERYWHERE
+    )
     # --- the generation engine (docs/vllm.md); scoring always stays with the model itself, in fp32 ---
-    # answers and revisions from vLLM instead of HF generate (TRL's option names)
-    use_vllm: bool = _setting(False, group=ENGINE, read_by=_GENERATING)
-    # colocate: an engine in this process's job, started once; server: a `vllm serve` you started
-    vllm_mode: str = _setting("colocate", group=ENGINE, read_by=_GENERATING)
-    vllm_server_base_url: str = _setting("http://127.0.0.1:8000", group=ENGINE, read_by=_GENERATING)
-    vllm_server_timeout: float = _setting(240.0, group=ENGINE, read_by=_GENERATING)  # seconds to wait for the server
-    # colocate, on a GPU: vLLM's share of its memory. Not TRL's 0.3: Qwen-14B-Chat's bf16 weights alone are 0.35 of
-    # an 80 GB GPU; 0.55 leaves them 16 GB of KV cache beside the model in training (docs/gpu.md)
-    vllm_gpu_memory_utilization: float = _setting(0.55, group=ENGINE, read_by=_GENERATING)
-    # how a colocated engine gets the evaluated weights: merged (written, then reloaded: fast on a CPU), lora (the
-    # adapter by path: vLLM's LoRA kernels, the GPU's way), auto: merged on a CPU, lora on a GPU
-    vllm_weight_sync: str = _setting("auto", group=ENGINE, read_by=_GENERATING)
+    use_vllm: bool = _setting(
+        False,
+        help="answers and revisions from vLLM instead of HF generate; scoring stays with the model (docs/vllm.md)",
+        group=ENGINE,
+        read_by=_GENERATING,
+    )
+    vllm_mode: str = _setting(
+        "colocate",
+        help="`colocate`: a vLLM server the job starts, once; `server`: a `vllm serve` you started",
+        group=ENGINE,
+        read_by=_GENERATING,
+    )
+    vllm_server_base_url: str = _setting(
+        "http://127.0.0.1:8000", help="`server` mode: where your server listens", group=ENGINE, read_by=_GENERATING
+    )
+    vllm_server_timeout: float = _setting(
+        240.0, help="seconds to wait for a server to start or answer", group=ENGINE, read_by=_GENERATING
+    )
+    # Not TRL's 0.3: Qwen-14B-Chat's bf16 weights alone are 0.35 of an 80 GB GPU; 0.55 leaves them 16 GB of KV cache
+    # beside the model in training (docs/gpu.md)
+    vllm_gpu_memory_utilization: float = _setting(
+        0.55, help="`colocate` on a GPU: vLLM's share of its memory", group=ENGINE, read_by=_GENERATING
+    )
+    vllm_weight_sync: str = _setting(
+        "auto",
+        help="how a colocated engine gets the evaluated weights: `merged` (written, then reloaded: fast on a CPU), "
+        "`lora` (the adapter by path: the GPU's way); `auto`: merged on a CPU, lora on a GPU",
+        group=ENGINE,
+        read_by=_GENERATING,
+    )
     # --- the callback's schedule (ProbDiffCallback only: the CLI has its own flags or behaviour for these) ---
-    n_queries: int | None = _setting(  # a fixed subset drawn with `seed`; None: all
-        64, group=SCHEDULE, read_by=_TRAINING, about="the held-out queries evaluated at each step", cli="use --limit N"
+    n_queries: int | None = _setting(
+        64,
+        help="the held-out queries evaluated at each step: a fixed subset drawn with `seed`; null: all",
+        group=SCHEDULE,
+        read_by=_TRAINING,
+        cli="use --limit N",
     )
     every: int = _setting(
         1,
+        help="evaluate at every N-th evaluation, or checkpoint save when the run has no evaluation",
         group=SCHEDULE,
         read_by=_TRAINING,
-        about="evaluate at every N-th evaluation, or checkpoint save when the run has no evaluation",
     )
-    baseline: bool = _setting(  # a PEFT model with its adapters disabled
+    baseline: bool = _setting(
         True,
+        help="evaluate the base model before the first step (a PEFT model with its adapters disabled)",
         group=SCHEDULE,
         read_by=_TRAINING,
-        about="evaluate the base model before the first step",
         cli="run `probdiff eval` without --adapter",
     )
     at_end: bool = _setting(
-        True, group=SCHEDULE, read_by=_TRAINING, about="evaluate the last step if it would not be evaluated otherwise"
+        True,
+        help="evaluate the last step if it would not be evaluated otherwise",
+        group=SCHEDULE,
+        read_by=_TRAINING,
     )
-    gather_params: bool = _setting(  # False: keep it sharded
-        True, group=SCHEDULE, read_by=_TRAINING, about="ZeRO-3: gather the whole model once per evaluation"
+    gather_params: bool = _setting(
+        True,
+        help="ZeRO-3: gather the whole model once per evaluation (false: keep it sharded)",
+        group=SCHEDULE,
+        read_by=_TRAINING,
     )
     fail_on_error: bool = _setting(
         False,
+        help="re-raise a failed evaluation instead of recording it and training on",
         group=SCHEDULE,
         read_by=_TRAINING,
-        about="re-raise a failed evaluation instead of recording it and training on",
         cli="an error always stops the command",
     )
     wandb_table_rows: int = _setting(
         8,
+        help="records per evaluated step added to the W&B table",
         group=SCHEDULE,
         read_by=_TRAINING,
-        about="records per evaluated step added to the W&B table",
         cli="every record goes to records.jsonl",
     )
     output_subdir: str = _setting(
         DEFAULT_SUBDIR,
+        help="history and records under <output_dir>/<output_subdir>",
         group=SCHEDULE,
         read_by=_TRAINING,
-        about="history and records under <output_dir>/<output_subdir>",
         cli="use --out DIR",
     )
     progress: bool = _setting(
         False,
+        help="a progress bar on the main process",
         group=SCHEDULE,
         read_by=_TRAINING,
-        about="a progress bar on the main process",
         cli="the progress bar is always shown",
     )
 
@@ -138,26 +222,39 @@ class ProbDiffConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Types first (an int where a float is expected becomes a float), then the ranges; one error lists every
+        problem."""
+        hints = typing.get_type_hints(type(self))
+        problems = []
+        for f in dataclasses.fields(self):
+            value = check_value(getattr(self, f.name), hints[f.name], keep_ints=False)
+            if value is WRONG:
+                problems.append(
+                    wrong_type_message(f"ProbDiff setting {f.name!r}", getattr(self, f.name), hints[f.name])
+                )
+            else:
+                setattr(self, f.name, value)
+        raise_if_problems("", problems, ConfigError)
+        problems = self._range_problems()
+        raise_if_problems("Invalid ProbDiff config", problems, ConfigError)
+
+    def _range_problems(self) -> list[str]:
         problems = []
         if self.n_revisions < 1:
             problems.append(f"n_revisions={self.n_revisions}: needs at least 1 revision")
         if self.n_samples < 1:
             problems.append(f"n_samples={self.n_samples}: needs at least 1")
-        for name in ("answer_top_p", "revision_top_p"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                problems.append(f"{name}={value}: must be in (0, 1]")
+        for name in ("answer_top_p", "revision_top_p", "vllm_gpu_memory_utilization"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                problems.append(f"{name}={getattr(self, name)}: must be in (0, 1]")
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens", "every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)}: must be positive")
         if self.n_queries is not None and self.n_queries < 1:
             problems.append(f"n_queries={self.n_queries}: must be positive (or None for all)")
-        if self.vllm_mode not in VLLM_MODES:
-            problems.append(f"vllm_mode={self.vllm_mode!r}: use one of {', '.join(VLLM_MODES)}")
-        if self.vllm_weight_sync not in VLLM_WEIGHT_SYNCS:
-            problems.append(f"vllm_weight_sync={self.vllm_weight_sync!r}: use one of {', '.join(VLLM_WEIGHT_SYNCS)}")
-        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
-            problems.append(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: must be in (0, 1]")
+        for name, choices in (("vllm_mode", VLLM_MODES), ("vllm_weight_sync", VLLM_WEIGHT_SYNCS)):
+            if getattr(self, name) not in choices:
+                problems.append(f"{name}={getattr(self, name)!r}: use one of {', '.join(choices)}")
         if self.vllm_server_timeout <= 0:
             problems.append(f"vllm_server_timeout={self.vllm_server_timeout}: must be positive")
         if self.wandb_table_rows < 0:
@@ -177,7 +274,31 @@ class ProbDiffConfig:
                     f"answer_temperature_by_category: {seen[canonical]!r} and {key!r} name the same category"
                 )
             seen[canonical] = key  # type: ignore[index]
-        raise_if_problems("Invalid ProbDiff config", problems)
+        return problems
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any], where: str, valid: Sequence[str] | None = None) -> ProbDiffConfig:
+        """The settings `values` give, over the defaults: the one validator of both the CLI and the recipes."""
+        return cls(**check_settings(values, where, valid))
+
+    def with_overrides(
+        self, overrides: Sequence[str], where: str = "command line", valid: Sequence[str] | None = None
+    ) -> ProbDiffConfig:
+        """These settings with `key=value` overrides applied (nested keys with dots), checked as `from_values` checks
+        them; `valid`: the keys that may be given (all by default)."""
+        checked = check_settings(parse_overrides(overrides, where), where, valid)
+        return type(self)(**deep_merge(self.to_dict(), checked))
+
+    def selection_problem(self, metric_for_best_model: str | None) -> str | None:
+        """Why checkpoints cannot be selected by `metric_for_best_model` with these settings, or None: a ProbDiff or
+        reference metric exists only at the evaluations ProbDiff runs at."""
+        metric = metric_for_best_model or ""
+        if metric.removeprefix("eval_").startswith(("probdiff_", "ref_")) and self.every != 1:
+            return (
+                f"metric_for_best_model={metric} needs ProbDiff at every evaluation, but every={self.every}: set "
+                "every=1 and space evaluations with eval_steps instead"
+            )
+        return None
 
     def answer_temperature_for(self, category: str | None) -> float:
         """The answer temperature of a query's category, matched under any of the category's names."""
@@ -191,7 +312,7 @@ class ProbDiffConfig:
         unmatched = unmatched_keys(self.answer_temperature_by_category, categories)
         if unmatched:
             present = sorted({canonical_category(c) for c in categories if c is not None})  # type: ignore[type-var]
-            raise ValueError(
+            raise ConfigError(
                 f"answer_temperature_by_category: {', '.join(map(repr, unmatched))} matches no category. "
                 f"The queries' categories: {describe(present) or '(none)'}; AlignBench's: {describe(ALIGNBENCH)}"
             )
@@ -218,14 +339,70 @@ class ProbDiffConfig:
 
     @classmethod
     def scope(cls, name: str) -> Mapping:
-        """A field's scope: group, read_by, and for a training-only setting `about` and `cli`."""
+        """A field's metadata: help, group, read_by and cli."""
         return {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
 
 
-def raise_if_problems(what: str, problems: list[str], error: type[Exception] = ValueError) -> None:
+def check_settings(values: Mapping[str, Any], where: str, valid: Sequence[str] | None = None) -> dict[str, Any]:
+    """ProbDiff settings from one source (`where`: the command line, a recipe file, ...), typed; an unknown key
+    (one outside `valid`, all fields by default) or a wrong type stops with the key and the source."""
+    valid = list(valid) if valid is not None else ProbDiffConfig.field_names()
+    hints = typing.get_type_hints(ProbDiffConfig)
+    checked = {}
+    for key, value in values.items():
+        if key not in valid:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}{did_you_mean(key, valid)}. Valid ProbDiff settings: {', '.join(valid)}"
+            )
+        checked[key] = check_value(value, hints[key], keep_ints=False)
+        if checked[key] is WRONG:
+            raise ConfigError(f"{where}: {wrong_type_message(f'ProbDiff setting {key!r}', value, hints[key])}")
+    return checked
+
+
+# --- typed values: the one check, for ProbDiff's settings, the recipe's own keys and SFTConfig's fields ----------
+WRONG = object()  # check_value's answer for a value the field cannot take
+
+
+def members(hint: Any) -> tuple:
+    """The types of a union (`int | None` -> int, NoneType), or the hint itself."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    return typing.get_args(hint) if union else (hint,)
+
+
+def check_value(value: Any, hint: Any, keep_ints: bool) -> Any:
+    """`value` (as YAML types it) as a field of type `hint` takes it, else WRONG: a dataclass does not check types,
+    so SFTConfig takes `learning_rate='abc'` and fails only once training starts. Where a float is expected an int
+    becomes a float, or stays an int with `keep_ints` (SFTConfig's `eval_steps: 10`, a count or a share)."""
+    for member in members(hint):
+        kind, args = typing.get_origin(member) or member, typing.get_args(member)
+        if kind in (list, dict) and isinstance(value, kind):
+            items = dict(enumerate(value)) if kind is list else value
+            cast = {k: check_value(v, args[-1], keep_ints) for k, v in items.items()} if args else items
+            if WRONG not in cast.values():
+                return list(cast.values()) if kind is list else cast
+        elif kind is float and type(value) is int:
+            return value if keep_ints else float(value)
+        elif type(value) is kind or (isinstance(kind, enum.EnumMeta) and type(value) is str):
+            return value
+        elif kind not in (type(None), bool, int, float, str, list, dict) and not isinstance(kind, enum.EnumMeta):
+            return value  # a type YAML cannot spell (Any, a callable): the receiver's to check
+    return str(value) if str in members(hint) and type(value) in (bool, int, float) else WRONG  # run_name=2024
+
+
+def type_name(hint: Any) -> str:
+    return str(hint).replace("typing.", "") if typing.get_args(hint) else getattr(hint, "__name__", str(hint))
+
+
+def wrong_type_message(key: str, value: object, expected: object) -> str:
+    """`wrong type for 'key': got 'abc', expected float`."""
+    return f"wrong type for {key}: got {value!r}, expected {type_name(expected)}"
+
+
+def raise_if_problems(what: str, problems: list[str], error: type[Exception] = ConfigError) -> None:
     """One error listing every problem found by a validator (a user fixes them in one go), or nothing."""
     if problems:
-        raise error(f"{what}: " + "; ".join(problems))
+        raise error((f"{what}: " if what else "") + "; ".join(problems))
 
 
 def did_you_mean(key: str, candidates: list[str]) -> str:
@@ -240,39 +417,21 @@ def did_you_mean(key: str, candidates: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def wrong_type_message(key: str, value: object, expected: object) -> str:
-    """`wrong type for 'key': got 'abc', expected float`, without OmegaConf's internals."""
-    return f"wrong type for {key!r}: got {value!r}, expected {expected}"
-
-
-def apply_overrides(base, overrides: list[str], where: str = "overrides"):
-    """`base` (a dataclass instance) with `key=value` overrides applied through OmegaConf's typed merge.
-
-    An unknown key or a value of the wrong type raises a ValueError that names the key, the expected
-    type or the closest valid key, and lists the valid ones.
-    """
+def parse_overrides(items: Sequence[str], where: str = "command line") -> dict[str, Any]:
+    """`key=value` items as a nested mapping, each value typed as YAML reads it (`-0.02` a float, `abc` a string,
+    `null` None, `[0, -0.1]` a list); `a.b=1` nests."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, ValidationError
 
-    cls = type(base)
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"{where}: {item!r} is not key=value")
-    schema = OmegaConf.structured(base)
-    layer = OmegaConf.from_dotlist(list(overrides))
-    try:
-        merged = OmegaConf.merge(schema, layer)
-    except ConfigKeyError as err:
-        key = str(getattr(err, "full_key", None) or err)
-        valid = cls.field_names()
-        raise ValueError(
-            f"{where}: unknown key {key!r}{did_you_mean(key, valid)}. Valid keys: {', '.join(valid)}"
-        ) from None
-    except ValidationError as err:
-        key = str(getattr(err, "full_key", "?"))
-        expected = {f.name: f.type for f in dataclasses.fields(cls)}.get(key.split(".")[0], "value")
-        raise ValueError(f"{where}: {wrong_type_message(key, OmegaConf.select(layer, key), expected)}") from None
-    return OmegaConf.to_object(merged)
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[0]:
+            raise ConfigError(f"{where}: {item!r} is not key=value")
+    return OmegaConf.to_container(OmegaConf.from_dotlist(list(items)))  # type: ignore[return-value]
+
+
+def deep_merge(base: dict, layer: Mapping) -> dict:
+    """`layer` over `base`, where a mapping in both gains keys (activation_checkpointing_kwargs, presets)."""
+    both = {k for k, v in layer.items() if isinstance(v, Mapping) and isinstance(base.get(k), Mapping)}
+    return {**base, **layer, **{k: deep_merge(dict(base[k]), layer[k]) for k in both}}
 
 
 def config_for_command(command: str, overrides: list[str]) -> ProbDiffConfig:
@@ -280,17 +439,12 @@ def config_for_command(command: str, overrides: list[str]) -> ProbDiffConfig:
     every key the command would not read: accepted, it would be silently ignored."""
     reads = ProbDiffConfig.keys_read_by(command)
     problems = []
-    for item in overrides:
-        key = item.split("=", 1)[0].split(".", 1)[0].strip()  # answer_temperature_by_category.Writing=0.3
-        if key in reads or "=" not in item:
-            continue  # apply_overrides names a malformed item
-        if key not in ProbDiffConfig.field_names():
-            problems.append(f"unknown key {key!r}{did_you_mean(key, reads)}. Valid keys: {', '.join(reads)}")
-        else:
+    for key in parse_overrides(overrides):
+        if key in ProbDiffConfig.field_names() and key not in reads:
             problems.append(_not_read(command, key))
     if problems:  # one per line: each names its key and what to do
-        raise ValueError("settings: " + (problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)))
-    return apply_overrides(ProbDiffConfig(), overrides, where="settings")
+        raise ConfigError("settings: " + (problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)))
+    return ProbDiffConfig().with_overrides(overrides, valid=reads)
 
 
 def _not_read(command: str, key: str) -> str:
@@ -298,7 +452,7 @@ def _not_read(command: str, key: str) -> str:
     scope = ProbDiffConfig.scope(key)
     if EVAL not in scope["read_by"]:  # the callback's schedule
         message = (
-            f"{key} is a ProbDiffCallback setting ({scope['about']}); it applies during training only "
+            f"{key} is a ProbDiffCallback setting ({scope['help']}); it applies during training only "
             f"(recipe `probdiff.{key}`)"
         )
         return message + (f"; for the CLI, {scope['cli']}" if scope["cli"] else "")
@@ -307,3 +461,35 @@ def _not_read(command: str, key: str) -> str:
         f"{key} is not read by `probdiff {command}`, which scores the texts in --pairs as they are and generates "
         "nothing; it applies to `probdiff eval` and during training"
     )
+
+
+# --- the settings as a table, for the docs --------------------------------------------------------------------
+def settings_table(cls: type, prefix: str = "") -> str:
+    """A Markdown table of a settings dataclass's fields: key, default, and help (with who reads it, where fields
+    say). docs/configuration.md holds these tables; tests/test_config.py checks that they are current."""
+    readers = {EVAL: "eval", SCORE: "score", CALLBACK: "training"}
+    with_scope = any("read_by" in f.metadata for f in dataclasses.fields(cls))
+    lines = ["| key | default | " + ("read by | " if with_scope else "") + "what it does |"]
+    lines.append("| --- | --- | " + ("--- | " if with_scope else "") + "--- |")
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        if not f.init or "help" not in f.metadata:
+            continue
+        default = getattr(defaults, f.name)
+        shown = "–" if dataclasses.is_dataclass(default) else f"`{_yaml_value(default)}`"
+        scope = ", ".join(readers[r] for r in (EVAL, SCORE, CALLBACK) if r in f.metadata.get("read_by", ()))
+        help_text = f.metadata["help"].replace("|", "\\|")
+        lines.append(f"| `{prefix}{f.name}` | {shown} | " + (f"{scope} | " if with_scope else "") + f"{help_text} |")
+    return "\n".join(lines)
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
