@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from data.preparers import chat_rows, leaks, sources, summarization, translation
+from probdiff_callback.core.queries import read_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT.parent / "shared" / "data" / "probdiff-reference"
 SUMMARY_PROMPT_START = "I want you to act as a Summarization Writer.\n"
@@ -137,7 +140,7 @@ def test_summarization_formats_and_seeded_subsets(tmp_path, monkeypatch):
         [{"article": f"article {i}", "highlights": f"hl {i}", "id": str(i)} for i in range(4)],
     )
     write_json_lines(src / "cnn_dm" / "test.jsonl", [{"article": "test article", "highlights": "hl"}])
-    monkeypatch.setattr(prepare, "SUMMARIZATION_SIZES", (5, 2))
+    monkeypatch.setattr(summarization, "SUMMARIZATION_SIZES", (5, 2))
     prepare.prepare("summarization", str(src), tmp_path / "a", seed=1)
     prepare.prepare("summarization", str(src), tmp_path / "b", seed=1)
     prepare.prepare("summarization", str(src), tmp_path / "c", seed=2)
@@ -254,8 +257,8 @@ def test_reference_files(tmp_path):
     assert counts["train"] + counts["train_in_heldout"] + counts["train_repeats"] == 20000
     # the paper's own split reuses held-out sentences in training, in the other direction
     assert counts["train_in_heldout"] > 100
-    rows = prepare.summarization_rows(
-        ((f"xsum:{line}", row) for line, row in prepare.read_rows(REFERENCE / "xsum" / "test.json")), "xsum"
+    rows = summarization.summarization_rows(
+        ((f"xsum:{line}", row) for line, row in read_rows(REFERENCE / "xsum" / "test.json")), "xsum"
     )
     assert len(rows) == 1000 and rows[0]["messages"][0]["content"].startswith(SUMMARY_PROMPT_START)
 
@@ -273,11 +276,12 @@ def test_hub_sources_ids_splits_and_fields(tmp_path, monkeypatch):
             return [{"document": f"bbc {split} {i}", "summary": f"one line {i}", "id": str(i)} for i in range(3)]
         return [{"article": f"cnn {split} {i}", "highlights": f"hl {i}", "id": str(i)} for i in range(3)]
 
-    monkeypatch.setattr(prepare, "hub_rows", fake_hub_rows)
+    for module in (translation, summarization):
+        monkeypatch.setattr(module, "hub_rows", fake_hub_rows)
     counts = prepare.prepare("translation", "hub", tmp_path)
     assert sorted(c for c in calls if c[0] == "wmt/wmt19") == sorted(
-        [("wmt/wmt19", pair, "train", 5000) for pair in prepare.WMT19_PAIRS]
-        + [("wmt/wmt19", pair, "validation", 1000) for pair in prepare.WMT19_PAIRS]
+        [("wmt/wmt19", pair, "train", 5000) for pair in translation.WMT19_PAIRS]
+        + [("wmt/wmt19", pair, "validation", 1000) for pair in translation.WMT19_PAIRS]
     )
     assert counts["train_by_category"]["de-en"] == 2 and counts["train_by_category"]["en-de"] == 2
     train = read(tmp_path / "translation" / "train.jsonl")
@@ -303,7 +307,7 @@ def test_hub_unreachable_says_how_to_work_offline(monkeypatch):
     with pytest.raises(
         SystemExit, match=r"could not load EdinburghNLP/xsum \[train\].*pass a local copy with --source"
     ):
-        prepare.hub_rows("EdinburghNLP/xsum", None, "train", 2, 0)
+        sources.hub_rows("EdinburghNLP/xsum", None, "train", 2, 0)
 
 
 # --- the paper's repository as the default source (downloads served here: no network) ---------------------
@@ -327,7 +331,7 @@ def serve(monkeypatch, files: dict[str, str]) -> list[str]:
             raise urllib.error.HTTPError(url, 404, "Not Found", {}, None)
         return io.BytesIO(files[url].encode("utf-8"))
 
-    monkeypatch.setattr(prepare.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(sources.urllib.request, "urlopen", urlopen)
     return asked
 
 
@@ -355,7 +359,7 @@ def test_translation_comes_from_the_paper_and_leaks_are_caught_in_both_direction
     assert prepare.main(["translation", "--out", str(tmp_path)]) == 0
     expected = [
         f"{PAPER}/generation_task/data/{pair}/{split}.json"
-        for pair in prepare.WMT19_PAIRS
+        for pair in translation.WMT19_PAIRS
         for split in ("train", "test")
     ]
     assert sorted(asked) == sorted(expected)
@@ -367,7 +371,7 @@ def test_translation_comes_from_the_paper_and_leaks_are_caught_in_both_direction
 
 
 def test_summarization_comes_from_the_papers_cnn_and_xsum_folders(tmp_path, monkeypatch):
-    prompt = prepare.SUMMARIZATION_PROMPT.format
+    prompt = summarization.SUMMARIZATION_PROMPT.format
     data = f"{PAPER}/generation_task/data"
     files = {
         f"{data}/xsum/train.json": json.dumps([conversation(i, prompt(content=f"doc {i}"), f"s{i}") for i in range(3)]),
@@ -472,17 +476,17 @@ def test_alignbench_downloads_questions_and_training_set_so_the_recipe_runs(tmp_
 
 
 def test_leak_keys_ignore_the_prompt_ending_and_whitespace():
-    held = prepare.row("zh-en", "Translate the sentence into English:\n你好 世界", "Hello world")
-    same_direction = prepare.row("zh-en", "Translate the sentence into English.\n你好  世界", "Hi, world")
-    other_direction = prepare.row("en-zh", "Translate the sentence into Chinese.\nHello world", "你好，世界")
-    unrelated = prepare.row("zh-en", "Translate the sentence into English.\n再见", "Goodbye")
-    keys = prepare.leak_keys("translation", held)
-    assert prepare.leak_keys("translation", same_direction) & keys
-    assert prepare.leak_keys("translation", other_direction) & keys
-    assert not prepare.leak_keys("translation", unrelated) & keys
-    document = prepare.SUMMARIZATION_PROMPT.format(content="A  document.\n")
-    assert prepare.leak_keys("summarization", prepare.row("xsum", document, "s")) == {"A document."}
-    assert prepare.leak_keys("blog", prepare.row("blog", " 写 文案 ", "x")) == {"写 文案"}
+    held = chat_rows.row("zh-en", "Translate the sentence into English:\n你好 世界", "Hello world")
+    same_direction = chat_rows.row("zh-en", "Translate the sentence into English.\n你好  世界", "Hi, world")
+    other_direction = chat_rows.row("en-zh", "Translate the sentence into Chinese.\nHello world", "你好，世界")
+    unrelated = chat_rows.row("zh-en", "Translate the sentence into English.\n再见", "Goodbye")
+    keys = leaks.leak_keys("translation", held)
+    assert leaks.leak_keys("translation", same_direction) & keys
+    assert leaks.leak_keys("translation", other_direction) & keys
+    assert not leaks.leak_keys("translation", unrelated) & keys
+    document = summarization.SUMMARIZATION_PROMPT.format(content="A  document.\n")
+    assert leaks.leak_keys("summarization", chat_rows.row("xsum", document, "s")) == {"A document."}
+    assert leaks.leak_keys("blog", chat_rows.row("blog", " 写 文案 ", "x")) == {"写 文案"}
 
 
 # --- the offline XSum study: test documents split into training and held-out, and a corrupted copy -----------------
@@ -498,7 +502,7 @@ def xsum_only_source(root: Path, n: int = 20) -> Path:
 
 
 def document_of(row: dict) -> str:
-    return prepare.summarized_document(row["messages"][0]["content"])
+    return summarization.summarized_document(row["messages"][0]["content"])
 
 
 def test_split_test_holds_out_seeded_documents_and_trains_on_the_rest(tmp_path, capsys):

@@ -1,0 +1,6 @@
+"""The pieces of `data/prepare.py`, one purpose per module: where the input files come from (`sources`: the paper's
+repository, a local copy, a URL prefix or the Hugging Face hub), the chat rows every task builds and reads
+(`chat_rows`), one module per task that turns its files into training and held-out rows (`translation`,
+`summarization`, `blog`, `alignbench`), and the removal of held-out leaks and repeats that every task's rows go
+through last (`leaks`). `prepare.py` itself keeps the command line and the `prepare(...)` that ties them together.
+"""
