@@ -18,7 +18,7 @@ from transformers import EarlyStoppingCallback
 import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
 from probdiff_callback.callback.distributed import preserved_rng_state
-from probdiff_callback.callback.outputs import metrics_from_summary
+from probdiff_callback.callback.metrics import metrics_from_summary
 from probdiff_callback.callback.probdiff import ProbDiffCallback, distributed, select_queries
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import evaluate
@@ -260,7 +260,7 @@ def test_queries_come_from_strings_chats_datasets_or_the_trainers_eval_dataset(t
 # ---- training runs ----
 
 
-def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, tiny_model_path, tiny_model, capsys):
+def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, tiny_model_path, tiny_model, caplog):
     run = tmp_path / "run"
     trainer = build_trainer(
         tiny_model_path,
@@ -278,12 +278,13 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     queries = held_out_queries()
     callback = ProbDiffCallback(trainer, queries, probdiff_config(n_queries=N_QUERIES))
     trainer.add_callback(callback)  # lands after EarlyStoppingCallback; the callback moves itself
-    trainer.train()
+    with caplog.at_level("INFO", logger="probdiff_callback"):  # the callback says everything through its logger
+        trainer.train()
 
     names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
     assert names.index("ProbDiffCallback") < names.index("EarlyStoppingCallback")
     assert trainer.state.global_step == 4, "early stopping did not act on eval_probdiff_confidence"
-    printed = capsys.readouterr().out
+    printed = caplog.text
     assert "ProbDiff: one evaluation takes" in printed and "evaluating every 2 steps adds about" in printed
     assert "(the base model's took" in printed  # the forecast is from an evaluation during training
     assert callback.cost_summary().startswith("ProbDiff cost: 2 evaluations during training took")

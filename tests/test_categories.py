@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from probdiff_callback.callback.outputs import metric_name, metrics_from_summary
+from probdiff_callback.callback.metrics import metric_name, metrics_from_summary
 from probdiff_callback.cli import main
 from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, unmatched_keys
 from probdiff_callback.core.config import ProbDiffConfig

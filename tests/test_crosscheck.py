@@ -26,7 +26,7 @@ from probdiff_callback.analysis.verdicts import (
     pairwise_agreement,
     read_verdicts,
 )
-from probdiff_callback.callback.outputs import vs_base_metrics
+from probdiff_callback.callback.metrics import vs_base_metrics
 from probdiff_callback.cli import main
 from probdiff_callback.core.metric import compare_to_base
 from probdiff_callback.core.queries import DataFileError

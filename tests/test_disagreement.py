@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from test_selection_plot import GOOD, MIXED, POOR, write_run
 
 from probdiff_callback.analysis.disagreement import find_disagreements, format_disagreements
-from probdiff_callback.callback.probdiff import ProbDiffCallback, outputs
+from probdiff_callback.callback import alerts
 from probdiff_callback.cli import main
 from probdiff_callback.runs.run_files import RunFiles, history_path, read_history, write_jsonl
 
@@ -95,24 +93,18 @@ def test_probdiff_select_says_it_with_the_steps_and_figures(tmp_path, capsys):
 def test_the_callback_warns_once_per_disagreement_and_alerts_wandb(tmp_path, monkeypatch, caplog):
     run = tmp_path / "run"
     write_disagreeing_run(run)
-    alerts = []
-    monkeypatch.setattr(outputs, "alert_wandb", lambda title, text: alerts.append((title, text)))
+    sent = []
+    monkeypatch.setattr(alerts, "alert_wandb", lambda title, text: sent.append((title, text)))
     files = RunFiles(run)
     files.continue_from(resumed_step=20)  # the rows in memory, as the callback holds them
-    callback = SimpleNamespace(
-        _is_main=lambda: True,
-        _output_dir=str(run),
-        _files=files,
-        trainer=SimpleNamespace(args=SimpleNamespace(report_to=["wandb"])),
-        _disagreements=outputs.DisagreementAlerts(),
-    )
     history_file = history_path(run)
     history_file.rename(history_file.with_suffix(".moved"))  # the check reads nothing: it works from memory
+    announcer = alerts.DisagreementAlerts()
     with caplog.at_level("WARNING"):
-        ProbDiffCallback._say_disagreements(callback)
-        ProbDiffCallback._say_disagreements(callback)  # the next evaluation, nothing new
-    assert len(alerts) == 1 and alerts[0][0] == "ProbDiff disagrees with an independent measure"
-    assert "step 20 (the checkpoint ProbDiff picks)" in alerts[0][1]
+        announcer.announce(files.rows(), str(run), to_wandb=True)
+        announcer.announce(files.rows(), str(run), to_wandb=True)  # the next evaluation, nothing new
+    assert len(sent) == 1 and sent[0][0] == "ProbDiff disagrees with an independent measure"
+    assert "step 20 (the checkpoint ProbDiff picks)" in sent[0][1]
     assert sum("ProbDiff DISAGREES" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -122,8 +114,8 @@ def test_alert_wandb_puts_the_text_in_the_run_summary(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = wandb.init(dir=str(tmp_path), project="probdiff-test")
     try:
-        outputs.alert_wandb("ProbDiff disagrees with an independent measure", "first")
-        outputs.alert_wandb("ProbDiff disagrees with an independent measure", "second")
+        alerts.alert_wandb("ProbDiff disagrees with an independent measure", "first")
+        alerts.alert_wandb("ProbDiff disagrees with an independent measure", "second")
         assert run.summary["probdiff/disagreement"] == "first\nsecond"
     finally:
         run.finish()

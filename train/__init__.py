@@ -9,7 +9,9 @@ holds the recipes and data it reads (`PROJECT_ROOT`), and the installed package 
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -24,3 +26,20 @@ def say(message: str) -> None:
     """Print once per run (on the main process)."""
     if is_main_process():
         print(message, flush=True)
+
+
+def configure_logging() -> None:
+    """The library's log (`probdiff_callback.*`) on the console as plain lines, like `say`: INFO and up on the main
+    process (the cost forecast, notices), warnings on every rank; warnings and errors to stderr, the rest to stdout."""
+    library = logging.getLogger("probdiff_callback")
+    library.setLevel(logging.INFO if is_main_process() else logging.WARNING)
+    if any(getattr(handler, "probdiff_console", False) for handler in library.handlers):
+        return  # configured by an earlier run in this process
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(lambda record: record.levelno < logging.WARNING)
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.probdiff_console = True  # type: ignore[attr-defined]
+        library.addHandler(handler)

@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a script (accelerate launch train/sft.py
 
 from probdiff_callback.core.queries import DataFileError
 from probdiff_callback.runtime.threads import configure_threads
-from train import is_main_process, say
+from train import configure_logging, is_main_process, say
 from train.data import load_data, report_truncation
 from train.model_setup import load_model, lora_config, prepare_model_files
 from train.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: list[str]) -> int:
     started = time.time()
+    configure_logging()
     # 1. Config: recipe layers and overrides, run directory, W&B environment, CPU threads
     recipe = load_recipe(args)
     run_dir, resume_from = resolve_run(recipe)

@@ -1,42 +1,63 @@
 """ProbDiffCallback: the model being trained evaluated with ProbDiff at every evaluation or checkpoint.
 
-The callback decides when to evaluate; the rest lives beside it: `schedule` (which queries, which steps),
-`distributed` (the model in training evaluated across ranks), `evaluator` (the evaluation), `run_files` (the history,
-step records and checkpoint summaries), `outputs` (metrics, W&B, the cost of evaluating) and `preemption` (a
-signal's stop, which abandons an evaluation in progress).
+The callback decides when to evaluate and hands the outcome on; the rest lives beside it: `schedule` (which queries,
+which steps), `distributed` (the model in training evaluated across ranks), `core.evaluator` (the evaluation),
+`runs.run_files` (the history, step records and checkpoint summaries), `metrics` (the Trainer's), `wandb_records`,
+`alerts` (the disagreement alarm), `cost` (what evaluating adds to the run's time) and `preemption` (a signal's stop,
+which abandons an evaluation in progress). It says everything through `logger` or `trainer.log`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback.callback import distributed, outputs
-from probdiff_callback.callback.distributed import EvaluationOutcome, evaluate_in_training, start_training_engine
-from probdiff_callback.callback.outputs import CostReport
+from probdiff_callback.callback.alerts import DisagreementAlerts
+from probdiff_callback.callback.cost import CostReport
+from probdiff_callback.callback.distributed import (
+    EvaluationOutcome,
+    broadcast,
+    evaluate_in_training,
+    start_training_engine,
+)
+from probdiff_callback.callback.metrics import metrics_from_summary, vs_base_metrics
 from probdiff_callback.callback.schedule import (
+    EvaluationSchedule,
     check_selection_setup,
     checkpoint_to_come,
     is_scheduled_save,
     place_before_early_stopping,
     select_queries,
-    triggers_before,
 )
+from probdiff_callback.callback.wandb_records import WandbRecords
 from probdiff_callback.core import reference_metrics
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import compare_to_base
 from probdiff_callback.core.queries import queries_from
-from probdiff_callback.runs.run_files import HistoryRow, Record, RunFiles, read_records
+from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, Record, RunFiles, read_records
 
 __all__ = ["EvaluationOutcome", "ProbDiffCallback", "select_queries"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CallbackState:
+    """What the callback has done so far in this run."""
+
+    evaluated: dict[int, dict[str, float]] = field(default_factory=dict)  # global step -> its metrics
+    baseline_records: list[Record] | None = None  # what every later step is compared with
+    baseline_due: bool = False  # the baseline waits for the Trainer's evaluation at step 0 (eval_on_start)
+    abandoned_step: int | None = None  # the step whose evaluation a preemption abandoned
+    last_outcome: EvaluationOutcome | None = None
 
 
 class ProbDiffCallback(TrainerCallback):
@@ -96,28 +117,27 @@ class ProbDiffCallback(TrainerCallback):
         all_queries = queries_from(queries)
         self.config.check_categories(q.category for q in all_queries)  # all of them: the subset may miss one
         self.queries = select_queries(all_queries, self.config.n_queries, self.config.seed)
-        self.categories = sorted({q.category for q in self.queries if q.category is not None})
         self.reference_plan = reference_metrics.plan_references(self.queries)
-        self.evaluated: dict[int, dict[str, float]] = {}  # global step -> its metrics
-        self.last_outcome: EvaluationOutcome | None = None
-        self.abandoned_step: int | None = None  # the step whose evaluation a preemption abandoned
-        self._baseline_records: list[Record] | None = None
-        self._baseline_due = False  # the baseline waits for the Trainer's evaluation at step 0 (eval_on_start)
+        self.schedule = EvaluationSchedule(self.config.every, self.config.at_end)
+        self.state = CallbackState()
         self._files = RunFiles(trainer.args.output_dir, self.config.output_subdir)  # written on the main process
-        self._reference_notice_shown = False
-        self._triggers = 0
-        self._wandb = outputs.WandbRecords(self.config.wandb_table_rows)
-        self._disagreements = outputs.DisagreementAlerts()
+        self._wandb = WandbRecords(self.config.wandb_table_rows)
+        self._alerts = DisagreementAlerts()
         self._cost = CostReport()
         self._engine = None  # vLLM (use_vllm), on the main process: started when training begins
+
+    @property
+    def evaluated(self) -> dict[int, dict[str, float]]:
+        """The metrics of every step evaluated so far, by global step."""
+        return self.state.evaluated
+
+    @property
+    def categories(self) -> list[str]:
+        return sorted({q.category for q in self.queries if q.category is not None})
 
     def cost_summary(self) -> str | None:
         """What the evaluations added to the run's time, measured (for the end of the run)."""
         return self._cost.totals()
-
-    @property
-    def _output_dir(self) -> str:
-        return self.trainer.args.output_dir
 
     def _is_main(self) -> bool:
         return self.trainer.state.is_world_process_zero
@@ -130,23 +150,27 @@ class ProbDiffCallback(TrainerCallback):
         check_selection_setup(args, self.config)
         if self.config.use_vllm and self._engine is None:
             self._engine = self._start_engine()
-        self._show_reference_notice()
-        kept, self._baseline_records = distributed.broadcast(self.trainer.accelerator, self._history_to_continue(state))
-        self.evaluated = {row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned}
-        self._triggers = triggers_before(args, state)
+        if (notice := self.reference_plan.notice()) and self._is_main():
+            logger.info(f"ProbDiff: {notice}")
+        kept, baseline_records = broadcast(self.trainer.accelerator, self._history_to_continue(state))
+        self.state = CallbackState(
+            evaluated={row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned},
+            baseline_records=baseline_records,
+        )
+        self.schedule.resume(args, state)
         self._complete_resumed_step(state, kept)
-        self._baseline_due = self.config.baseline and state.global_step == 0 and 0 not in self.evaluated
+        self.state.baseline_due = self.config.baseline and state.global_step == 0 and 0 not in self.evaluated
         # With eval_on_start the Trainer evaluates step 0 next: the baseline runs in that on_evaluate, so its row is
         # written once, with the base model's eval loss. The numbers are the same either way: the evaluation draws
         # from its own seeds and leaves the training RNG as it found it.
-        if self._baseline_due and not args.eval_on_start:
-            self._run(state, kind="baseline", base_model=True)
+        if self.state.baseline_due and not args.eval_on_start:
+            self._run(self._row(state, "baseline"))
         self._cost.training_started(state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         message = self._cost.message(args, state, self.config.every)
         if message and self._is_main():
-            print(message, flush=True)
+            logger.info(message)
         # The Trainer loads the best model before on_train_end, so the last step's weights are evaluated here,
         # when DefaultFlowCallback (which runs first) has decided this is the end.
         if (
@@ -157,7 +181,7 @@ class ProbDiffCallback(TrainerCallback):
             and not control.should_evaluate
             and not (args.eval_strategy == "no" and control.should_save)
         ):
-            self._run(state, kind="end", checkpoint=checkpoint_to_come(args, state, control))
+            self._run(self._row(state, "end", checkpoint=checkpoint_to_come(args, state, control)))
             self._stop_if_abandoned(state, control)
 
     def on_evaluate(
@@ -173,13 +197,13 @@ class ProbDiffCallback(TrainerCallback):
         step = state.global_step
         # The Trainer computed the eval loss before calling on_evaluate: it goes into the step's row as written.
         eval_loss = float(metrics.get("eval_loss", math.nan))
-        if step == 0 and self._baseline_due:
-            self._run(state, kind="baseline", base_model=True, eval_loss=eval_loss)
+        if step == 0 and self.state.baseline_due:
+            self._run(self._row(state, "baseline", eval_loss=eval_loss))
         elif step not in self.evaluated:
-            if not self._is_due(state, control):
+            if not self.schedule.is_due(state, control, self._stopping()):
                 return
             checkpoint = checkpoint_to_come(args, state, control)
-            self._run(state, kind="evaluate", checkpoint=checkpoint, eval_loss=eval_loss)
+            self._run(self._row(state, "evaluate", checkpoint=checkpoint, eval_loss=eval_loss))
             self._stop_if_abandoned(state, control)
         elif self._is_main():  # evaluated already: at the end of training, or the row of a resumed run
             self._files.set_eval_loss(step, eval_loss)
@@ -191,8 +215,12 @@ class ProbDiffCallback(TrainerCallback):
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         if self._stopping() and not is_scheduled_save(args, state):
             return  # the preemption's own checkpoint: an uninterrupted run neither saves nor evaluates here
-        if step not in self.evaluated and args.eval_strategy == "no" and self._is_due(state, control):
-            self._run(state, kind="save", checkpoint=checkpoint)  # abandoned at once when stopping: owed on resume
+        if (
+            step not in self.evaluated
+            and args.eval_strategy == "no"
+            and self.schedule.is_due(state, control, self._stopping())
+        ):
+            self._run(self._row(state, "save", checkpoint=checkpoint))  # abandoned at once when stopping: on resume
             self._stop_if_abandoned(state, control)
         elif step in self.evaluated and self._is_main() and os.path.isdir(checkpoint):
             self._files.link_checkpoint(step, checkpoint)
@@ -207,7 +235,7 @@ class ProbDiffCallback(TrainerCallback):
             and not self._stopping()
             and state.global_step not in self.evaluated
         ):
-            self._run(state, kind="end")
+            self._run(self._row(state, "end"))
         self._say_disagreements()
         self.close_engine()
 
@@ -219,15 +247,8 @@ class ProbDiffCallback(TrainerCallback):
 
     def _say_disagreements(self) -> None:
         if self._is_main():
-            self._disagreements.announce(
-                self._files.rows(), self._output_dir, "wandb" in (self.trainer.args.report_to or [])
-            )
-
-    def _is_due(self, state: TrainerState, control: TrainerControl) -> bool:
-        """Every `every`-th trigger (evaluation, or save without evaluation), and the last one with `at_end`."""
-        self._triggers += 1
-        final = (control.should_training_stop and not self._stopping()) or state.global_step >= state.max_steps > 0
-        return self._triggers % self.config.every == 0 or (final and self.config.at_end)
+            to_wandb = "wandb" in (self.trainer.args.report_to or [])
+            self._alerts.announce(self._files.rows(), self.trainer.args.output_dir, to_wandb)
 
     # ---- preemption ----
     def _stopping(self) -> bool:
@@ -241,7 +262,7 @@ class ProbDiffCallback(TrainerCallback):
 
     def _stop_if_abandoned(self, state: TrainerState, control: TrainerControl) -> None:
         """An evaluation abandoned for a preemption: the Trainer saves this step and stops, on every rank."""
-        if self.abandoned_step == state.global_step:
+        if self.state.abandoned_step == state.global_step:
             control.should_save = True
             control.should_training_stop = True
             if self.preemption is not None:
@@ -264,18 +285,18 @@ class ProbDiffCallback(TrainerCallback):
         for row in [row for row in kept if row.abandoned]:
             if row.global_step == state.global_step or row.base_model:
                 logger.warning(f"ProbDiff: evaluating step {row.global_step}, abandoned when the run was stopped")
-                outcome = self._run(state, kind=row.kind, base_model=row.base_model, checkpoint=row.checkpoint,
-                                    eval_loss=row.eval_loss, step=row.global_step, epoch=row.epoch)  # fmt: skip
+                outcome = self._run(dataclasses.replace(row, error=None, abandoned=False))
                 if row.global_step == state.global_step and row.kind != "baseline":
                     self._update_best_model(outcome.metrics)
-            else:
-                why = (f"{ABANDONED} when the run stopped, and resuming from step {state.global_step} cannot run it: "
-                       "the weights of its step are gone")  # fmt: skip
-                logger.warning(f"ProbDiff: step {row.global_step}'s evaluation was {why}; it stays failed")
-                self.evaluated[row.global_step] = self._metrics(None, None)
-                if self._is_main():
-                    row.error, row.abandoned = why, False
-                    self._files.add(row, None)
+                continue
+            why = (
+                f"{ABANDONED} when the run stopped, and resuming from step {state.global_step} cannot run it: the "
+                "weights of its step are gone"
+            )
+            logger.warning(f"ProbDiff: step {row.global_step}'s evaluation was {why}; it stays failed")
+            self.evaluated[row.global_step] = self._metrics(None, None)
+            if self._is_main():
+                self._files.add(dataclasses.replace(row, error=why, abandoned=False), None)
 
     @staticmethod
     def _logged(state: TrainerState, row: HistoryRow) -> bool:
@@ -290,7 +311,6 @@ class ProbDiffCallback(TrainerCallback):
             determine(metrics=metrics, trial=None)
 
     # ---- setup ----
-
     def _history_to_continue(self, state: TrainerState) -> tuple[list[HistoryRow], list[Record] | None]:
         """(history rows up to the step training starts from, the baseline's records); main process only."""
         if not self._is_main():
@@ -298,7 +318,8 @@ class ProbDiffCallback(TrainerCallback):
         kept, dropped = self._files.continue_from(state.global_step)
         if dropped and state.global_step == 0:
             logger.warning(
-                f"ProbDiff: a new run in {self._output_dir}: replacing the {dropped} rows of an earlier history"
+                f"ProbDiff: a new run in {self.trainer.args.output_dir}: replacing the {dropped} rows of an earlier "
+                "history"
             )
         elif dropped:
             logger.warning(
@@ -310,8 +331,6 @@ class ProbDiffCallback(TrainerCallback):
     def _start_engine(self):
         """The vLLM engine of this run on the main process (None on the others); a failure to start stops training
         on every rank with the same message, before the first step."""
-        from probdiff_callback.callback.distributed import broadcast
-
         engine, error = None, None
         if self._is_main():
             try:
@@ -323,75 +342,63 @@ class ProbDiffCallback(TrainerCallback):
             raise RuntimeError(f"ProbDiff: use_vllm=true: {error}")
         return engine
 
-    def _show_reference_notice(self) -> None:
-        notice = self.reference_plan.notice()
-        if notice and not self._reference_notice_shown and self._is_main():
-            print(f"ProbDiff: {notice}", flush=True)
-        self._reference_notice_shown = True
-
     # ---- one evaluation ----
-    def _run(
-        self,
-        state: TrainerState,
-        *,
-        kind: str,
-        base_model: bool = False,
-        checkpoint: str | None = None,
-        eval_loss: float = math.nan,
-        step: int | None = None,
-        epoch: float | None = None,
-    ) -> EvaluationOutcome:
-        outcome = self.evaluate_model(base_model=base_model)
-        step = state.global_step if step is None else step
-        epoch = state.epoch if epoch is None else epoch
+    @staticmethod
+    def _row(
+        state: TrainerState, kind: EvaluationKind, checkpoint: str | None = None, eval_loss: float = math.nan
+    ) -> HistoryRow:
+        """The row of the step being evaluated, before its evaluation fills it."""
+        return HistoryRow(state.global_step, state.epoch, kind, kind == "baseline", checkpoint, eval_loss=eval_loss)
+
+    def _run(self, row: HistoryRow) -> EvaluationOutcome:
+        """Evaluate for `row` (its step, kind and checkpoint), then hand the outcome to the Trainer, W&B and the
+        run's files."""
+        outcome = self.evaluate_model(base_model=row.base_model)
+        self.state.last_outcome = outcome
         if outcome.abandoned:
-            return self._record_abandoned(step, epoch, kind, base_model, checkpoint, eval_loss, outcome)
-        if kind == "baseline":
-            self._baseline_due = False
+            return self._record_abandoned(row, outcome)
+        if row.kind == "baseline":
+            self.state.baseline_due = False
             if outcome.error is None:
-                self._baseline_records = outcome.records
-        vs_base = None
-        if kind != "baseline":
-            vs_base = compare_to_base(outcome.records, self._baseline_records, self.config.delta)
-        outcome.metrics = self._metrics(outcome.summary, vs_base)
-        self.evaluated[step] = outcome.metrics
-        self.last_outcome = outcome
-        self._cost.evaluated(outcome.seconds, before_training=kind == "baseline")
+                self.state.baseline_records = outcome.records
+        else:
+            row.vs_base = compare_to_base(outcome.records, self.state.baseline_records, self.config.delta)
+        outcome.metrics = self._metrics(outcome.summary, row.vs_base)
+        self.evaluated[row.global_step] = outcome.metrics
+        self._cost.evaluated(outcome.seconds, before_training=row.kind == "baseline")
         if outcome.error is not None:
-            logger.error(f"ProbDiff evaluation at step {step} failed; training goes on:\n{outcome.error}")
+            logger.error(f"ProbDiff evaluation at step {row.global_step} failed; training goes on:\n{outcome.error}")
         # Trainer.evaluate logs its metrics before on_evaluate, so ours need their own log call (W&B,
         # TensorBoard and log_history then get them at this step).
         self.trainer.log(dict(outcome.metrics))
         if self._is_main():
-            self._log_to_wandb(step, outcome.records)
-            row = HistoryRow(step, epoch, kind, base_model, checkpoint, summary=outcome.summary,
-                             error=outcome.error, seconds=round(outcome.seconds, 3), vs_base=vs_base,
-                             eval_loss=eval_loss)  # fmt: skip
+            self._log_to_wandb(row.global_step, outcome.records)
+            row.summary, row.error, row.seconds = outcome.summary, outcome.error, round(outcome.seconds, 3)
             self._files.add(row, outcome.records if outcome.error is None else None)
         if outcome.error is not None and self.config.fail_on_error:
-            raise RuntimeError(f"ProbDiff evaluation at step {step} failed (fail_on_error=True):\n{outcome.error}")
+            raise RuntimeError(
+                f"ProbDiff evaluation at step {row.global_step} failed (fail_on_error=True):\n{outcome.error}"
+            )
         return outcome
 
-    def _record_abandoned(
-        self, step: int, epoch, kind: str, base_model: bool, checkpoint: str | None, eval_loss: float, outcome
-    ) -> EvaluationOutcome:
+    def _record_abandoned(self, row: HistoryRow, outcome: EvaluationOutcome) -> EvaluationOutcome:
         """Not a failure: no metrics are logged, and the row says the resumed run evaluates the step."""
         outcome.metrics = self._metrics(None, None)
-        self.evaluated[step] = outcome.metrics
-        self.last_outcome = outcome
-        self.abandoned_step = step
-        logger.warning(f"ProbDiff: the evaluation of step {step} was abandoned (the run was asked to stop); "
-                       "it runs when the run resumes")  # fmt: skip
+        self.evaluated[row.global_step] = outcome.metrics
+        self.state.abandoned_step = row.global_step
+        logger.warning(
+            f"ProbDiff: the evaluation of step {row.global_step} was abandoned (the run was asked to stop); it runs "
+            "when the run resumes"
+        )
         if self._is_main():
-            row = HistoryRow(step, epoch, kind, base_model, checkpoint, error=f"{ABANDONED}: the run was asked to "
-                             "stop; resuming evaluates this step", eval_loss=eval_loss, abandoned=True)  # fmt: skip
+            row.error = f"{ABANDONED}: the run was asked to stop; resuming evaluates this step"
+            row.abandoned = True
             self._files.add(row, None)
         return outcome
 
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
         """Evaluate the current weights on the query subset, on all ranks; every rank returns the same records
         (in query order), summary, metrics and error."""
-        should_stop = self._asked_to_stop if self.preemption is not None else None
         outcome = evaluate_in_training(
             self.trainer,
             self.tokenizer,
@@ -399,7 +406,7 @@ class ProbDiffCallback(TrainerCallback):
             self.config,
             self.reference_plan,
             base_model,
-            should_stop,
+            self._asked_to_stop if self.preemption is not None else None,
             engine=self._engine,
         )
         outcome.metrics = self._metrics(outcome.summary, None)
@@ -415,9 +422,9 @@ class ProbDiffCallback(TrainerCallback):
     def _metrics(self, summary: dict | None, vs_base: dict | None) -> dict[str, float]:
         """Every metric of one evaluation for the Trainer: eval_probdiff_*, eval_ref_* (where the queries have
         reference metrics) and eval_probdiff_vs_base_* (when the baseline is evaluated)."""
-        metrics = outputs.metrics_from_summary(summary, self.config.sweep, self.categories)
+        metrics = metrics_from_summary(summary, self.config.sweep, self.categories)
         reference = None if summary is None else summary.get("reference")
         metrics.update(reference_metrics.trainer_metrics(reference, self.reference_plan))
         if self.config.baseline:
-            metrics.update(outputs.vs_base_metrics(vs_base))
+            metrics.update(vs_base_metrics(vs_base))
         return metrics

@@ -1,5 +1,6 @@
-"""When the callback evaluates, and on what: the fixed query subset, the count of evaluation triggers a resumed run
-continues from, the Trainer's own save schedule, and the callback's place before early stopping."""
+"""When the callback evaluates, and on what: the fixed query subset, which of the Trainer's evaluations (or saves) it
+runs at (`EvaluationSchedule`, which a resumed run continues), the Trainer's own save schedule, and the callback's
+place before early stopping."""
 
 from __future__ import annotations
 
@@ -24,6 +25,24 @@ def select_queries(queries: Sequence[Query], n_queries: int | None, seed: int) -
     if len(set(ids)) != len(ids):
         raise ValueError("query ids must be unique: evaluations are compared query by query")
     return fixed_subset(queries, n_queries, seed)
+
+
+class EvaluationSchedule:
+    """Every `every`-th trigger (an evaluation, or a save when the run does not evaluate), and the last one with
+    `at_end`. A resumed run counts on from the triggers before its step, so it picks the steps an uninterrupted run
+    picks."""
+
+    def __init__(self, every: int, at_end: bool) -> None:
+        self.every, self.at_end, self.triggers = every, at_end, 0
+
+    def resume(self, args: TrainingArguments, state: TrainerState) -> None:
+        self.triggers = triggers_before(args, state)
+
+    def is_due(self, state: TrainerState, control: TrainerControl, stopping: bool) -> bool:
+        """Whether this trigger is evaluated; `stopping`: a preemption ends the run (its last step is no end)."""
+        self.triggers += 1
+        final = (control.should_training_stop and not stopping) or state.global_step >= state.max_steps > 0
+        return self.triggers % self.every == 0 or (final and self.at_end)
 
 
 def triggers_before(args: TrainingArguments, state: TrainerState) -> int:

@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from probdiff_callback.runtime import faults
 from probdiff_callback.core.config import DEFAULT_SUBDIR
@@ -36,6 +36,8 @@ from probdiff_callback.core.queries import DataFileError, read_jsonl
 HISTORY_FILE = "history.jsonl"
 RECORDS_FILE = "records.jsonl"
 CHECKPOINT_SUMMARY_FILE = "probdiff.json"
+# Why a step was evaluated: the base model before training, a Trainer evaluation, a save (no evaluations), the end
+EvaluationKind = Literal["baseline", "evaluate", "save", "end"]
 
 
 class Record(TypedDict, total=False):
@@ -80,7 +82,7 @@ class HistoryRow:
 
     global_step: int
     epoch: float | None = None
-    kind: str = "evaluate"
+    kind: EvaluationKind = "evaluate"
     base_model: bool = False
     checkpoint: str | None = None
     records: str | None = None
