@@ -16,9 +16,9 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from probdiff_callback.callback import distributed, outputs
 from probdiff_callback.callback.distributed import EvaluationOutcome, evaluate_in_training, start_training_engine
 from probdiff_callback.callback.outputs import CostReport
-from probdiff_callback.callback import distributed, outputs
 from probdiff_callback.callback.schedule import (
     check_selection_setup,
     checkpoint_to_come,
