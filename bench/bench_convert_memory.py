@@ -38,7 +38,7 @@ def status_kib(field):
 
 mode, src, dst, warm_src, warm_dst = sys.argv[1:6]
 # Warm-up on a tiny checkpoint: every lazily imported module is loaded before the baseline.
-qwen_v1._write_qwen2_shards(qwen_v1._v1_weight_files(Path(warm_src))[0], Path(warm_dst), 1 << 40, progress=False)
+qwen_v1._write_qwen2_shards(qwen_v1.v1_weight_files(Path(warm_src))[0], Path(warm_dst), 1 << 40, progress=False)
 if mode == "full":
     import transformers, tokenizers  # noqa: F401  (imports are not the converter's memory)
     from transformers import Qwen2Config, GenerationConfig  # noqa: F401
@@ -49,7 +49,7 @@ with open("/proc/self/clear_refs", "w") as handle:
 before = status_kib("VmRSS")
 start = time.perf_counter()
 if mode == "weights":
-    qwen_v1._write_qwen2_shards(qwen_v1._v1_weight_files(Path(src))[0], Path(dst), 1 << 40, progress=False)
+    qwen_v1._write_qwen2_shards(qwen_v1.v1_weight_files(Path(src))[0], Path(dst), 1 << 40, progress=False)
 else:
     qwen_v1.convert_qwen_checkpoint(src, dst, progress=False)
 seconds = time.perf_counter() - start

@@ -17,14 +17,13 @@ Run: python bench/bench_core.py [--pairs 3]
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _side_by_side import ROOT, alternately, probdiff_eval, timed
+
 REAL_BLOG = ROOT.parent / "shared" / "data" / "probdiff-reference" / "redbook" / "test.json"
 N_QUERIES, MAX_NEW_TOKENS = 32, 64
 
@@ -41,14 +40,6 @@ def queries_file(tmp: Path) -> tuple[Path, str]:
     return path, f"the shipped blog samples (held-out then train), first {N_QUERIES}"
 
 
-def timed(command: list[str]) -> tuple[float, str]:
-    started = time.time()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"failed: {' '.join(command)}\n{result.stderr[-3000:]}")
-    return time.time() - started, result.stdout
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=3, help="alternating runs of each process [3]")
@@ -63,49 +54,18 @@ def main() -> None:
         tmp = Path(tmp_dir)
         queries, source = queries_file(tmp)
         print(f"queries: {source}; max_new_tokens {MAX_NEW_TOKENS}, K = 1, model tiny (fp32, CPU)")
-        ours_runs, plain_runs = [], []
-        for _ in range(args.pairs):
-            ours_runs.append(
-                timed(
-                    [
-                        "probdiff",
-                        "eval",
-                        "--model",
-                        "tiny",
-                        "--device",
-                        "cpu",
-                        "--dtype",
-                        "float32",
-                        "--queries",
-                        str(queries),
-                        "--limit",
-                        str(N_QUERIES),
-                        "--out",
-                        str(tmp / "ours"),
-                        f"max_new_tokens={MAX_NEW_TOKENS}",
-                        "batch_size=32",
-                    ]
-                )[0]
-            )
-            plain_runs.append(
-                timed(
-                    [
-                        sys.executable,
-                        "bench/_plain_loop.py",
-                        str(queries),
-                        str(MAX_NEW_TOKENS),
-                        str(tmp / "plain.json"),
-                        str(N_QUERIES),
-                    ]
-                )[0]
-            )
-        ours_s, plain_s = statistics.median(ours_runs), statistics.median(plain_runs)
+        ours_command = probdiff_eval("tiny", queries, N_QUERIES, tmp / "ours", MAX_NEW_TOKENS, batch_size=32)
+        plain_command = [
+            sys.executable, "bench/_plain_loop.py", str(queries), str(MAX_NEW_TOKENS), str(tmp / "plain.json"),
+            str(N_QUERIES),
+        ]  # fmt: skip
+        runs = alternately(args.pairs, ours_command, plain_command)
+        ours_s, plain_s = runs.medians()
         summary = json.loads((tmp / "ours" / "summary.json").read_text())
         plain = json.loads((tmp / "plain.json").read_text())
         print(
             f"end to end   probdiff eval {ours_s:7.1f} s   plain per-query loop {plain_s:7.1f} s   "
-            f"speed-up {plain_s / ours_s:5.1f}x   (medians of {args.pairs}; "
-            f"ours {', '.join(f'{t:.1f}' for t in ours_runs)} s, plain {', '.join(f'{t:.1f}' for t in plain_runs)} s)"
+            f"speed-up {plain_s / ours_s:5.1f}x   {runs.note()}"
         )
         print(
             f"             (ours: n={summary['n']}, mean answer length {summary['len_response_mean']:.1f} tokens, "

@@ -16,24 +16,15 @@ Run: python bench/bench_eval_smollm2.py [--pairs 3] [--limit 16] [--max-new-toke
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _side_by_side import ROOT, alternately, probdiff_eval
+
 MT_BENCH = ROOT.parent / "shared" / "data" / "probdiff-reference" / "mtbench" / "question.jsonl"
 SAMPLES = ROOT / "data" / "samples" / "summarization" / "heldout.jsonl"
-
-
-def timed(command: list[str]) -> float:
-    started = time.time()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"failed: {' '.join(command)}\n{result.stderr[-3000:]}")
-    return time.time() - started
 
 
 def forward_seconds(dtype: str, tokens: int = 300, rows: int = 8) -> float:
@@ -72,51 +63,18 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        ours_runs, plain_runs = [], []
-        for _ in range(args.pairs):
-            ours_runs.append(
-                timed(
-                    [
-                        "probdiff",
-                        "eval",
-                        "--model",
-                        "smollm2",
-                        "--device",
-                        "cpu",
-                        "--dtype",
-                        "float32",
-                        "--queries",
-                        str(queries),
-                        "--limit",
-                        str(args.limit),
-                        "--out",
-                        str(tmp / "ours"),
-                        f"max_new_tokens={args.max_new_tokens}",
-                        f"batch_size={args.batch_size}",
-                    ]
-                )  # fmt: skip
-            )
-            plain_runs.append(
-                timed(
-                    [
-                        sys.executable,
-                        "bench/_plain_generate.py",
-                        "smollm2",
-                        str(queries),
-                        str(args.limit),
-                        str(args.max_new_tokens),
-                        str(args.batch_size),
-                        str(tmp / "plain.json"),
-                    ]
-                )  # fmt: skip
-            )
-        ours_s, plain_s = statistics.median(ours_runs), statistics.median(plain_runs)
+        ours_command = probdiff_eval("smollm2", queries, args.limit, tmp / "ours", args.max_new_tokens, args.batch_size)
+        plain_command = [
+            sys.executable, "bench/_plain_generate.py", "smollm2", str(queries), str(args.limit),
+            str(args.max_new_tokens), str(args.batch_size), str(tmp / "plain.json"),
+        ]  # fmt: skip
+        runs = alternately(args.pairs, ours_command, plain_command)
+        ours_s, plain_s = runs.medians()
         summary = json.loads((tmp / "ours" / "summary.json").read_text())
         plain = json.loads((tmp / "plain.json").read_text())
     print(
         f"end to end   probdiff eval {ours_s:6.1f} s   plain batched generate {plain_s:6.1f} s   "
-        f"ratio (plain / ours) {plain_s / ours_s:4.2f}x   (medians of {args.pairs}; "
-        f"ours {', '.join(f'{t:.1f}' for t in ours_runs)} s, plain {', '.join(f'{t:.1f}' for t in plain_runs)} s)"
+        f"ratio (plain / ours) {plain_s / ours_s:4.2f}x   {runs.note()}"
     )
     ours_length = (summary["len_response_mean"] + summary["len_revised_mean"]) / 2
     print(

@@ -345,7 +345,7 @@ def test_state_dict_mapping_per_shard(v1_sd):
 
 
 def test_output_shards_respect_max_shard_size(v1_dir, tmp_path):
-    files, _ = qwen_v1._v1_weight_files(v1_dir)
+    files, _ = qwen_v1.v1_weight_files(v1_dir)
     qwen_v1._write_qwen2_shards(files, tmp_path, 2 * 2**20, progress=False)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -594,7 +594,7 @@ MEMORY_PROBE = textwrap.dedent(
     from probdiff_callback.models import qwen_v1
 
     def convert(src, dst):
-        qwen_v1._write_qwen2_shards(qwen_v1._v1_weight_files(Path(src))[0], Path(dst), 1 << 40, progress=False)
+        qwen_v1._write_qwen2_shards(qwen_v1.v1_weight_files(Path(src))[0], Path(dst), 1 << 40, progress=False)
 
     def status_kib(field):
         return int(open("/proc/self/status").read().split(field + ":")[1].split()[0])

@@ -58,6 +58,23 @@ def next_stage(run: EvaluationRun, n_revisions: int) -> str:
     return "answer" if calls_so_far % (1 + n_revisions) == 0 else "revision"
 
 
+def timed_by_stage(
+    run: EvaluationRun, n_revisions: int, device: torch.device, generate: Callable, decode_call: Callable
+) -> Callable:
+    """`generate` (one of the evaluator's generation calls), its time added to the run's stage (`next_stage`) and
+    `decode_call(args, result)`, the call's lengths for the floor, recorded under that stage."""
+
+    def timed(*args, **kwargs):
+        stage = next_stage(run, n_revisions)
+        started = clock(device)
+        result = generate(*args, **kwargs)
+        run.seconds[stage] += clock(device) - started
+        run.decode_calls[stage].append(decode_call(args, result))
+        return result
+
+    return timed
+
+
 @contextlib.contextmanager
 def timed_scoring(run: EvaluationRun, device: torch.device) -> Iterator[None]:
     """Time score_texts, which `evaluate` calls by its module-level name for each scoring batch whatever engine
@@ -80,7 +97,6 @@ def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device:
     """Time the evaluator's stages by wrapping the functions `evaluate` calls by their module-level names: for
     each batch it calls generate_texts once for the answers, once per revision round, then score_texts.
     `decode` replaces sample_continuations, which generate_texts calls; it also records lengths for the floor."""
-    original_generate_texts = evaluator.generate_texts
     last_call: list[DecodeCall] = []
 
     def recording_decode(model, prompts, *args, **kwargs):
@@ -88,14 +104,9 @@ def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device:
         last_call.append(DecodeCall([len(p) for p in prompts], [len(g) for g in generated]))
         return generated
 
-    def timed_generate_texts(*args, **kwargs):
-        stage = next_stage(run, n_revisions)
-        started = clock(device)
-        texts = original_generate_texts(*args, **kwargs)
-        run.seconds[stage] += clock(device) - started
-        run.decode_calls[stage].append(last_call.pop())
-        return texts
-
+    timed_generate_texts = timed_by_stage(
+        run, n_revisions, device, evaluator.generate_texts, lambda args, texts: last_call.pop()
+    )
     with (
         patched(evaluator, "sample_continuations", recording_decode),
         patched(evaluator, "generate_texts", timed_generate_texts),

@@ -26,17 +26,17 @@ from probdiff_callback.core.engines import Generated, cut_at_stop
 from probdiff_callback.core.queries import Query
 
 from .decoding_paths import PATHS
-from .device import clock, guarded
+from .device import guarded
 from .evaluation import (
     DecodeCall,
     EvaluationRun,
     Floors,
     evaluation_figure,
     evaluation_floors,
-    next_stage,
     patched,
     scoring_figure,
     stage_figure,
+    timed_by_stage,
     timed_evaluation,
     timed_scoring,
 )
@@ -145,15 +145,11 @@ def instrumented_engine(run: EvaluationRun, engine, n_revisions: int, device: to
         text = original_decoded(tokenizer, token_ids, finish_reason, stop_ids)
         return CountedText(text.text, text.capped, len(cut_at_stop(list(token_ids), stop_ids)))
 
-    def timed_generate(requests, max_new_tokens, *args, **kwargs):
-        stage = next_stage(run, n_revisions)
-        started = clock(device)
-        generated = original_generate(requests, max_new_tokens, *args, **kwargs)
-        run.seconds[stage] += clock(device) - started
-        lengths = [text.n_tokens for text in generated]
-        run.decode_calls[stage].append(DecodeCall([len(r.prompt_ids) for r in requests], lengths))
-        return generated
+    def decode_call(args, generated: Sequence[CountedText]) -> DecodeCall:
+        requests = args[0]
+        return DecodeCall([len(r.prompt_ids) for r in requests], [text.n_tokens for text in generated])
 
+    timed_generate = timed_by_stage(run, n_revisions, device, original_generate, decode_call)
     with (
         patched(vllm_engine, "decoded", counting_decoded),
         patched(engine, "generate", timed_generate),

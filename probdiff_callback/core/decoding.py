@@ -13,7 +13,8 @@ large part of a decoding step (docs/benchmarks.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -109,6 +110,7 @@ def sample_continuations(
     n_valid_ids: int | None = None,
     synced_gpus: bool = False,
     stop_early: Callable[[], bool] | None = None,
+    generation_options: Mapping[str, Any] | None = None,
 ) -> list[list[int]]:
     """The token ids sampled after each prompt, up to (not including) a stop id; a row that drew none within
     `max_new_tokens` steps was cut there (`hit_cap`).
@@ -116,6 +118,10 @@ def sample_continuations(
     Row i draws from `seeds[i]` alone, so its ids do not depend on the other rows. Ids at or past `n_valid_ids`
     (vocabulary rows without text) are never sampled. When `stop_early()` turns true, generation ends at the next
     token (the caller then drops the batch).
+
+    `generation_options` are further `GenerationConfig` fields for how generate runs, not what it draws (the GPU
+    kit's `cache_implementation="static"`, `disable_compile`); one that the sampler's configuration sets itself
+    (`do_sample`, `max_new_tokens`, the token ids) is a TypeError.
     """
     device = split_model(model)[1].weight.device
     input_ids, attention_mask = (t.to(device) for t in left_padded(prompts, pad_token_id))
@@ -136,6 +142,7 @@ def sample_continuations(
         eos_token_id=sorted(stop_ids),
         pad_token_id=pad_token_id,
         bos_token_id=None,
+        **(generation_options or {}),
     )
     output = model.generate(
         input_ids=input_ids,

@@ -44,14 +44,6 @@ __all__ = [
     "parse_dtype",
     "resolve_model_path",
 ]
-_LOADING = (
-    "default_device",
-    "is_qwen_v1",
-    "load_model_and_tokenizer",
-    "load_tokenizer",
-    "parse_dtype",
-    "resolve_model_path",
-)
 
 if TYPE_CHECKING:
     from probdiff_callback.models.loading import (
@@ -65,7 +57,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LOADING:
+    # called only for a name this module has not bound: of `__all__`, the loader's, imported on first use
+    if name not in __all__:
         raise AttributeError(f"module 'probdiff_callback.models' has no attribute {name!r}")
     value = getattr(importlib.import_module("probdiff_callback.models.loading"), name)
     globals()[name] = value

@@ -27,16 +27,16 @@ from probdiff_callback.models.qwen_v1_weights import (
     QWEN2_TO_V1_MODULE_NAMES,
     QWEN_V1_STOP_IDS,
     V1_TO_QWEN2,
-    _file_keys,
-    _iter_file_tensors,
-    _v1_weight_files,
     check_v1_keys,
     convert_v1_state_dict,
     convert_v1_tensor,
     expected_v1_keys,
+    file_keys,
+    iter_file_tensors,
     qwen2_config_from_v1,
     qwen2_generation_config,
     qwen2_names,
+    v1_weight_files,
 )
 from probdiff_callback.models.tokenizer import (
     bundled_tiktoken_file,
@@ -76,9 +76,9 @@ def _v1_source(src: Path) -> tuple[dict[str, Any], Qwen2Config, list[Path]]:
         raise FileNotFoundError(f"{src / 'config.json'} not found")
     v1_config = _read_json(src / "config.json")
     config = qwen2_config_from_v1(v1_config)
-    files, keys = _v1_weight_files(src)
+    files, keys = v1_weight_files(src)
     if keys is None:
-        keys = [key for path in files for key in _file_keys(path)]
+        keys = [key for path in files for key in file_keys(path)]
     check_v1_keys(keys, config.num_hidden_layers)
     return v1_config, config, files
 
@@ -125,7 +125,7 @@ def _write_qwen2_shards(files: list[Path], dst: Path, max_shard_bytes: int, prog
         buffer, buffered_bytes = {}, 0
 
     for path in tqdm(files, desc="Converting Qwen v1 shards", unit="shard", disable=not progress):
-        for key, tensor in _iter_file_tensors(path):
+        for key, tensor in iter_file_tensors(path):
             for new_key, new_tensor in convert_v1_tensor(key, tensor):
                 size = new_tensor.numel() * new_tensor.element_size()
                 if buffer and buffered_bytes + size > max_shard_bytes:
@@ -187,7 +187,7 @@ def _qwen2_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
     """The whole checkpoint under Qwen2 names, as views of the memory-mapped files: nothing is read here."""
     state_dict: dict[str, torch.Tensor] = {}
     for path in files:
-        for key, tensor in _iter_file_tensors(path):
+        for key, tensor in iter_file_tensors(path):
             state_dict.update(convert_v1_tensor(key, tensor))
     return state_dict
 

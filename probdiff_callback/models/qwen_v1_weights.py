@@ -254,7 +254,7 @@ def check_v1_keys(keys: Iterable[str], num_hidden_layers: int) -> None:
 
 
 # --- reading a v1 checkpoint --------------------------------------------------------------
-def _v1_weight_files(src: Path) -> tuple[list[Path], list[str] | None]:
+def v1_weight_files(src: Path) -> tuple[list[Path], list[str] | None]:
     """The checkpoint's weight files in index order (safetensors preferred when both exist), and the
     weight names its index lists (None without an index)."""
     for index_name, single_name in (
@@ -289,7 +289,7 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _file_keys(path: Path) -> list[str]:
+def file_keys(path: Path) -> list[str]:
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -298,7 +298,7 @@ def _file_keys(path: Path) -> list[str]:
     return list(_load_bin(path).keys())
 
 
-def _iter_file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of one weight file, one at a time, memory-mapped (safetensors' `get_tensor`, and
     `torch.load(mmap=True)` for .bin): a tensor's bytes are read from disk only when something uses them."""
     if path.suffix == ".safetensors":
