@@ -17,9 +17,11 @@ from transformers import EarlyStoppingCallback
 
 import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
+from probdiff_callback.callback import distributed
 from probdiff_callback.callback.distributed import preserved_rng_state
 from probdiff_callback.callback.metrics import metrics_from_summary
-from probdiff_callback.callback.probdiff import ProbDiffCallback, distributed, select_queries
+from probdiff_callback.callback.probdiff import ProbDiffCallback
+from probdiff_callback.callback.schedule import select_queries
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.metric import compare, summarize
