@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from test_selection_plot import GOOD, MIXED, POOR, write_run
+from _runs import GOOD, MIXED, POOR, write_run
 
 from probdiff_callback.analysis.disagreement import find_disagreements, format_disagreements
 from probdiff_callback.callback import alerts

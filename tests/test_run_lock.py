@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sft import CHEAP, run_sft, sft_command, sft_env
+from _launch import CHEAP, run_sft, sft_command, sft_env
 
 from train.recipe import RecipeError
 from train.run_lock import LOCK_FILE, hold_run_dir, raise_if_held

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import shlex
 from collections import Counter
 from pathlib import Path
@@ -31,10 +32,12 @@ from train.wandb_run import (
     plan_init,
     read_run_id,
     read_step_record,
+    setup_wandb,
     start_run,
     start_wandb,
     step_recorder,
     sync_command,
+    wandb_logged_in,
     write_step_record,
 )
 
@@ -371,3 +374,36 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
     # offline: two segments of the one run, and the printed command uploads exactly them
     segments = sorted(glob.glob(shlex.split(sync_command(tmp_path / "wandb", run_id))[-1]))
     assert len(segments) == 2 and segments == sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
+
+
+def test_wandb_offline_when_not_logged_in(tmp_path, monkeypatch):
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert not wandb_logged_in()
+    recipe = load_recipe(["recipe=blog"])
+    sync = setup_wandb(recipe, tmp_path / "run")
+    assert os.environ["WANDB_MODE"] == "offline" and os.environ["WANDB_PROJECT"] == "probdiff-blog"
+    assert sync == f"wandb sync {tmp_path / 'run' / 'wandb' / 'offline-run-*'}"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    assert wandb_logged_in()
+    monkeypatch.delenv("WANDB_MODE")
+    assert setup_wandb(load_recipe(["recipe=blog", "report_to=none"]), tmp_path / "run") is None
+    assert "WANDB_MODE" not in os.environ
+
+
+def test_wandb_run_config_holds_the_project_keys(tmp_path, monkeypatch):
+    """The Trainer's integration logs the SFTConfig; the project's own keys go in at the start, as `recipe`."""
+    import wandb
+
+    calls = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    added = []
+    trainer = SimpleNamespace(args=SimpleNamespace(run_name="blog/run"), add_callback=added.append)
+    sync = start_wandb(load_recipe(["recipe=blog", "model=tiny"]), tmp_path, None, trainer)
+    assert [type(c).__name__ for c in added] == ["WandbStepRecord"]
+    config = calls[0]["config"]["recipe"]
+    assert config["model"] == "tiny" and config["lora"]["r"] == 64 and config["probdiff"]["n_queries"] == 12
+    assert config["task"] == "blog" and "learning_rate" not in config
+    assert calls[0]["name"] == "blog/run" and sync is not None and sync.startswith("wandb sync --id")

@@ -35,11 +35,28 @@ def configure_logging() -> None:
     library.setLevel(logging.INFO if is_main_process() else logging.WARNING)
     if any(getattr(handler, "probdiff_console", False) for handler in library.handlers):
         return  # configured by an earlier run in this process
-    out = logging.StreamHandler(sys.stdout)
+    out = _Console("stdout")
     out.addFilter(lambda record: record.levelno < logging.WARNING)
-    err = logging.StreamHandler(sys.stderr)
+    err = _Console("stderr")
     err.setLevel(logging.WARNING)
     for handler in (out, err):
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler.probdiff_console = True  # type: ignore[attr-defined]
         library.addHandler(handler)
+
+
+class _Console(logging.StreamHandler):
+    """A handler on `sys.stdout` or `sys.stderr` as they are when a record comes, not when it was made (a test or a
+    notebook may swap them between runs)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return getattr(sys, self._name)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler sets it; ours is looked up
+        pass

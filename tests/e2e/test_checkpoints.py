@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_sft import CHEAP, history_rows, run_sft
+from _launch import CHEAP, history_rows, run_sft
 from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
 from probdiff_callback.runs.checkpoints import checkpoint_problem, weights_problem
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ARGS = ["recipe=blog", *CHEAP, "output_dir=run"]  # 2 steps, a checkpoint at each
 

@@ -5,15 +5,11 @@ run-directory helpers."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from probdiff_callback.models import PRESETS
-from train.data import data_files
-from train.model_setup import quantization_config
 from train.recipe import (
     RECIPES_DIR,
     SFT_DEFAULTS,
@@ -25,8 +21,6 @@ from train.recipe import (
     load_recipe,
     sft_config,
 )
-from train.run_dir import default_run_name, resolve_run
-from train.wandb_run import setup_wandb, start_wandb, wandb_logged_in
 
 TASK_RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 MODEL_FILES = sorted((RECIPES_DIR / "models").glob("*.yaml"))
@@ -387,127 +381,10 @@ def test_cross_field_validation():
         load_recipe(["recipe=blog", "model"])
 
 
-def test_lora_targets_fit_the_architecture(tiny_model):
-    from peft import LoraConfig, get_peft_model
-
-    from train.model_setup import lora_targets
-
-    model, _ = tiny_model
-    assert lora_targets(model, ["all-linear"]) == "all-linear"
-    assert lora_targets(model, ["q_proj", "v_proj"]) == ["q_proj", "v_proj"]
-    with pytest.raises(
-        RecipeError, match=r"c_attn match no module of Qwen2ForCausalLM; its linear layers are .*q_proj"
-    ):
-        lora_targets(model, ["q_proj", "c_attn"])
-    # all-linear on Qwen2 is the paper setup's 7 projections, not the LM head
-    import copy
-
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules="all-linear"))
-    targets = {name.rsplit(".", 1)[-1] for name in peft_model.peft_config["default"].target_modules}
-    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-
-
-def test_qlora_needs_cuda_here():
-    import torch
-
-    recipe = load_recipe(["recipe=blog", "quantization=4bit"])
-    if torch.cuda.is_available():
-        pytest.skip("checks the error CPU-only machines give; with CUDA, 4-bit loading is allowed")
-    with pytest.raises(RecipeError, match="needs an NVIDIA GPU with CUDA and the bitsandbytes package"):
-        quantization_config(recipe)
-
-
 # --- data ----------------------------------------------------------------------------------------
-def test_missing_prepared_data_falls_back_to_samples_with_a_notice(tmp_path):
-    recipe = load_recipe(["recipe=blog", f"train_file={tmp_path}/none.jsonl", f"heldout_file={tmp_path}/none2.jsonl"])
-    train, heldout, notices = data_files(recipe)
-    assert train.parts[-3:] == ("samples", "blog", "train.jsonl") and heldout.name == "heldout.jsonl"
-    assert len(notices) == 2 and "python data/prepare.py blog" in notices[0]
-
-
-def test_missing_alignbench_training_file_stops_with_a_message(tmp_path):
-    recipe = load_recipe(["recipe=alignbench", f"train_file={tmp_path}/mine.jsonl"])
-    expected = r"AlignBench training data not found at .*mine.jsonl: run `python data/prepare.py alignbench`, which "
-    with pytest.raises(RecipeError, match=expected + r"downloads .*gpt_generate_train.json.*--train FILE"):
-        data_files(recipe)
-    tiny = load_recipe(["recipe=alignbench", "model=tiny", f"train_file={tmp_path}/mine.jsonl"])
-    train, _, notices = data_files(tiny)
-    assert train.parts[-3:] == ("samples", "alignbench", "train.jsonl") and "offline samples" in notices[0]
 
 
 # --- W&B and runs ----------------------------------------------------------------------------------
-def test_wandb_offline_when_not_logged_in(tmp_path, monkeypatch):
-    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    assert not wandb_logged_in()
-    recipe = load_recipe(["recipe=blog"])
-    sync = setup_wandb(recipe, tmp_path / "run")
-    assert os.environ["WANDB_MODE"] == "offline" and os.environ["WANDB_PROJECT"] == "probdiff-blog"
-    assert sync == f"wandb sync {tmp_path / 'run' / 'wandb' / 'offline-run-*'}"
-    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
-    assert wandb_logged_in()
-    monkeypatch.delenv("WANDB_MODE")
-    assert setup_wandb(load_recipe(["recipe=blog", "report_to=none"]), tmp_path / "run") is None
-    assert "WANDB_MODE" not in os.environ
-
-
-def test_wandb_run_config_holds_the_project_keys(tmp_path, monkeypatch):
-    """The Trainer's integration logs the SFTConfig; the project's own keys go in at the start, as `recipe`."""
-    import wandb
-
-    calls = []
-    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    added = []
-    trainer = SimpleNamespace(args=SimpleNamespace(run_name="blog/run"), add_callback=added.append)
-    sync = start_wandb(load_recipe(["recipe=blog", "model=tiny"]), tmp_path, None, trainer)
-    assert [type(c).__name__ for c in added] == ["WandbStepRecord"]
-    config = calls[0]["config"]["recipe"]
-    assert config["model"] == "tiny" and config["lora"]["r"] == 64 and config["probdiff"]["n_queries"] == 12
-    assert config["task"] == "blog" and "learning_rate" not in config
-    assert calls[0]["name"] == "blog/run" and sync is not None and sync.startswith("wandb sync --id")
-
-
-def test_run_name_is_stable_and_ignores_run_level_keys():
-    a = load_recipe(["recipe=blog", "model=tiny"])
-    b = load_recipe(["recipe=blog", "model=tiny", "report_to=none", "resume=true"])
-    c = load_recipe(["recipe=blog", "model=tiny", "learning_rate=1e-3"])
-    assert default_run_name(a) == default_run_name(b) != default_run_name(c)
-    assert default_run_name(a).startswith("tiny-")
-
-
-def write_whole_checkpoint(path: Path) -> None:
-    """The files of a LoRA checkpoint, small but whole (`probdiff_callback.runs.checkpoints` checks their headers)."""
-    import numpy as np
-    import torch
-    from safetensors.numpy import save_file
-
-    path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text("{}")
-    (path / "adapter_config.json").write_text("{}")
-    save_file({"lora_A": np.zeros((2, 2), dtype=np.float32)}, str(path / "adapter_model.safetensors"))
-    for name in ("optimizer.pt", "scheduler.pt"):
-        torch.save({}, path / name)
-
-
-def test_resolve_run_resume_and_existing_checkpoints(tmp_path):
-    run = tmp_path / "run"
-    recipe = load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}"])
-    assert resolve_run(recipe) == (run, None)
-    for step in (4, 12, 8):
-        write_whole_checkpoint(run / f"checkpoint-{step}")
-    with pytest.raises(RecipeError, match="already has checkpoints .checkpoint-12.*resume=true"):
-        resolve_run(recipe)
-    assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "resume=true"])) == (
-        run,
-        str(run / "checkpoint-12"),
-    )
-    other = load_recipe(["recipe=blog", "model=tiny", f"resume={run / 'checkpoint-4'}"])
-    assert resolve_run(other) == (run, str(run / "checkpoint-4"))  # the checkpoint's own run goes on
-    with pytest.raises(RecipeError, match="not a training checkpoint"):
-        resolve_run(load_recipe(["recipe=blog", f"resume={tmp_path}"]))
-    assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "overwrite=true"])) == (run, None)
 
 
 def test_schema_defaults_validate():

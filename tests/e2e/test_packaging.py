@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(command: list[str], cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

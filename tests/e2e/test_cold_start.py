@@ -12,7 +12,7 @@ import pytest
 
 from probdiff_callback.models.cache import is_complete
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHEAP = [
     "recipe=blog",
     "model=tiny",
@@ -32,7 +32,10 @@ LAUNCHERS = {
     "zero3": ["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false"],
 }
 
-pytestmark = pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+pytestmark = [
+    pytest.mark.slow,  # every test here starts processes
+    pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher"),
+]
 
 
 @pytest.mark.parametrize("mode", sorted(LAUNCHERS))

@@ -22,7 +22,7 @@ from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import read_jsonl
 from probdiff_callback.runs import run_files
 
-SCRIPT = Path(__file__).with_name("_distributed_eval.py")
+SCRIPT = Path(__file__).resolve().parents[1] / "_distributed_eval.py"
 LAUNCH_TIMEOUT_S = 420  # a hang (unequal collective calls) fails the test instead of blocking CI
 
 LAUNCHERS = {
@@ -31,7 +31,10 @@ LAUNCHERS = {
     "zero3": ["--use_deepspeed", "--zero_stage", "3"],
 }
 
-pytestmark = pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
+pytestmark = [
+    pytest.mark.slow,  # every test here starts processes
+    pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher"),
+]
 
 
 def launch(mode: str, model_path: Path, out: Path) -> list[dict]:

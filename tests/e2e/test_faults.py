@@ -14,12 +14,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_sft import CHEAP, history_rows, run_sft, sft_command, sft_env
+from _launch import CHEAP, history_rows, run_sft, sft_command, sft_env
 
 from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.runs.checkpoints import checkpoints
 from probdiff_callback.runs.run_files import RunFiles, read_history
 from probdiff_callback.runtime import faults
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS = 4
 SETTINGS = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], f"max_steps={STEPS}"]

@@ -1,0 +1,55 @@
+"""The one way tests start the training script as a process, as a user does: `python train/sft.py` or `accelerate
+launch [--num_processes N --multi_gpu] train/sft.py`, offline, with W&B off, and what they read back from a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT = ROOT / "train" / "sft.py"
+# A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
+CHEAP = [
+    "model=tiny",
+    "report_to=none",
+    "max_steps=2",
+    "eval_steps=1",
+    "save_steps=1",
+    "logging_steps=1",
+    "probdiff.n_queries=3",
+    "probdiff.max_new_tokens=8",
+    "max_eval_samples=2",
+    "per_device_train_batch_size=2",
+    "per_device_eval_batch_size=2",
+]
+
+
+def sft_command(launcher: str = "python", processes: int = 1) -> list[str]:
+    """The command line that starts train/sft.py: the script itself, or through `accelerate launch`."""
+    if launcher == "accelerate":
+        several = ["--multi_gpu"] if processes > 1 else []
+        accelerate = shutil.which("accelerate") or "accelerate"
+        return [accelerate, "launch", "--num_processes", str(processes), *several, str(SFT)]
+    return [sys.executable, str(SFT)]
+
+
+def sft_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **extra}
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def run_sft(
+    args: list[str], cwd: Path, launcher: str = "python", timeout: int = 600, processes: int = 1, **env: str
+) -> subprocess.CompletedProcess:
+    """train/sft.py run to its end in `cwd`; its output captured."""
+    command = sft_command(launcher, processes) + args
+    return subprocess.run(command, cwd=cwd, env=sft_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def history_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "probdiff" / "history.jsonl").read_text().splitlines()]

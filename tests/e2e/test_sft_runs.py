@@ -1,0 +1,186 @@
+"""train/sft.py as a user starts it, end to end with model=tiny for every recipe (a few steps, offline, report_to=none,
+in a temporary directory): the run's files, resume, truncation accounting, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from _launch import CHEAP, ROOT, history_rows, run_sft, sft_command, sft_env
+
+from probdiff_callback.runtime.threads import choose_threads
+from train.recipe import TASKS
+
+pytestmark = pytest.mark.slow  # every test here starts the training script
+
+
+def assert_self_contained(directory: Path) -> None:
+    assert (directory / "adapter_config.json").is_file() and (directory / "adapter_model.safetensors").is_file()
+    assert (directory / "tokenizer_config.json").is_file() and (directory / "tokenizer.json").is_file()
+    template = directory / "chat_template.jinja"
+    has_template = template.is_file() or "chat_template" in json.loads(
+        (directory / "tokenizer_config.json").read_text()
+    )
+    assert has_template
+    stops = json.loads((directory / "generation_config.json").read_text())["eos_token_id"]
+    assert 151645 in (stops if isinstance(stops, list) else [stops])  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def blog_run(tmp_path_factory, tiny_model_path):
+    cwd = tmp_path_factory.mktemp("blog")
+    result = run_sft(["recipe=blog", *CHEAP, "output_dir=runs/blog/test"], cwd, launcher="accelerate")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return cwd / "runs/blog/test", result
+
+
+def test_blog_end_to_end_through_accelerate_launch(blog_run):
+    run_dir, result = blog_run
+    out = result.stdout
+    rows = history_rows(run_dir)
+    assert [(r["global_step"], r["kind"]) for r in rows] == [(0, "baseline"), (1, "evaluate"), (2, "evaluate")]
+    assert all(r["summary"] is not None and r["summary"]["n"] == 3 and r["error"] is None for r in rows)
+    for step in (1, 2):
+        assert_self_contained(run_dir / f"checkpoint-{step}")
+        assert rows[step]["checkpoint"] is not None
+    assert_self_contained(run_dir / "final")
+    assert (run_dir / "best").is_symlink() and (run_dir / "best").resolve().name in ("checkpoint-1", "checkpoint-2")
+    assert (run_dir / "probdiff" / "probdiff.png").is_file()
+    # the resolved config is saved and loads back
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(run_dir / "recipe.yaml")
+    assert saved.model == "tiny" and saved.max_steps == 2 and saved.lora.r == 64
+    # threads: accelerate's injected OMP_NUM_THREADS=1 is replaced by the machine's free cores
+    cores = len(os.sched_getaffinity(0))
+    chosen = re.search(
+        r"(\d+) CPU threads per process \((\d+) cores(?:, (\d+) busy with other processes,)? / 1 local", out
+    )
+    assert chosen is not None, out
+    count, seen_cores, busy = int(chosen[1]), int(chosen[2]), int(chosen[3] or 0)
+    assert seen_cores == cores and count == choose_threads(cores, 1, busy)
+    # the summary table: step, loss, confidence with interval, mean d, and where everything is
+    assert "step" in out and "eval loss" in out and "95% CI" in out and "mean d" in out
+    table = out[out.index("ProbDiff over training") :]
+    assert len([line for line in table.splitlines() if line.strip().startswith(("0 ", "1 ", "2 "))]) >= 3
+    # how many answers/revisions hit the cap (8 new tokens cut most of the tiny model's answers)
+    assert "capped: answers/revisions that hit max_new_tokens=8" in table
+    for row in rows:
+        line = next(line for line in table.splitlines() if line.strip().startswith(f"{row['global_step']} "))
+        assert f"{row['summary']['n_capped']}/{row['summary']['n_revision_capped']}" in line.split()  # its own cell
+    assert any(row["summary"]["n_capped"] > 0 for row in rows)
+    assert "offline samples" in out and "Best checkpoint: step" in out and f"{run_dir.name}/best" in out
+    card = (run_dir / "README.md").read_text()
+    assert "[None]" not in card and "`probdiff tiny`" in card and 'model="None"' not in card
+
+
+def test_checkpoint_loads_for_probdiff_eval(blog_run):
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    run_dir, _ = blog_run
+    model, tokenizer = load_model_and_tokenizer(
+        "tiny", adapter=str(run_dir / "checkpoint-2"), dtype="float32", device="cpu"
+    )
+    assert type(model).__name__ == "PeftModelForCausalLM" and tokenizer.chat_template
+
+
+def test_resume_latest_checkpoint(blog_run):
+    run_dir, _ = blog_run
+    cwd = run_dir.parents[2]
+    again = run_sft(["recipe=blog", *CHEAP, "output_dir=runs/blog/test"], cwd)
+    assert again.returncode == 2 and "already has checkpoints" in again.stderr and "resume=true" in again.stderr
+    resumed = run_sft(
+        [
+            "recipe=blog",
+            *[a for a in CHEAP if not a.startswith("max_steps")],
+            "max_steps=3",
+            "output_dir=runs/blog/test",
+            "resume=true",
+        ],
+        cwd,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = history_rows(run_dir)
+    assert [r["global_step"] for r in rows] == [0, 1, 2, 3]  # the earlier rows kept, step 3 added
+    state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    # every step's eval loss logged once: the resumed process does not evaluate step 2 again at its start
+    assert [entry["step"] for entry in state["log_history"] if "eval_loss" in entry] == [0, 1, 2, 3]
+    assert_self_contained(run_dir / "checkpoint-3")
+
+
+def summarization_prompts_reaching(qwen_tokenizer, length: int) -> tuple[int, int]:
+    """(conversations whose prompt alone fills `length` tokens, all conversations) of the summarization samples,
+    counted from prompt lengths, independently of sft.py's assistant-mask count."""
+    train = [json.loads(line) for line in (ROOT / "data/samples/summarization/train.jsonl").read_text().splitlines()]
+    reaching = sum(
+        len(
+            qwen_tokenizer.apply_chat_template(
+                r["messages"][:-1], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        >= length
+        for r in train
+    )
+    return reaching, len(train)
+
+
+# summarization runs with max_length=300: some sample articles fill it before the summary starts
+EXTRA = {"translation": [], "summarization": ["max_length=300"], "alignbench": []}
+
+
+@pytest.mark.parametrize("task", [t for t in TASKS if t != "blog"])
+def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenizer):
+    result = run_sft([f"recipe={task}", *CHEAP, "max_steps=1", "output_dir=run", *EXTRA[task]], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = history_rows(tmp_path / "run")
+    assert [r["global_step"] for r in rows] == [0, 1] and all(r["summary"] is not None for r in rows)
+    assert_self_contained(tmp_path / "run" / "checkpoint-1")
+    if task == "alignbench":
+        assert "data/samples/alignbench/train.jsonl" in result.stdout  # the tiny fallback says so
+        assert "ProbDiff: no reference metric for" in result.stdout
+        assert all("reference" not in r["summary"] for r in rows)
+    else:  # reference metrics in the history and the summary table, and the cross-check line
+        names = {"translation": ["BLEU", "chrF"], "summarization": ["ROUGE-1", "ROUGE-2", "ROUGE-L"]}[task]
+        table = result.stdout[result.stdout.index("ProbDiff over training") :]
+        assert all(name in table.splitlines()[1] for name in names) and "vs base" in table
+        assert all(r["summary"]["reference"]["overall"] for r in rows)
+        assert rows[1]["vs_base"] is not None and rows[1]["eval_loss"] is not None
+    assert "Cross-check over 2 steps" in result.stdout
+    if task == "summarization":
+        # conversations that truncation leaves with no assistant token are counted and named, not dropped silently
+        reaching, total = summarization_prompts_reaching(qwen_tokenizer, 300)
+        assert 0 < reaching < total
+        assert f"warning: {reaching} of {total} training conversations keep no assistant token" in result.stdout
+    else:
+        assert "training conversations: all" in result.stdout
+
+
+def test_ctrl_c_says_how_to_continue(tmp_path, tiny_model_path):
+    """SIGINT after the first checkpoint (Ctrl-C at the terminal): no traceback, exit 130, one line naming the
+    checkpoint and the command that continues the run."""
+    import signal
+    import time
+
+    args = ["recipe=blog", *CHEAP, "max_steps=50", "output_dir=runs/blog/ctrl-c"]
+    process = subprocess.Popen(
+        [*sft_command(), *args], cwd=tmp_path, env=sft_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        # a shell's background job ignores SIGINT, and the child would inherit that: give it a terminal's default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    first = tmp_path / "runs/blog/ctrl-c/checkpoint-1"
+    deadline = time.time() + 300
+    while not (first / "trainer_state.json").is_file() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    hint = next(line for line in out.splitlines() if line.startswith("interrupted: "))
+    assert "the last checkpoint is runs/blog/ctrl-c/checkpoint-" in hint
+    assert hint.endswith("train/sft.py " + " ".join(args) + " resume=true")
