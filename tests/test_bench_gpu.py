@@ -132,6 +132,7 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_the_table_has_every_row(tiny_run):
     stdout, _ = tiny_run
     rows = table_rows(stdout)
@@ -144,6 +145,7 @@ def test_the_table_has_every_row(tiny_run):
         assert package in rows["versions"][0]
 
 
+@pytest.mark.slow
 def test_cuda_only_measurements_say_why_they_were_skipped(tiny_run):
     rows = table_rows(tiny_run[0])
     for name in ("generate + static cache + torch.compile: evaluation", "QLoRA step"):
@@ -151,12 +153,14 @@ def test_cuda_only_measurements_say_why_they_were_skipped(tiny_run):
         assert value == "skipped" and "CUDA" in reason
 
 
+@pytest.mark.slow
 def test_the_output_says_rows_run_to_the_cap(tiny_run):
     stdout, figures = tiny_run
     assert "every row runs to max_new_tokens" in stdout
     assert any("every row runs to max_new_tokens" in note for note in figures["notes"])
 
 
+@pytest.mark.slow
 def test_json_holds_the_table_with_finite_positive_figures(tiny_run):
     stdout, figures = tiny_run
     names = [figure["name"] for figure in figures["figures"]]
@@ -180,6 +184,7 @@ def test_json_holds_the_table_with_finite_positive_figures(tiny_run):
         assert 0 < share < 1
 
 
+@pytest.mark.slow
 def test_the_vllm_path_runs_where_vllm_is_found(tiny_run):
     rows = table_rows(tiny_run[0])
     if not vllm_expected():
@@ -193,6 +198,7 @@ def test_the_vllm_path_runs_where_vllm_is_found(tiny_run):
     assert "the speed of ours" in rows[f"{VLLM_LABEL}: evaluation"][1]
 
 
+@pytest.mark.slow
 def test_no_vllm_server_outlives_the_run(tiny_run):
     left = [line for line in command_lines() if SCRATCH_PREFIX in line]
     assert not left, f"the kit's vLLM server is still running: {left}"

@@ -169,6 +169,7 @@ class Zero3Accelerator:
         return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fails", [False, True])
 @pytest.mark.parametrize("gather_params", [True, False])
 def test_unwrapping_restores_zero3_hooks_and_the_runs_checkpointing_even_when_evaluation_fails(
@@ -228,6 +229,7 @@ def test_options_are_validated():
         ProbDiffConfig(n_queries=0)
 
 
+@pytest.mark.slow
 def test_queries_come_from_strings_chats_datasets_or_the_trainers_eval_dataset(tmp_path, tiny_model_path):
     from datasets import Dataset
 
@@ -262,6 +264,7 @@ def test_queries_come_from_strings_chats_datasets_or_the_trainers_eval_dataset(t
 # ---- training runs ----
 
 
+@pytest.mark.slow
 def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, tiny_model_path, tiny_model, caplog):
     run = tmp_path / "run"
     trainer = build_trainer(
@@ -364,6 +367,7 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     assert selection.best_checkpoint.checkpoint == trainer.state.best_model_checkpoint
 
 
+@pytest.mark.slow
 def test_tied_confidences_select_the_checkpoint_the_trainer_keeps(tmp_path, tiny_model_path, monkeypatch):
     """On 2 queries every step is 100% confident: `probdiff select`, RUN_DIR/best and the Trainer's
     best_model_checkpoint all name the first tied step. With eval_on_start the baseline runs in the Trainer's step-0
@@ -424,6 +428,7 @@ def test_tied_confidences_select_the_checkpoint_the_trainer_keeps(tmp_path, tiny
     assert best.resolve() == Path(trainer.state.best_model_checkpoint).resolve()
 
 
+@pytest.mark.slow
 def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, tiny_model_path):
     def losses(run: Path, with_callback: bool) -> list[float]:
         trainer = build_trainer(
@@ -442,6 +447,7 @@ def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, ti
     assert [r["global_step"] for r in history_rows(tmp_path / "evaluated")] == [0, 2, 3]
 
 
+@pytest.mark.slow
 def test_every_second_evaluation_and_the_last_step_at_the_end(tmp_path, tiny_model_path):
     run = tmp_path / "run"
     trainer = build_trainer(tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="no")
@@ -456,6 +462,7 @@ def test_every_second_evaluation_and_the_last_step_at_the_end(tmp_path, tiny_mod
     assert sorted(probdiff_logs(trainer)) == [0, 2, 3]
 
 
+@pytest.mark.slow
 def test_the_last_step_is_evaluated_once_at_the_end(tmp_path, tiny_model_path):
     run = tmp_path / "run"
     # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
@@ -478,6 +485,7 @@ def test_the_last_step_is_evaluated_once_at_the_end(tmp_path, tiny_model_path):
     assert sorted(callback.evaluated) == [2]
 
 
+@pytest.mark.slow
 def test_selecting_by_probdiff_refuses_skipped_evaluations(tmp_path, tiny_model_path):
     trainer = build_trainer(
         tiny_model_path,
@@ -493,6 +501,7 @@ def test_selecting_by_probdiff_refuses_skipped_evaluations(tmp_path, tiny_model_
         trainer.train()
 
 
+@pytest.mark.slow
 def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_model_path, monkeypatch):
     trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=1)
     callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=2))
@@ -520,6 +529,7 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
     assert np.array_equal(np.random.get_state()[1], numpy_state[1])
 
 
+@pytest.mark.slow
 def test_a_failed_evaluation_is_recorded_and_training_goes_on(tmp_path, tiny_model_path, monkeypatch):
     calls = {"n": 0}
     real_evaluate = evaluation_module.evaluate
@@ -619,6 +629,7 @@ def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on
         assert math.isfinite(trainer.state.best_metric)  # the NaN never counted as best
 
 
+@pytest.mark.slow
 def test_fail_on_error_reraises(tmp_path, tiny_model_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected evaluation failure")
@@ -634,6 +645,7 @@ def test_fail_on_error_reraises(tmp_path, tiny_model_path, monkeypatch):
     assert [r["global_step"] for r in rows] == [0] and "injected evaluation failure" in rows[0]["error"]
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_model_path):
     run = tmp_path / "run"
     settings = dict(max_steps=4, eval_strategy="no", save_steps=2)
@@ -660,6 +672,7 @@ def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_mod
 # ---- W&B ----
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step(
     tmp_path, tiny_model_path, monkeypatch
 ):

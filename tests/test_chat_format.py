@@ -126,6 +126,7 @@ def test_a_template_that_is_not_prefix_preserving_is_refused_with_a_way_out(qwen
         mask_assistant_turns(tokenizer, CONVERSATION[1:] + [{"role": "user", "content": "Thanks"}])
 
 
+@pytest.mark.slow
 def test_probdiff_evaluates_each_family_and_stops_at_its_end_of_turn(family):
     name, tokenizer = family
     model = build_model(tokenizer, name)
@@ -180,6 +181,7 @@ def test_trl_builds_labels_from_our_masks(family, tmp_path):
     assert off == "off"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_training_runs_on_each_family(name, tmp_path):
     model_dir = save_family_model(name, tmp_path / f"{name}-model")

@@ -43,6 +43,7 @@ def eval_dirs(tiny_model_path, tmp_path_factory):
     return dirs
 
 
+@pytest.mark.slow
 def test_eval_writes_records_and_summary(eval_dirs, capsys):
     records = [json.loads(line) for line in (eval_dirs[0] / "records.jsonl").read_text().splitlines()]
     summary = json.loads((eval_dirs[0] / "summary.json").read_text())
@@ -235,6 +236,7 @@ def test_select_and_plot_name_a_missing_run_directory(tmp_path, capsys):
         assert f"{missing}: no such run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_help_lists_every_command():
     out = subprocess.run(
         [sys.executable, "-m", "probdiff_callback.cli", "--help"], capture_output=True, text=True, check=True
@@ -243,6 +245,7 @@ def test_console_script_help_lists_every_command():
         assert command in out
 
 
+@pytest.mark.slow
 def test_console_script_evaluates_in_a_process_of_its_own(tiny_model_path, tmp_path):
     """The console script's path (collector paused while loading, allocator tuned on CPU) gives the same outputs."""
     out = tmp_path / "script"

@@ -39,6 +39,7 @@ def decode(tiny_model, prompts, temperature, max_new_tokens=24, seed=0, **kwargs
     )
 
 
+@pytest.mark.slow
 def test_greedy_equals_hf_generate(tiny_model, prompts):
     """Left padding, positions, the KV cache and dropping finished rows: greedy ids as HF's own loop."""
     from transformers import GenerationConfig

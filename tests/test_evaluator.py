@@ -29,6 +29,7 @@ def reference_records(tiny_model, queries):
     return evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=8), progress=False)
 
 
+@pytest.mark.slow
 def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, reference_records):
     model, tokenizer = tiny_model
     for batch_size in (1, 3):
@@ -78,6 +79,7 @@ def test_records_hold_the_documented_fields(reference_records, queries):
         assert r["confident"] == (r["d"] is not None and not math.isnan(r["d"]) and r["d"] >= -0.05)
 
 
+@pytest.mark.slow
 def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queries):
     from probdiff_callback.core.metric import summarize
 
@@ -100,6 +102,7 @@ def test_seed_changes_texts(tiny_model, queries, reference_records):
     assert [r["response"] for r in other] != [r["response"] for r in reference_records]
 
 
+@pytest.mark.slow
 def test_several_samples_and_revisions(tiny_model, queries):
     model, tokenizer = tiny_model
     config = ProbDiffConfig(max_new_tokens=12, n_samples=3, n_revisions=2, batch_size=4)

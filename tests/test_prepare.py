@@ -156,6 +156,7 @@ def test_summarization_formats_and_seeded_subsets(tmp_path, monkeypatch):
     assert len(heldout) == 3 and {r["category"] for r in heldout} == {"xsum", "cnn_dm"}
 
 
+@pytest.mark.slow
 def test_bad_row_stops_with_file_and_line(tmp_path):
     src = tmp_path / "src"
     write_json_lines(src / "xsum" / "train.json", [{"document": "d", "summary": "s"}, {"document": "d2"}])

@@ -36,6 +36,7 @@ def expanded_digest_in_subprocess(threads: int) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_expanded_weights_are_pinned_at_any_thread_count(threads):
     assert expanded_digest_in_subprocess(threads) == TINY_WEIGHTS_SHA256
@@ -100,6 +101,7 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path):
     assert not target.exists() and list(tmp_path.iterdir()) == [tmp_path / "artefact.lock"]
 
 
+@pytest.mark.slow
 def test_concurrent_processes_unpack_once(tmp_path):
     """Two processes asking for the tiny model in an empty cache: one unpacks, the other waits and reuses it."""
     code = "from probdiff_callback.models.presets import tiny_model_dir; print(tiny_model_dir())"
@@ -149,6 +151,7 @@ def smollm2_dir():
     return presets.smollm2_model_dir()
 
 
+@pytest.mark.slow
 @installed
 def test_the_dequantized_weights_are_pinned(smollm2_dir):
     assert is_complete(smollm2_dir)

@@ -245,6 +245,7 @@ def _max_logit_gap(model, v1_sd) -> float:
 
 
 # --- conversion ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_detection(v1_dir, converted_dir, tmp_path):
     assert qwen_v1.is_qwen_v1_checkpoint(v1_dir)
     assert not qwen_v1.is_qwen_v1_checkpoint(converted_dir)
@@ -380,6 +381,7 @@ def test_converted_checkpoint_layout(converted_dir, v1_dir):
     assert len(set(index["weight_map"].values())) == n_inputs  # one output shard per input shard
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_streaming_conversion_matches_v1_reference(fmt, request, v1_sd, capsys):
     from transformers import AutoModelForCausalLM
@@ -393,6 +395,7 @@ def test_streaming_conversion_matches_v1_reference(fmt, request, v1_sd, capsys):
     assert gap < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_in_memory_load_matches_v1_reference(fmt, request, v1_sd, capsys, tmp_path):
     source = request.getfixturevalue("v1_dir" if fmt == "safetensors" else "v1_bin_dir")
@@ -498,6 +501,7 @@ def test_generation_stops_at_im_end(converted_model):
     assert len(new) == 4 and new[-1] == IM_END and IM_END not in new[:-1]
 
 
+@pytest.mark.slow
 def test_padded_rows_never_generated(converted_dir, converted_model):
     from transformers import GenerationConfig
 
@@ -629,6 +633,7 @@ def _write_shards(root: Path, shards: list[dict[str, torch.Tensor]], fmt: str) -
     (root / index).write_text(json.dumps({"weight_map": weight_map}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_streaming_peak_memory(tmp_path, fmt):
     """Six 12 MiB shards: converting them must hold about one shard at a time, not all six."""

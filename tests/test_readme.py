@@ -19,6 +19,7 @@ def callback_snippet() -> str:
 
 
 # trl's SFTConfig sets gradient_checkpointing=True, which transformers 5 reads under its deprecated name
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
 # what the snippet's DataLoader says on a machine without a GPU, where SFTConfig's pin_memory=True does nothing
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator is found:UserWarning")

@@ -139,6 +139,7 @@ def test_sentence_scores_are_sacrebleu_and_rouge_score():
         sentence_scores("blog", "blog", "a", "b")
 
 
+@pytest.mark.slow
 def test_our_corpus_scores_equal_the_sacrebleu_command_line(tmp_path):
     executable = shutil.which("sacrebleu")
     if executable is None:

@@ -28,6 +28,7 @@ def holder(run_dir: Path) -> subprocess.Popen:
     return process
 
 
+@pytest.mark.slow
 def test_a_held_run_directory_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert raise_if_held(run_dir) is None and not run_dir.exists(), "the read-only check creates nothing"
@@ -52,6 +53,7 @@ def test_a_held_run_directory_names_its_holder_and_a_dead_holder_is_taken_over(t
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_a_second_training_job_stops_at_once_and_a_killed_one_does_not_block_the_resume(tmp_path, tiny_model_path):
     args = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], "output_dir=run"]
     first = subprocess.Popen(

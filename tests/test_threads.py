@@ -64,6 +64,7 @@ def test_load_is_the_fewest_runnable_tasks_less_our_own(monkeypatch):
     assert busy_cores_elsewhere() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isfile("/proc/loadavg"), reason="reads Linux's /proc/loadavg")
 def test_a_busy_process_is_seen():
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])

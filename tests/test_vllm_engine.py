@@ -160,6 +160,7 @@ def test_texts_are_cut_at_a_stop_id_and_capped_only_at_the_length(tiny_model):
     assert not vllm_engine.decoded(tokenizer, [*ids, stop], "stop", [stop]).capped
 
 
+@pytest.mark.slow
 def test_merged_weights_equal_peft_merge_and_leave_the_model_as_it_was(tiny_model_path, adapter_dir):
     from peft import PeftModel
 
@@ -181,6 +182,7 @@ def test_merged_weights_equal_peft_merge_and_leave_the_model_as_it_was(tiny_mode
         "model.layers.0.self_attn.q_proj.base_layer.weight"])  # fmt: skip
 
 
+@pytest.mark.slow
 def test_missing_vllm_and_an_unreachable_server_are_named(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     assert cli_eval(tmp_path / "a", "use_vllm=true") == 2
@@ -205,6 +207,7 @@ def test_the_engine_settings_are_checked():
 # ---- a server this job starts (colocate) ----
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_probdiff_eval_through_vllm_and_score_reproduces_its_logprobs(tmp_path, capsys):
     before = server_processes()
@@ -227,6 +230,7 @@ def test_probdiff_eval_through_vllm_and_score_reproduces_its_logprobs(tmp_path, 
         assert abs(scored["logp_revised"] - generated["logp_revised"]) < 1e-4
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_a_querys_texts_do_not_depend_on_its_batch_and_an_adapter_changes_them(tiny_model, adapter_dir, tmp_path):
     from peft import PeftModel
@@ -267,6 +271,7 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_an_adapter_changes_them(t
 # ---- a server the user started (server) ----
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_server_mode_evaluates_the_adapter_by_path(user_server, adapter_dir, tmp_path):
     server = f"vllm_server_base_url={user_server.url}"
@@ -282,6 +287,7 @@ def test_server_mode_evaluates_the_adapter_by_path(user_server, adapter_dir, tmp
 # ---- training ----
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_training_evaluates_through_a_server_that_dies_and_goes_on(tiny_model_path, tiny_model, tmp_path):
     """The server dies after the first evaluation during training: the next evaluations fail soft (NaN metrics,
@@ -315,6 +321,7 @@ def test_training_evaluates_through_a_server_that_dies_and_goes_on(tiny_model_pa
     assert trainer.state.global_step == 3
 
 
+@pytest.mark.slow
 @needs_vllm
 @pytest.mark.parametrize("processes", [1, 2])
 def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, processes):
@@ -331,6 +338,7 @@ def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, process
     assert not list((tmp_path / "run/probdiff").glob("probdiff-vllm-*"))  # the weights' folders are removed
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_zero3_gathers_the_weights_on_every_rank_and_rank_0_generates(tiny_model_path, tmp_path):
     pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
@@ -352,6 +360,7 @@ def test_zero3_gathers_the_weights_on_every_rank_and_rank_0_generates(tiny_model
 # ---- a real model ----
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_smollm2_answers_in_english_through_vllm(tmp_path):
     out = tmp_path / "smollm2"

@@ -269,6 +269,7 @@ class Process:
         return SavedAfter()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["crash", "sigterm"])
 def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
     fault, tmp_path, tiny_model_path, fresh_wandb, monkeypatch
