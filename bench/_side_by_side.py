@@ -22,10 +22,12 @@ def timed(command: list[str]) -> tuple[float, str]:
 
 
 def probdiff_eval(model: str, queries: Path, limit: int, out: Path, max_new_tokens: int, batch_size: int) -> list[str]:
-    """`probdiff eval` on the CPU in float32, its records and summary written to `out`."""
+    """`probdiff eval` on the CPU in float32, its records and summary written to `out` (each run of the alternation
+    replaces the last one's)."""
     return [
         "probdiff", "eval", "--model", model, "--device", "cpu", "--dtype", "float32", "--queries", str(queries),
-        "--limit", str(limit), "--out", str(out), f"max_new_tokens={max_new_tokens}", f"batch_size={batch_size}",
+        "--limit", str(limit), "--out", str(out), "--overwrite", f"max_new_tokens={max_new_tokens}",
+        f"batch_size={batch_size}",
     ]  # fmt: skip
 
 

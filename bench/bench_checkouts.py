@@ -75,9 +75,9 @@ def main() -> None:
         for model in args.models:
             run_eval(checkouts["after"], model, 1, Path(tmp_dir) / "warm")  # builds the preset's cache once
             times: dict[str, list[float]] = {"before": [], "after": []}
-            for _ in range(args.pairs):
-                for name, checkout in checkouts.items():
-                    times[name].append(run_eval(checkout, model, args.limit, Path(tmp_dir) / model / name))
+            for pair in range(args.pairs):
+                for name, checkout in checkouts.items():  # an --out of its own: `probdiff eval` keeps earlier results
+                    times[name].append(run_eval(checkout, model, args.limit, Path(tmp_dir) / model / f"{name}-{pair}"))
             before, after = statistics.median(times["before"]), statistics.median(times["after"])
             runs = "; ".join(f"{name} " + ", ".join(f"{t:.1f}" for t in values) for name, values in times.items())
             print(

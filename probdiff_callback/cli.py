@@ -60,6 +60,9 @@ def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... [cuda if available]")
     parser.add_argument("--out", required=True, help="output directory for records.jsonl and summary.json")
     parser.add_argument(
+        "--overwrite", action="store_true", help="replace the records.jsonl and summary.json that --out already holds"
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="ProbDiff settings, each with its default: see below"
     )
 
@@ -179,6 +182,8 @@ def _load(args):
     """Model and tokenizer. In the console script the garbage collector, paused for the
     imports, comes back on with everything loaded so far frozen out of its passes."""
     started = time.time()
+    from probdiff_callback.models import ModelUnavailable
+
     try:
         from probdiff_callback.models import default_device, load_model_and_tokenizer
 
@@ -191,6 +196,8 @@ def _load(args):
         if _own_process and device == "cpu":  # on GPU runs the host memory of loading would stay
             _reuse_freed_memory()
         model, tokenizer = load_model_and_tokenizer(args.model, adapter=args.adapter, dtype=args.dtype, device=device)
+    except ModelUnavailable as err:
+        raise ModelUnavailable(f"--model {args.model}: {err}") from None
     finally:
         if _own_process:
             gc.freeze()
@@ -200,6 +207,35 @@ def _load(args):
         file=sys.stderr,
     )
     return model, tokenizer
+
+
+RESULT_FILES = ("records.jsonl", "summary.json")
+
+
+class OutputDirError(Exception):
+    """--out cannot take this command's results; said before the model loads."""
+
+
+def _prepare_out(out: str, overwrite: bool) -> None:
+    """Make the --out directory before the model loads, so that an unusable one stops the command at once rather
+    than after the whole evaluation; earlier results there are replaced only with --overwrite."""
+    path = Path(out)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # `out` itself, or where it would be made
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under {existing}, a file"
+        raise OutputDirError(f"--out {out} {where}: give a directory (it gets {' and '.join(RESULT_FILES)})")
+    earlier = [name for name in RESULT_FILES if (path / name).exists()]
+    if earlier and not overwrite:
+        raise OutputDirError(
+            f"--out {out} already holds {' and '.join(earlier)} of an earlier run: choose another --out, "
+            "or add --overwrite to replace them"
+        )
+    if earlier:
+        print(f"--overwrite: replacing {' and '.join(earlier)} in {out}", file=sys.stderr)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # no permission, read-only file system
+        raise OutputDirError(f"--out {out}: cannot create the directory ({err.strerror}: {err.filename})") from None
 
 
 def _write_results(command: str, out: str, records: list[dict], summary: dict, config: ProbDiffConfig, extra: dict):
@@ -259,6 +295,7 @@ def cmd_eval(args) -> int:
     plan = plan_references(queries)
     if plan.notice():
         print(f"note: {plan.notice()}", file=sys.stderr)
+    _prepare_out(args.out, args.overwrite)
     model, tokenizer = _load(args)
     started = time.time()
     with contextlib.ExitStack() as stack:
@@ -311,6 +348,7 @@ def cmd_score(args) -> int:
 
     config = config_for_command(SCORE, args.overrides)
     pairs = load_pairs(args.pairs)
+    _prepare_out(args.out, args.overwrite)
     model, tokenizer = _load(args)
     started = time.time()
     records, summary = summarise(score_pairs(model, tokenizer, pairs, config), [q for q, _, _ in pairs], config)
@@ -439,7 +477,7 @@ def _dispatch(args) -> int:
     }[args.command]
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError, FileExistsError, EngineUnavailable) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, EngineUnavailable, OutputDirError) as err:
         print(f"probdiff {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -666,9 +666,10 @@ def test_streaming_peak_memory(tmp_path, fmt):
 
 
 # --- the project's one model loader and CLI go through this path ----------------------------
-def test_preset_qwen_14b_chat_resolves_to_the_v1_loader():
-    from probdiff_callback.models import is_qwen_v1, resolve_model_path
+def test_preset_qwen_14b_chat_resolves_to_the_v1_loader(monkeypatch):
+    from probdiff_callback.models import is_qwen_v1, loading, resolve_model_path
 
+    monkeypatch.setattr(loading, "hub_model_source", lambda hub_id: hub_id)  # as where the Hub answers
     assert resolve_model_path("qwen-14b-chat") == "Qwen/Qwen-14B-Chat"
     assert is_qwen_v1("Qwen/Qwen-14B-Chat")
 

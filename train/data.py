@@ -7,7 +7,7 @@ from pathlib import Path
 
 from probdiff_callback.core.queries import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
 from train import PROJECT_ROOT, say
-from train.recipe import Recipe, RecipeError
+from train.recipe import Recipe, RecipeError, default_data_file
 
 PROCESSED_DIR = PROJECT_ROOT / "data" / "processed"
 SAMPLES_DIR = PROJECT_ROOT / "data" / "samples"
@@ -22,13 +22,16 @@ def resolve_path(path: str) -> Path:
 
 
 def data_files(recipe: Recipe) -> tuple[Path, Path, list[str]]:
-    """(train file, held-out file, notices): the prepared files, or the samples when they are missing
-    and `samples_fallback` allows it."""
+    """(train file, held-out file, notices): the recipe's prepared files, or the samples when those are missing and
+    `samples_fallback` allows it; a file the user named (train_file=, heldout_file=) must exist."""
     notices = []
     chosen = []
     for split, configured in (("train", recipe.train_file), ("heldout", recipe.heldout_file)):
-        path = resolve_path(configured) if configured else PROCESSED_DIR / recipe.task / f"{split}.jsonl"
+        own_data = default_data_file(recipe.task, split)
+        path = resolve_path(configured or own_data)
         if not path.is_file():
+            if configured not in (None, own_data):
+                raise RecipeError(missing_named_file(f"{split}_file", configured, path, own_data))
             sample = SAMPLES_DIR / recipe.task / f"{split}.jsonl"
             if recipe.samples_fallback and sample.is_file():
                 notices.append(
@@ -47,10 +50,21 @@ def data_files(recipe: Recipe) -> tuple[Path, Path, list[str]]:
             else:
                 raise RecipeError(
                     f"{split} data not found at {path}: run `python data/prepare.py {recipe.task}` "
-                    f"or set {'train_file' if split == 'train' else 'heldout_file'}=PATH"
+                    f"or set {split}_file=PATH"
                 )
         chosen.append(path)
     return chosen[0], chosen[1], notices
+
+
+def missing_named_file(key: str, configured: str, path: Path, own_data: str) -> str:
+    """The message for a data file the user named that is not there (never replaced by the samples: a typo would
+    otherwise train on the wrong data without a word)."""
+    where = "" if Path(configured).is_absolute() else f" (looked in {Path.cwd()} and {PROJECT_ROOT})"
+    what = "is a directory, not a file" if path.is_dir() else f"no such file{where}"
+    return (
+        f"{key}={configured}: {what}. Give an existing JSON-lines file of conversations (docs/configuration.md, "
+        f'"Your own files"), or leave {key} out to use the recipe\'s data ({own_data})'
+    )
 
 
 def read_conversations(path: Path) -> list[dict]:

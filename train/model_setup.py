@@ -47,14 +47,17 @@ def quantization_config(recipe: Recipe):
 
 def load_model(recipe: Recipe):
     """(model, tokenizer) as the recipe asks, ready for training."""
-    from probdiff_callback.models import load_model_and_tokenizer
+    from probdiff_callback.models import ModelUnavailable, load_model_and_tokenizer
 
     kwargs = {"attn_implementation": recipe.attn_implementation}
     quantization = quantization_config(recipe)
     if quantization is not None:
         kwargs.update(quantization_config=quantization, device_map={"": int(os.environ.get("LOCAL_RANK", "0"))})
     started = time.time()
-    model, tokenizer = load_model_and_tokenizer(recipe.model, dtype=recipe.dtype, **kwargs)
+    try:
+        model, tokenizer = load_model_and_tokenizer(recipe.model, dtype=recipe.dtype, **kwargs)
+    except ModelUnavailable as err:
+        raise RecipeError(f"model={recipe.model}: {err}") from None
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 

@@ -306,11 +306,17 @@ def load_recipe(args: list[str], directory: Path = RECIPES_DIR) -> Recipe:
     recipe = Recipe(**own, training=values, sources={key: sources[key] for key in values})
     recipe.recipe = Path(name).stem
     # Defaults that follow from the task and the name, written out so that RUN_DIR/recipe.yaml names them
-    recipe.train_file = recipe.train_file or f"data/processed/{recipe.task}/train.jsonl"
-    recipe.heldout_file = recipe.heldout_file or f"data/processed/{recipe.task}/heldout.jsonl"
+    recipe.train_file = recipe.train_file or default_data_file(recipe.task, "train")
+    recipe.heldout_file = recipe.heldout_file or default_data_file(recipe.task, "heldout")
     recipe.wandb_project = recipe.wandb_project or f"probdiff-{recipe.recipe}"
     validate(recipe)
     return recipe
+
+
+def default_data_file(task: str, split: str) -> str:
+    """The recipe's own data (`python data/prepare.py <task>` writes it): the only file `samples_fallback` stands in
+    for; a file the user names must exist."""
+    return f"data/processed/{task}/{split}.jsonl"
 
 
 # --- validation -----------------------------------------------------------------------------------

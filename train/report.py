@@ -94,7 +94,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     print(f"  rank again           probdiff select {run_dir}")
     print(f"  cross-check          probdiff crosscheck {run_dir}")
     if wandb_sync:
-        print(f"  W&B (offline: not logged in); upload with: {wandb_sync}")
+        print(f"  W&B run (offline)    upload it with: {wandb_sync}")
 
 
 def one_line(report: Mapping) -> str:

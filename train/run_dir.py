@@ -98,6 +98,42 @@ def set_aside_unusable(run_dir: Path, resumed: str | None, save_only_model: bool
     return moved
 
 
+def recipe_run_dir(recipe: Recipe, checkpoint: Path | None = None) -> Path:
+    """output_dir, else the run of the checkpoint resumed, else runs/<recipe>/<run_name or model-hash>."""
+    output_dir, run_name = recipe.training.get("output_dir"), recipe.training.get("run_name")
+    if output_dir:
+        return Path(output_dir)
+    if checkpoint is not None:
+        return checkpoint.parent  # the checkpoint's own run goes on
+    return RUNS_DIR / recipe.recipe / (run_name or default_run_name(recipe))
+
+
+def not_a_checkpoint(resume: str, recipe: Recipe) -> str:
+    """Why `resume=PATH` cannot be resumed from, and the checkpoints that can: those beside PATH, else those of the
+    run directory this recipe names."""
+    path = Path(resume)
+    what = (
+        "no such directory"
+        if not path.exists()
+        else "not a training checkpoint (a checkpoint-N folder of a run, holding trainer_state.json and the weights)"
+    )
+    own_run = recipe_run_dir(recipe)
+    run_dir = path.parent if path.parent.is_dir() and checkpoints(path.parent) else own_run
+    found = checkpoints(run_dir)
+    if not found:
+        return (
+            f"resume={resume}: {what}; {run_dir}, this recipe's run directory, has no checkpoint yet. "
+            "Leave resume out to start the run, or give resume=RUN_DIR/checkpoint-N of another run"
+        )
+    shown = ", ".join(c.name for c in found[-10:])
+    latest = latest_checkpoint(run_dir) or found[-1]
+    also = ", or resume=true for the latest complete one" if run_dir == own_run else ""
+    return (
+        f"resume={resume}: {what}. {run_dir} has {'..., ' if len(found) > 10 else ''}{shown}: "
+        f"give one of them (e.g. resume={latest}){also}"
+    )
+
+
 def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
     """(run directory, checkpoint to resume from or None), checking the directory can be used."""
     resume = recipe.resume
@@ -107,18 +143,12 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
     if resume_flag not in (None, "", "false", "true"):
         checkpoint = Path(resume)  # type: ignore[arg-type]
         if not checkpoint.is_dir() or not CHECKPOINT_NAME.match(checkpoint.name):
-            raise RecipeError(f"resume={resume}: not a training checkpoint (a checkpoint-N folder of a run)")
+            raise RecipeError(not_a_checkpoint(resume, recipe))  # type: ignore[arg-type]
         problem = checkpoint_problem(checkpoint, save_only_model)
         if problem is not None:
             older = [c for c in checkpoints(checkpoint.parent) if checkpoint_step(c) < checkpoint_step(checkpoint)]
             raise RecipeError(f"cannot resume from {checkpoint}: {problem}. {previous_offer(older, save_only_model)}")
-    output_dir, run_name = recipe.training.get("output_dir"), recipe.training.get("run_name")
-    if output_dir:
-        run_dir = Path(output_dir)
-    elif checkpoint is not None:
-        run_dir = checkpoint.parent  # the checkpoint's own run goes on
-    else:
-        run_dir = RUNS_DIR / recipe.recipe / (run_name or default_run_name(recipe))
+    run_dir = recipe_run_dir(recipe, checkpoint)
     raise_if_held(run_dir)  # before any advice on its checkpoints: a live job is writing them
     if resume_flag == "true":
         checkpoint = checkpoint_to_resume(run_dir, save_only_model)

@@ -27,7 +27,7 @@ from train.report import summarize_run
 from train.run_dir import preempted_hint, resolve_run, resume_hint, set_aside_unusable
 from train.run_lock import hold_on_every_rank
 from train.trainer import build_trainer, save_inference_files
-from train.wandb_run import setup_wandb, start_wandb
+from train.wandb_run import finish_wandb, setup_wandb, start_wandb
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +94,7 @@ def train(args: list[str]) -> int:
         say(resume_hint(run_dir, args))
         return 130
     if preemption.stopping:
+        finish_wandb()
         say(preempted_hint(preemption, args))
         return 0
 
@@ -102,6 +103,7 @@ def train(args: list[str]) -> int:
     trainer.save_model(str(final_dir))
     if trainer.is_world_process_zero():
         save_inference_files(final_dir, tokenizer, model.generation_config)
+        finish_wandb()
         summarize_run(trainer, recipe, run_dir, final_dir, wandb_sync, time.time() - started)
     trainer.accelerator.wait_for_everyone()
     if lock is not None:

@@ -3,6 +3,7 @@ model card that names the base model, and the plain loss on a CPU."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -65,7 +66,8 @@ def trainer_class(plain_loss: bool, base_model: str):
                 faults.reached("checkpoint-weights-saved")
 
         def create_model_card(self, *args, **kwargs):
-            super().create_model_card(*args, **kwargs)
+            with no_link_to_offline_wandb_run():
+                super().create_model_card(*args, **kwargs)
             card = Path(self.args.output_dir) / "README.md"
             if self.is_world_process_zero() and card.is_file():
                 card.write_text(name_local_base_model(card.read_text(encoding="utf-8"), base_model), encoding="utf-8")
@@ -79,6 +81,24 @@ def trainer_class(plain_loss: bool, base_model: str):
                 )
 
     return RecipeSFTTrainer
+
+
+def no_link_to_offline_wandb_run():
+    """While trl writes the model card (at every checkpoint), W&B counts as absent when its run is offline.
+
+    trl links the card to the W&B run by reading `wandb.run.url`, which an offline run answers with None and the
+    warning "URL not available in offline run", once per checkpoint; offline there is no URL to link, so trl's own
+    check (`is_wandb_available` in the module that writes the card) says no for that long."""
+    import sys
+    from unittest import mock
+
+    from trl import SFTTrainer
+
+    card_module = sys.modules[SFTTrainer.create_model_card.__module__]
+    wandb = getattr(card_module, "wandb", None)
+    if wandb is None or wandb.run is None or not wandb.run.offline or not hasattr(card_module, "is_wandb_available"):
+        return contextlib.nullcontext()
+    return mock.patch.object(card_module, "is_wandb_available", lambda: False)
 
 
 def resolved_model_name(model: str) -> str:

@@ -284,12 +284,15 @@ def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, trainer)
     import wandb
 
     offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
+    # Offline, W&B's closing lines offer `wandb sync` for this process's segment alone; the command returned here
+    # uploads every segment of the run with its rewinds, and is the one the run's summary prints
+    settings = wandb.Settings(quiet=True) if offline else None
     started = start_run(
         run_dir,
         resume_from,
         project=os.environ.get("WANDB_PROJECT") or f"probdiff-{recipe.recipe}",
         name=trainer.args.run_name,
-        init=partial(wandb.init, config={"recipe": recipe.project_dict()}),
+        init=partial(wandb.init, config={"recipe": recipe.project_dict()}, settings=settings),
     )
     say(started.message)
     recorder = step_recorder(started, offline)
@@ -303,3 +306,12 @@ def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, trainer)
     if offline:
         return sync_command(Path(os.environ.get("WANDB_DIR") or run_dir) / "wandb", started.run_id)
     return None
+
+
+def finish_wandb() -> None:
+    """Close this process's W&B run before the run's summary is printed. Left open, the run is closed at exit by
+    W&B's service, whose closing lines ignore `quiet` and offer `wandb sync` for this process's segment alone."""
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()

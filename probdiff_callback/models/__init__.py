@@ -37,6 +37,7 @@ __all__ = [
     "PRESET_HUB_IDS",
     "QWEN_V1_HUB_IDS",
     "peft_without_deprecated_alias_warning",
+    "ModelUnavailable",
     "default_device",
     "is_qwen_v1",
     "load_model_and_tokenizer",
@@ -47,6 +48,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from probdiff_callback.models.loading import (
+        ModelUnavailable,
         default_device,
         is_qwen_v1,
         load_model_and_tokenizer,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from probdiff_callback.models import (
 
 
 def resolve_model_path(name: str) -> str:
-    """A local directory or hub id for a preset name, a directory or a hub id."""
+    """A local directory or hub id for a preset name, a directory or a hub id (a hub id becomes its cached copy where
+    the Hub cannot be reached: `hub_model_source`)."""
     if name == "tiny":
         from probdiff_callback.models.presets import tiny_model_dir
 
@@ -26,16 +28,83 @@ def resolve_model_path(name: str) -> str:
 
         return str(smollm2_model_dir())
     if name in PRESET_HUB_IDS:
-        return PRESET_HUB_IDS[name]
+        return hub_model_source(PRESET_HUB_IDS[name])
     if Path(name).exists():
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"{name} has no config.json; is it a model directory?")
         return name
     if name.count("/") == 1 and not name.startswith((".", "/")):
-        return name  # a hub id
+        return hub_model_source(name)
     raise ValueError(
         f"model={name!r} is neither a preset ({', '.join(PRESETS)}), an existing directory, nor a hub id (owner/name)"
     )
+
+
+class ModelUnavailable(FileNotFoundError):
+    """A model whose files are neither here nor downloadable now; the message says what to do (callers prefix the
+    flag or key that named the model)."""
+
+
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+@functools.cache
+def hub_model_source(hub_id: str) -> str:
+    """What loads `hub_id`: the id itself where the Hub answers (transformers downloads or revalidates the files),
+    else its copy in the Hugging Face cache. Without either it stops at once, where transformers would retry each
+    file for about 50 s and end in a traceback."""
+    import huggingface_hub
+
+    cache = huggingface_hub.constants.HF_HUB_CACHE
+    offline = huggingface_hub.is_offline_mode()
+    unreachable = None if offline else hub_unreachable()
+    if not offline and unreachable is None:
+        return hub_id
+    cached = cached_snapshot(hub_id)
+    if cached is not None:
+        if unreachable is not None:
+            print(
+                f"note: the Hugging Face Hub cannot be reached ({unreachable}): loading {hub_id} from the cache "
+                f"({cached}); HF_HUB_OFFLINE=1 skips this check",
+                file=sys.stderr,
+            )
+        return cached
+    if offline:
+        raise ModelUnavailable(
+            f"a hub id with no copy in the Hugging Face cache ({cache}), and HF_HUB_OFFLINE=1 allows no download: "
+            f"give a local model directory, or download it first (`hf download {hub_id}` where there is network)"
+        )
+    raise ModelUnavailable(
+        f"a hub id, but the Hugging Face Hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached ({unreachable}) "
+        f"and the cache ({cache}) has no copy of it: give a local model directory, or download it first "
+        f"(`hf download {hub_id}` where there is network) and run with HF_HUB_OFFLINE=1"
+    )
+
+
+def hub_unreachable() -> str | None:
+    """None when the Hub answers (any HTTP status) within HUB_PROBE_TIMEOUT_S, else why not: one request, through
+    huggingface_hub's own client (its proxies and certificates), without its retries."""
+    import httpx2  # huggingface_hub's HTTP client
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+    except httpx2.TransportError as err:  # DNS, refused, timeout, proxy, TLS
+        return str(err) or type(err).__name__
+    return None
+
+
+def cached_snapshot(hub_id: str) -> str | None:
+    """The directory of `hub_id`'s cached snapshot (its default revision), if the cache holds its config.json."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(hub_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        return None
+    return folder if (Path(folder) / "config.json").is_file() else None
 
 
 def is_qwen_v1(path_or_id: str) -> bool:
@@ -91,18 +160,21 @@ def load_model_and_tokenizer(
 
     path = resolve_model_path(name)
     dtype = parse_dtype(dtype)
-    if is_qwen_v1(path):
-        from probdiff_callback.models.qwen_v1 import load_qwen_v1
+    try:
+        if is_qwen_v1(path):
+            from probdiff_callback.models.qwen_v1 import load_qwen_v1
 
-        model, tokenizer = load_qwen_v1(path, torch_dtype=dtype, **model_kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
-        if name == "tiny":  # our converted Qwen v1 tokenizer: skip AutoTokenizer's JSON parsing in Python
-            from probdiff_callback.models.tokenizer import qwen_tokenizer_from_file
-
-            tokenizer = qwen_tokenizer_from_file(Path(path) / "tokenizer.json")
+            model, tokenizer = load_qwen_v1(path, torch_dtype=dtype, **model_kwargs)
         else:
-            tokenizer = load_tokenizer(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+            if name == "tiny":  # our converted Qwen v1 tokenizer: skip AutoTokenizer's JSON parsing in Python
+                from probdiff_callback.models.tokenizer import qwen_tokenizer_from_file
+
+                tokenizer = qwen_tokenizer_from_file(Path(path) / "tokenizer.json")
+            else:
+                tokenizer = load_tokenizer(path)
+    except OSError as err:  # transformers' "not a valid model identifier", "no file named model.safetensors", ...
+        raise ModelUnavailable(f"cannot be loaded: {' '.join(str(err).split())}") from None
     if adapter is not None:
         from peft import PeftModel
 
