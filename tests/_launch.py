@@ -28,10 +28,11 @@ CHEAP = [
 ]
 
 
-def sft_command(launcher: str = "python", processes: int = 1) -> list[str]:
-    """The command line that starts train/sft.py: the script itself, or through `accelerate launch`."""
+def sft_command(launcher: str = "python", processes: int = 1, launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line that starts train/sft.py: the script itself, or through `accelerate launch` (on a CPU,
+    `--multi_gpu` is what starts several DDP processes; `launcher_args` replace it, e.g. DeepSpeed's flags)."""
     if launcher == "accelerate":
-        several = ["--multi_gpu"] if processes > 1 else []
+        several = list(launcher_args) or (["--multi_gpu"] if processes > 1 else [])
         accelerate = shutil.which("accelerate") or "accelerate"
         return [accelerate, "launch", "--num_processes", str(processes), *several, str(SFT)]
     return [sys.executable, str(SFT)]
@@ -44,10 +45,16 @@ def sft_env(**extra: str) -> dict[str, str]:
 
 
 def run_sft(
-    args: list[str], cwd: Path, launcher: str = "python", timeout: int = 600, processes: int = 1, **env: str
+    args: list[str],
+    cwd: Path,
+    launcher: str = "python",
+    timeout: int = 600,
+    processes: int = 1,
+    launcher_args: tuple[str, ...] = (),
+    **env: str,
 ) -> subprocess.CompletedProcess:
-    """train/sft.py run to its end in `cwd`; its output captured."""
-    command = sft_command(launcher, processes) + args
+    """train/sft.py run to its end in `cwd`; its output captured; `env` added to the environment."""
+    command = sft_command(launcher, processes, launcher_args) + args
     return subprocess.run(command, cwd=cwd, env=sft_env(**env), capture_output=True, text=True, timeout=timeout)
 
 

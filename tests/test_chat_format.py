@@ -5,14 +5,12 @@ end-of-turn token, and training puts the loss on assistant turns whatever the te
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _chat_families import END_OF_TURN, FAMILIES, build_model, build_tokenizer, save_family_model
+from _launch import run_sft
 
 from probdiff_callback.core.chat_format import (
     accepts_system_role,
@@ -194,10 +192,7 @@ def test_training_runs_on_each_family(name, tmp_path):
         "per_device_train_batch_size=2", "max_length=256", "max_eval_samples=2", f"train_file={train_file}",
         "probdiff.n_queries=2", "probdiff.max_new_tokens=4", "probdiff.max_prompt_tokens=256", "threads=1",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "train/sft.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
+    done = run_sft(args, tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "loss on assistant turns only (the chat template has no {% generation %} markers" in out

@@ -3,6 +3,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
+
+QUERIES = str(Path(__file__).resolve().parents[1] / "data" / "samples" / "blog" / "heldout.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -294,3 +297,66 @@ def test_console_script_evaluates_in_a_process_of_its_own(tiny_model_path, tmp_p
     read = lambda d: [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["response"] for r in read(out)] == [r["response"] for r in read(in_process)]
     assert json.loads((out / "summary.json").read_text())["n"] == 2
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if the model would load: the --out checks come first."""
+    import probdiff_callback.cli
+
+    def load(args):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(probdiff_callback.cli, "_load", load)
+
+
+def pairs_file(tmp_path: Path) -> str:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"id": "1", "query": "q", "response": "a", "revised": "b"}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["eval", "score"])
+def test_out_that_is_a_file_stops_before_the_model_loads(command, tmp_path, capsys, no_model):
+    source = ["--queries", QUERIES] if command == "eval" else ["--pairs", pairs_file(tmp_path)]
+    a_file = tmp_path / "results"
+    a_file.write_text("")
+    assert main([command, *source, "--out", str(a_file)]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"probdiff {command}: error: --out {a_file} is a file: give a directory (it gets records.jsonl and "
+        "summary.json)"
+    ]
+    assert main([command, *source, "--out", str(a_file / "sub")]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"probdiff {command}: error: --out {a_file / 'sub'} is under {a_file}, a file: give a directory (it gets "
+        "records.jsonl and summary.json)"
+    ]
+
+
+@pytest.mark.parametrize("command", ["eval", "score"])
+def test_out_with_earlier_results_is_refused_without_overwrite(command, tmp_path, capsys, no_model):
+    source = ["--queries", QUERIES] if command == "eval" else ["--pairs", pairs_file(tmp_path)]
+    out = tmp_path / "earlier"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    assert main([command, *source, "--out", str(out)]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"probdiff {command}: error: --out {out} already holds summary.json of an earlier run: choose another "
+        "--out, or add --overwrite to replace them"
+    ]
+    assert (out / "summary.json").read_text() == "{}"
+
+
+def test_overwrite_replaces_earlier_results_and_says_so(tmp_path, capsys, tiny_model_path):
+    out = tmp_path / "earlier"
+    out.mkdir()
+    for name in ("records.jsonl", "summary.json"):
+        (out / name).write_text("old\n")
+    args = ["eval", "--queries", QUERIES, "--limit", "1", "--out", str(out), "max_new_tokens=4", "--overwrite"]
+    assert main(args) == 0
+    assert f"--overwrite: replacing records.jsonl and summary.json in {out}" in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["n"] == 1
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]

@@ -3,8 +3,12 @@ without an assistant token."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+import train.data
+from train import sft
 from train.data import count_without_assistant_tokens, data_files
 from train.recipe import RecipeError, load_recipe
 
@@ -47,3 +51,45 @@ def test_truncation_leaving_no_assistant_token_is_counted(qwen_tokenizer):
     ]
     assert count_without_assistant_tokens(qwen_tokenizer, rows, max_length=100) == ["long"]
     assert count_without_assistant_tokens(qwen_tokenizer, rows, max_length=4096) == []
+
+
+@pytest.mark.parametrize("key", ["train_file", "heldout_file"])
+def test_a_named_data_file_that_is_missing_stops_instead_of_training_on_the_samples(key, tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(RecipeError) as raised:
+        data_files(load_recipe(["recipe=blog", "model=tiny", f"{key}={missing}"]))
+    assert str(raised.value) == (
+        f"{key}={missing}: no such file. Give an existing JSON-lines file of conversations (docs/configuration.md, "
+        f'"Your own files"), or leave {key} out to use the recipe\'s data '
+        f"(data/processed/blog/{key.split('_')[0]}.jsonl)"
+    )
+    args = ["recipe=blog", "model=tiny", f"{key}={missing}", "report_to=none", f"output_dir={tmp_path}/r"]
+    assert sft.main(args) == 2
+    assert error_lines(capsys.readouterr().err) == [f"error: {raised.value}"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    looked = rf"heldout_file=mine/h.jsonl: no such file \(looked in {re.escape(str(tmp_path))} and "
+    with pytest.raises(RecipeError, match=looked):
+        data_files(load_recipe(["recipe=blog", "heldout_file=mine/h.jsonl"]))
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(RecipeError, match=r"train_file=mine: is a directory, not a file\. Give an existing"):
+        data_files(load_recipe(["recipe=blog", "train_file=mine"]))
+
+
+def test_the_recipes_own_data_still_falls_back_to_the_samples(tmp_path, monkeypatch):
+    """Where data/processed/<task>/ is not prepared (no such folder in the working directory or the project root)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train.data, "PROJECT_ROOT", tmp_path)
+    train_file, heldout_file, notices = data_files(load_recipe(["recipe=blog"]))
+    assert train_file == train.data.SAMPLES_DIR / "blog" / "train.jsonl"
+    assert heldout_file == train.data.SAMPLES_DIR / "blog" / "heldout.jsonl"
+    assert [n.split(":")[0] for n in notices] == ["train data", "heldout data"]
+    # the same file named explicitly is the recipe's own data too
+    assert data_files(load_recipe(["recipe=blog", "train_file=data/processed/blog/train.jsonl"]))[0] == train_file
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from train import sft
 from train.recipe import RecipeError, load_recipe
 from train.run_dir import default_run_name, resolve_run
 
@@ -49,3 +51,38 @@ def test_resolve_run_resume_and_existing_checkpoints(tmp_path):
     with pytest.raises(RecipeError, match="not a training checkpoint"):
         resolve_run(load_recipe(["recipe=blog", f"resume={tmp_path}"]))
     assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "overwrite=true"])) == (run, None)
+
+
+def test_resume_of_a_missing_checkpoint_lists_the_runs_checkpoints(tmp_path, capsys):
+    run = tmp_path / "run"
+    for step in (10, 20):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    recipe = load_recipe(["recipe=blog", f"resume={run}/checkpoint-30", f"output_dir={run}"])
+    with pytest.raises(RecipeError) as raised:
+        resolve_run(recipe)
+    assert str(raised.value) == (
+        f"resume={run}/checkpoint-30: no such directory. {run} has checkpoint-10, checkpoint-20: give one of them "
+        f"(e.g. resume={run}/checkpoint-20), or resume=true for the latest complete one"
+    )
+    args = ["recipe=blog", "model=tiny", f"resume={run}/checkpoint-30", f"output_dir={run}", "report_to=none"]
+    assert sft.main(args) == 2
+    assert error_lines(capsys.readouterr().err) == [f"error: {raised.value}"]
+    # a folder that is there but is no checkpoint; a run of another recipe's directory gets no resume=true
+    with pytest.raises(RecipeError, match=rf"resume={re.escape(str(run))}: not a training checkpoint \(a checkpoint-N"):
+        resolve_run(load_recipe(["recipe=blog", f"resume={run}"]))
+    with pytest.raises(RecipeError, match=rf"give one of them \(e.g. resume={re.escape(str(run))}/checkpoint-20\)$"):
+        resolve_run(load_recipe(["recipe=blog", f"resume={run}/checkpoint-5"]))
+
+
+def test_resume_of_a_missing_checkpoint_in_a_run_without_checkpoints(tmp_path):
+    recipe = load_recipe(["recipe=blog", f"resume={tmp_path}/gone/checkpoint-3", f"output_dir={tmp_path}/run"])
+    with pytest.raises(RecipeError) as raised:
+        resolve_run(recipe)
+    assert str(raised.value) == (
+        f"resume={tmp_path}/gone/checkpoint-3: no such directory; {tmp_path}/run, this recipe's run directory, has no "
+        "checkpoint yet. Leave resume out to start the run, or give resume=RUN_DIR/checkpoint-N of another run"
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error:" in line]

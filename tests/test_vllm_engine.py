@@ -338,12 +338,13 @@ def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, process
     assert not list((tmp_path / "run/probdiff").glob("probdiff-vllm-*"))  # the weights' folders are removed
 
 
+SCRIPT = Path(__file__).with_name("_distributed_eval.py")
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_zero3_gathers_the_weights_on_every_rank_and_rank_0_generates(tiny_model_path, tmp_path):
     pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
-    from test_callback_distributed import SCRIPT
-
     command = ["accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", "3", str(SCRIPT), "--mode", "zero3",
                "--model", str(tiny_model_path), "--out", str(tmp_path), "--vllm"]  # fmt: skip

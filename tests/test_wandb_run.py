@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _distributed_eval import REPO, build_trainer, probdiff_config
+from _launch import CHEAP, run_sft
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 
@@ -408,3 +409,18 @@ def test_wandb_run_config_holds_the_project_keys(tmp_path, monkeypatch):
     assert config["model"] == "tiny" and config["lora"]["r"] == 64 and config["probdiff"]["n_queries"] == 12
     assert config["task"] == "blog" and "learning_rate" not in config
     assert calls[0]["name"] == "blog/run" and sync is not None and sync.startswith("wandb sync --id")
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_no_url_warning_and_one_sync_line(tmp_path, tiny_model_path):
+    """A few steps of model=tiny, W&B offline: trl's model card asked the offline run for its URL at each
+    checkpoint, and W&B's own closing lines offered `wandb sync` for one segment beside the run's command."""
+    args = ["recipe=blog", *[a for a in CHEAP if a != "report_to=none"], "output_dir=runs/w"]
+    done = run_sft(args, tmp_path, WANDB_MODE="offline")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "URL not available" not in output
+    [sync] = [line for line in output.splitlines() if "wandb sync" in line]
+    run_id = (tmp_path / "runs" / "w" / "wandb_run_id").read_text().strip()
+    assert sync.endswith(f"upload it with: wandb sync --id {run_id} runs/w/wandb/offline-run-*-{run_id}")
+    assert len(list((tmp_path / "runs" / "w" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))) == 1

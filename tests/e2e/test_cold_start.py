@@ -3,16 +3,14 @@ outside any distributed or DeepSpeed context, and both ranks train on the comple
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from _launch import run_sft
 
 from probdiff_callback.models.cache import is_complete
 
-ROOT = Path(__file__).resolve().parents[2]
 CHEAP = [
     "recipe=blog",
     "model=tiny",
@@ -43,31 +41,17 @@ def test_two_processes_from_an_empty_cache(mode, tmp_path):
     if mode == "zero3":
         pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     cache = tmp_path / "cache"
-    command = [
-        "accelerate",
-        "launch",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        *LAUNCHERS[mode],
-        str(ROOT / "train" / "sft.py"),
-        *CHEAP,
-    ]
-    env = {
-        **os.environ,
-        "PROBDIFF_CACHE": str(cache),
-        "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "disabled",
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(ROOT),
-    }
+    extra = ("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *LAUNCHERS[mode])
     try:
-        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        done = run_sft(
+            CHEAP,
+            tmp_path,
+            "accelerate",
+            processes=2,
+            launcher_args=extra,
+            PROBDIFF_CACHE=str(cache),
+            OMP_NUM_THREADS="1",
+        )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{mode}: the cold 2-process run did not finish in 600 s\n{str(err.stderr)[-4000:]}")
     output = done.stdout + done.stderr
