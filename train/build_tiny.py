@@ -4,7 +4,7 @@
 
 Users never run this: the weights ship with the package and are unpacked on first use
 (probdiff_callback/models/presets.py). Run it only to change the tiny model on purpose, then update the
-pinned hash in tests/test_tiny.py and regenerate the README's example run.
+pinned hash in tests/test_presets.py and regenerate the README's example run.
 
 With the full 152k-row LM head and softmax, the head would be nearly all of each training step's work
 (its multiply-adds per token outnumber those of the two small layers many times over; docs/benchmarks.md),
