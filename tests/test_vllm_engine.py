@@ -325,7 +325,7 @@ def test_training_evaluates_through_a_server_that_dies_and_goes_on(tiny_model_pa
 @needs_vllm
 @pytest.mark.parametrize("processes", [1, 2])
 def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, processes):
-    from test_sft import CHEAP, history_rows, run_sft
+    from _launch import CHEAP, history_rows, run_sft
 
     args = [*CHEAP, "recipe=blog", f"output_dir={tmp_path / 'run'}", "probdiff.use_vllm=true"]
     result = run_sft(args, ROOT, launcher="accelerate", processes=processes, timeout=900)

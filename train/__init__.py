@@ -50,12 +50,12 @@ class _Console(logging.StreamHandler):
     notebook may swap them between runs)."""
 
     def __init__(self, name: str) -> None:
-        self._name = name
+        self._stream_name = name  # not `_name`: logging.Handler keeps its own name there
         super().__init__()
 
     @property
     def stream(self):  # type: ignore[override]
-        return getattr(sys, self._name)
+        return getattr(sys, self._stream_name)
 
     @stream.setter
     def stream(self, value) -> None:  # StreamHandler sets it; ours is looked up
