@@ -155,3 +155,17 @@ def test_a_summary_without_the_counts_still_prints():
     for key in ("n_degenerate", "n_revision_degenerate", "revision_degenerate_kinds"):
         del summary[key]
     assert "degenerate" not in format_summary(summary)
+
+
+def test_the_training_table_has_a_degenerate_cell_beside_the_capped_one():
+    from probdiff_callback.runs.run_files import HistoryRow
+    from train.report import probdiff_table
+
+    records = [_record(ANSWER, LOOP, 1.29), _record(ANSWER, ECHO, 0.9), _record(LOOP, ANSWER, -1.0)]
+    summary = summarize(records, -0.05, [])
+    older = {k: v for k, v in summary.items() if "degenerate" not in k}  # a history written before the count
+    rows = [HistoryRow(0, kind="baseline", summary=older), HistoryRow(4, summary=summary)]
+    table = probdiff_table(rows, [{"step": 4, "loss": 1.0}], [])
+    capped, degenerate = 8, 9  # the columns' places in train/report.py's header
+    assert [line[degenerate] for line in table] == ["-", "1/2"]
+    assert [line[capped] for line in table] == ["0/0", "0/0"]  # build_record's None caps count as none
