@@ -71,9 +71,9 @@ def degenerate_note(summary: Mapping) -> str:
     )
     if 2 * n_degenerate > n:
         note += (
-            " With most revisions degenerate, the confidence measures how much the model prefers its own degenerate "
-            "continuations to its answers, not whether it can improve them: evaluate a stronger model, or read it "
-            "beside the count."
+            " With most revisions degenerate, the confidence measures how much the model prefers its own loops and "
+            "echoes to its answers, not whether it can improve them: read it beside this count, or evaluate a larger "
+            "model."
         )
     return note
 
