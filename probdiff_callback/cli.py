@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from probdiff_callback.analysis.report import format_comparison, format_summary
+from probdiff_callback.analysis.report import degenerate_note, format_comparison, format_summary
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
 from probdiff_callback.core.vllm_engine import EngineUnavailable
@@ -338,6 +338,8 @@ def cmd_eval(args) -> int:
             "(see `response_capped` and `revision_capped` in records.jsonl); "
             "the reference code allowed 2,048 tokens (1,024 on AlignBench)"
         )
+    if summary["n_revision_degenerate"]:
+        print(degenerate_note(summary))
     print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
     return 0
 
@@ -361,6 +363,8 @@ def cmd_score(args) -> int:
         {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": round(time.time() - started, 2)},
     )
     print(format_summary(summary))
+    if summary["n_revision_degenerate"]:
+        print(degenerate_note(summary))
     print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
     return 0
 

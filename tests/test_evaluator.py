@@ -69,6 +69,8 @@ def test_records_hold_the_documented_fields(reference_records, queries):
         "response_capped",
         "revision_capped",
         "revision_truncated",
+        "response_degenerate",
+        "revision_degenerate",
     }
     assert record["id"] == queries[0].id and record["category"] == "blog"
     assert len(record["revisions"]) == 1

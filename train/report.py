@@ -13,8 +13,8 @@ from train.recipe import Recipe
 
 
 def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: list[str]) -> list[list[str]]:
-    """One line per evaluated step: losses as last logged up to the step, confidence, mean d, caps, vs base and the
-    reference metrics."""
+    """One line per evaluated step: losses as last logged up to the step, confidence, mean d, caps, degenerate texts,
+    vs base and the reference metrics."""
 
     def last(key: str, step: int) -> str:
         values = [e[key] for e in log_history if key in e and e.get("step", 0) <= step]
@@ -30,6 +30,8 @@ def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: 
             pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]", fmt(s["d_mean"], "+.4f"), str(s["n"]),
             # histories written before the cap was counted have no n_capped
             f"{s['n_capped']}/{s['n_revision_capped']}" if "n_capped" in s else "-",
+            # and before degenerate texts were
+            f"{s['n_degenerate']}/{s['n_revision_degenerate']}" if "n_degenerate" in s else "-",
             format_win_tie_lose(row.vs_base), format_p(row.vs_base),
             *[fmt(overall.get(name), ".2f", "-") for name in references],
         ])  # fmt: skip
@@ -51,9 +53,11 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     print(
         f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "
         f"capped: answers/revisions that hit max_new_tokens={recipe.probdiff.max_new_tokens} without an end-of-turn "
-        "token; vs base: win/tie/lose against the base model on the same queries, with the Wilcoxon p)"
+        "token; degenerate: answers/revisions that loop or echo the refinement prompt, counted as confident where "
+        "d >= delta; vs base: win/tie/lose against the base model on the same queries, with the Wilcoxon p)"
     )
-    header = ["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "capped", "vs base", "p"]
+    header = ["step", "kind", "loss", "eval loss", "confidence", "95% CI", "mean d", "n", "capped", "degenerate"]
+    header += ["vs base", "p"]
     table = probdiff_table(rows, trainer.state.log_history, references)
     print(format_table([*header, *[METRIC_LABELS[name] for name in references]], table))
     if rows and not references:

@@ -164,21 +164,48 @@ def _plot_independent_measures(axis, rows: list[HistoryRow]) -> None:
         axis.legend(handles, labels, fontsize=8, loc="best")
 
 
+CROSSCHECK_TITLE = "ProbDiff against independent measures, one point per evaluated step"
+CROSSCHECK_PANEL_WIDTH = 4.5  # inches per independent measure
+CROSSCHECK_MIN_WIDTH = 9.0  # inches: room for the title and the colour bar with a single measure
+# Where a step's label may go around its point, in points, tried in this order; a label that fits nowhere is left out
+# (the colour of the point still tells its step).
+LABEL_OFFSETS = ((5, 5), (5, -12), (-12, 5), (-12, -12), (5, 14), (-12, 14), (5, -21), (-12, -21), (14, -4), (-21, -4))
+
+
 def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
     """Scatter plots, one point per step: each ProbDiff measure (rows) against each independent measure (columns)."""
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    figure = crosscheck_figure(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def crosscheck_figure(report: Mapping):
+    """`plot_crosscheck`'s figure: at least `CROSSCHECK_MIN_WIDTH` wide, its step labels placed where they overlap
+    neither each other nor the panel's edges (`place_labels`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import Normalize
+    from matplotlib.ticker import MaxNLocator
 
     steps = report["steps"]
     measures = list(dict.fromkeys(row["measure"] for row in report["across_steps"]))
-    out = Path(out)
     columns = max(len(measures), 1)
+    width = max(CROSSCHECK_PANEL_WIDTH * columns, CROSSCHECK_MIN_WIDTH)
     figure, axes = plt.subplots(
-        len(PROBDIFF_MEASURES), columns, figsize=(4 * columns, 7), squeeze=False, constrained_layout=True
+        len(PROBDIFF_MEASURES), columns, figsize=(width, 8), squeeze=False, layout="constrained"
     )
+    # one colour scale for every panel, so that a colour is the same step everywhere
+    norm = Normalize(min((s["step"] for s in steps), default=0), max((s["step"] for s in steps), default=1))
     correlations = {(r["probdiff"], r["measure"]): r for r in report["across_steps"]}
+    labels: list[tuple] = []  # (axis, points) to label once the layout is fixed
+    scatter = None
     for i, ours in enumerate(PROBDIFF_MEASURES):
         for j in range(columns):
             axis = axes[i][j]
@@ -189,18 +216,18 @@ def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
                 continue
             measure = measures[j]
             points = [(s["metrics"].get(measure) if measure != LOSS else s[LOSS], s[ours], s["step"]) for s in steps]
-            points = [(x, y, step) for x, y, step in points if is_finite(x) and is_finite(y)]
             scale = 100 if ours == "confidence" else 1
+            points = [(x, scale * y, step) for x, y, step in points if is_finite(x) and is_finite(y)]
             scatter = axis.scatter(
                 [x for x, _, _ in points],
-                [scale * y for _, y, _ in points],
+                [y for _, y, _ in points],
                 c=[s for _, _, s in points],
                 cmap="viridis",
+                norm=norm,
                 s=40,
                 zorder=3,
             )
-            for x, y, step in points:
-                axis.annotate(str(step), (x, scale * y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            labels.append((axis, points))
             row = correlations.get((ours, measure))
             if row is not None:
                 axis.set_title(
@@ -210,11 +237,32 @@ def plot_crosscheck(report: Mapping, out: str | os.PathLike) -> Path:
                 )
             axis.set_xlabel(LABELS[measure] + (" (lower is better)" if measure == LOSS else ""))
             axis.set_ylabel("ProbDiff confidence (%)" if ours == "confidence" else "mean d")
+            axis.margins(0.12)  # room around the outermost points for their labels
             axis.grid(alpha=0.3)
-            if i == 0 and j == columns - 1 and points:
-                figure.colorbar(scatter, ax=axis, label="global step")
-    figure.suptitle("ProbDiff against independent measures, one point per evaluated step")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    if scatter is not None and steps:
+        bar = figure.colorbar(scatter, ax=axes, label="global step", shrink=0.6)
+        bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    figure.suptitle(CROSSCHECK_TITLE)
+    figure.draw_without_rendering()  # lays the figure out; then the layout is kept as it is while labels are placed
+    figure.set_layout_engine("none")
+    renderer = figure.canvas.get_renderer()
+    for axis, points in labels:
+        place_labels(axis, [(x, y, str(step)) for x, y, step in points], renderer)
+    return figure
+
+
+def place_labels(axis, points: list[tuple[float, float, str]], renderer) -> list:
+    """Each point's label at the first of `LABEL_OFFSETS` where it stays inside the axis and overlaps no label placed
+    before it; left out where none is free. Returns the labels placed."""
+    inside = axis.get_window_extent(renderer)
+    placed: list = []
+    for x, y, text in points:
+        for offset in LABEL_OFFSETS:
+            label = axis.annotate(text, (x, y), textcoords="offset points", xytext=offset, fontsize=7)
+            box = label.get_window_extent(renderer)
+            fits = inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1
+            if fits and not any(box.overlaps(other.get_window_extent(renderer)) for other in placed):
+                placed.append(label)
+                break
+            label.remove()
+    return placed

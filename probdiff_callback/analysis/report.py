@@ -15,8 +15,10 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"queries            {summary['n']}  (invalid {summary['n_invalid']}, truncated {summary['n_truncated']})",
         f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}  (scored as cut)",
+        *format_degenerate(summary),
         f"confidence         {pct(summary['confidence'])}  at delta {summary['delta']:g}   "
         f"95% CI [{pct(low)}, {pct(high)}] (Wilson)",
+        *format_confidence_non_degenerate(summary),
         "sweep              " + "  ".join(f"{k}: {pct(v)}" for k, v in summary["confidence_sweep"].items()),
         f"d mean / median    {summary['d_mean']:.4f} / {summary['d_median']:.4f}",
         f"log p answer/rev.  {summary['logp_response_mean']:.4f} / {summary['logp_revised_mean']:.4f}",
@@ -31,6 +33,49 @@ def format_summary(summary: dict) -> str:
     if summary.get("reference"):
         lines.append(format_reference(summary["reference"]))
     return "\n".join(lines)
+
+
+def format_degenerate(summary: Mapping) -> list[str]:
+    """The degenerate answers and revisions, the revisions' by kind; nothing for a summary written before they were
+    counted."""
+    if "n_revision_degenerate" not in summary:
+        return []
+    kinds = ", ".join(f"{kind} {count}" for kind, count in summary["revision_degenerate_kinds"].items())
+    return [
+        f"degenerate         answers {summary['n_degenerate']}, revisions {summary['n_revision_degenerate']} "
+        f"({kinds})  (loops or echoes of the refinement prompt; scored as written)"
+    ]
+
+
+def format_confidence_non_degenerate(summary: Mapping) -> list[str]:
+    """The confidence with degenerate revisions counted as not confident, where any revision is degenerate."""
+    if not summary.get("n_revision_degenerate"):
+        return []
+    low, high = summary["confidence_non_degenerate_ci"]
+    return [
+        f"  w/o degenerate   {pct(summary['confidence_non_degenerate'])}  95% CI [{pct(low)}, {pct(high)}]  "
+        f"(the {summary['n_revision_degenerate']} degenerate revisions counted as not confident)"
+    ]
+
+
+def degenerate_note(summary: Mapping) -> str:
+    """What the confidence means when revisions are degenerate: the note `probdiff eval` and `score` print."""
+    n, n_degenerate = summary["n"], summary["n_revision_degenerate"]
+    kinds = ", ".join(f"{kind} {count}" for kind, count in summary["revision_degenerate_kinds"].items() if count)
+    note = (
+        f"note: {n_degenerate} of {n} revisions are degenerate ({kinds}; see `revision_degenerate` in records.jsonl): "
+        "the model looped or copied the refinement prompt's labels instead of rewriting. The paper's rule counts only "
+        "empty texts as invalid, so these are scored as written, and a loop or an echo is likely under the model: "
+        f"its d is large and it counts as confident. Counting them as not confident gives "
+        f"{pct(summary['confidence_non_degenerate'])} instead of {pct(summary['confidence'])}."
+    )
+    if 2 * n_degenerate > n:
+        note += (
+            " With most revisions degenerate, the confidence measures how much the model prefers its own loops and "
+            "echoes to its answers, not whether it can improve them: read it beside this count, or evaluate a larger "
+            "model."
+        )
+    return note
 
 
 def format_comparison(result: dict, name_a: str, name_b: str) -> str:

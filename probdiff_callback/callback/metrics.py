@@ -23,6 +23,7 @@ def metrics_from_summary(summary: dict | None, sweep: Sequence[float], categorie
     nan = math.nan
     if summary is None:
         scalars = ("confidence", "d_mean", "d_median", "n_invalid", "logp_response_mean", "logp_revised_mean")
+        scalars += ("n_revision_degenerate", "confidence_non_degenerate")
         summary = dict.fromkeys(scalars, nan) | {
             "confidence_ci": [nan, nan],
             "by_category": {},
@@ -39,6 +40,9 @@ def metrics_from_summary(summary: dict | None, sweep: Sequence[float], categorie
         metric_name("logp_response"): float(summary["logp_response_mean"]),
         metric_name("logp_revised"): float(summary["logp_revised_mean"]),
         metric_name("n_invalid"): float(summary["n_invalid"]),
+        # revisions that loop or echo the refinement prompt, and the confidence counting them as not confident
+        metric_name("n_revision_degenerate"): float(summary["n_revision_degenerate"]),
+        metric_name("confidence_non_degenerate"): float(summary["confidence_non_degenerate"]),
     }
     for key, value in summary["confidence_sweep"].items():
         metrics[metric_name(f"confidence_at_{key}")] = float(value)

@@ -17,9 +17,16 @@ from tqdm.auto import tqdm
 from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.decoding import hit_cap, sample_continuations
+from probdiff_callback.core.degenerate import answer_degenerate, merge_kinds, revision_degenerate
 from probdiff_callback.core.engines import Engine, Generated, GenerationRequest
 from probdiff_callback.core.metric import discrepancy, finite_mean, is_confident, summarize
-from probdiff_callback.core.prompts import PreparedQuery, prepare_queries, refinement_prompt_ids, refinement_template
+from probdiff_callback.core.prompts import (
+    REFINEMENT_PROMPTS,
+    PreparedQuery,
+    prepare_queries,
+    refinement_prompt_ids,
+    refinement_template,
+)
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.sampling import row_seed
 from probdiff_callback.core.scoring import score_batch
@@ -135,6 +142,7 @@ def build_record(
     response_capped: bool | None = None,
     revision_capped: bool | None = None,
     revision_truncated: bool = False,
+    refinement_templates: Sequence[str] = tuple(REFINEMENT_PROMPTS.values()),
 ) -> dict:
     """One row of records.jsonl from the texts and scores of each sample of a query.
 
@@ -142,6 +150,9 @@ def build_record(
     ended at max_new_tokens without a stop token, so was scored cut short. These and
     `answer_temperature` are None for texts generated elsewhere (`score_pairs`).
     `revision_truncated`: a refinement request was cut to max_prompt_tokens.
+    `response_degenerate` / `revision_degenerate`: the kinds of degeneration (`degenerate.py`) an answer / a last
+    revision of any sample shows, [] for none; an echo is looked for against `refinement_templates`, the template
+    the revisions were made with (for texts generated elsewhere: every shipped one).
     """
     d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
     d = finite_mean(d_samples)
@@ -162,6 +173,12 @@ def build_record(
         "response_capped": response_capped,
         "revision_capped": revision_capped,
         "revision_truncated": revision_truncated,
+        "response_degenerate": merge_kinds(answer_degenerate(response) for response in responses),
+        "revision_degenerate": merge_kinds(
+            revision_degenerate(revisions[-1], refinement_templates, prepared.query.text, response)
+            for response, revisions in zip(responses, revisions_by_sample)
+            if revisions
+        ),
     }
     if len(responses) > 1:
         record.update(responses=responses, revisions_by_sample=revisions_by_sample, d_samples=d_samples)
@@ -288,6 +305,7 @@ def records_from_chains(chains: Sequence[Chain], config: ProbDiffConfig) -> list
                 response_capped=any(c.answer_capped for c in mine),
                 revision_capped=any(c.revision_capped for c in mine),
                 revision_truncated=any(c.request_cut for c in mine),
+                refinement_templates=(refinement_template(config.refinement_prompt),),
             )
         )
     return records

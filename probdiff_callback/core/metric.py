@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from probdiff_callback.core.categories import canonical_category
+from probdiff_callback.core.degenerate import KINDS
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 LENGTH_CHANGE_LIMIT = 0.5  # the paper's length bias: revisions that change length by more than half
@@ -120,6 +121,28 @@ def length_changed_share(records: Sequence[dict]) -> float:
     return sum(changed) / len(changed) if changed else math.nan
 
 
+def confidence_non_degenerate(records: Sequence[dict], delta: float) -> tuple[float, list[float]]:
+    """The confidence with degenerate last revisions (`revision_degenerate`, `degenerate.py`) counted as not
+    confident, as invalid ones are, over the same queries; and its 95% Wilson interval.
+
+    Beside the paper's confidence, not instead of it: the paper counts only empty texts as invalid, and a loop or an
+    echo of the prompt is likely under the model, so it counts as confident there. The gap between the two is the
+    share of queries whose confidence rests on a degenerate revision.
+    """
+    confident = sum(
+        is_confident(math.nan if r["d"] is None else r["d"], delta) and not r.get("revision_degenerate")
+        for r in records
+    )
+    share = confident / len(records) if records else math.nan
+    return share, wilson_interval(confident, len(records))
+
+
+def degenerate_counts(records: Sequence[dict], key: str) -> dict[str, int]:
+    """How many records show each kind of degeneration under `key` (`response_degenerate`, `revision_degenerate`);
+    a record with both kinds counts under each. Records written before the check have no key and count as none."""
+    return {kind: sum(kind in (r.get(key) or ()) for r in records) for kind in KINDS}
+
+
 def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> dict:
     """The summary of a set of records (see the README for each key)."""
     ds = [math.nan if r["d"] is None else r["d"] for r in records]
@@ -127,6 +150,7 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> 
     by_category: dict[str, dict] = {}
     # records written before categories were canonical may hold AlignBench's Chinese names
     record_categories = [canonical_category(r.get("category")) for r in records]
+    non_degenerate, non_degenerate_ci = confidence_non_degenerate(records, delta)
     for category in sorted({c for c in record_categories if c is not None}):
         cat_ds = [d for d, c in zip(ds, record_categories) if c == category]
         by_category[category] = {
@@ -142,9 +166,15 @@ def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> 
         "n_capped": int(sum(bool(r.get("response_capped")) for r in records)),
         "n_revision_capped": int(sum(bool(r.get("revision_capped")) for r in records)),
         "n_revision_truncated": int(sum(bool(r.get("revision_truncated")) for r in records)),
+        # answers / last revisions that loop or echo the refinement prompt (degenerate.py), and per kind
+        "n_degenerate": int(sum(bool(r.get("response_degenerate")) for r in records)),
+        "n_revision_degenerate": int(sum(bool(r.get("revision_degenerate")) for r in records)),
+        "revision_degenerate_kinds": degenerate_counts(records, "revision_degenerate"),
         "delta": delta,
         "confidence": confidence(ds, delta),
         "confidence_ci": confidence_interval(ds, delta),
+        "confidence_non_degenerate": non_degenerate,
+        "confidence_non_degenerate_ci": non_degenerate_ci,
         "confidence_sweep": confidence_sweep(ds, sorted(set(sweep) | {delta}, reverse=True)),
         "d_mean": float(finite.mean()) if finite.size else math.nan,
         "d_median": float(np.median(finite)) if finite.size else math.nan,

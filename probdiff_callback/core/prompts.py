@@ -48,6 +48,9 @@ SIMPLE = (
 REFINEMENT_PROMPTS = {"rewriter": REWRITER, "rewriter-translation": REWRITER_TRANSLATION, "simple": SIMPLE}
 
 
+PLACEHOLDER_PATTERN = re.compile(r"\{instruction\}|\{response\}")  # where a template takes the query and the answer
+
+
 def refinement_template(name_or_template: str) -> str:
     return REFINEMENT_PROMPTS.get(name_or_template, name_or_template)
 
@@ -56,7 +59,7 @@ def refinement_request(template: str, instruction: str, response: str) -> str:
     # One pass, not str.format or chained replace: queries and answers contain braces
     # (code, JSON), and a query may itself contain the text "{response}".
     fill = {"{instruction}": instruction, "{response}": response}
-    return re.sub(r"\{instruction\}|\{response\}", lambda m: fill[m.group(0)], template)
+    return PLACEHOLDER_PATTERN.sub(lambda m: fill[m.group(0)], template)
 
 
 ELLIPSIS = "\n...\n"

@@ -58,6 +58,8 @@ class Record(TypedDict, total=False):
     response_capped: bool
     revision_capped: bool
     revision_truncated: bool
+    response_degenerate: list[str]  # the kinds (degenerate.KINDS) the answer shows: a loop; [] for none
+    revision_degenerate: list[str]  # the last revision's: a loop, an echo of the refinement prompt
     reference: str
     ref: dict[str, float | None]  # sentence-level reference metrics; None: that metric could not score the answer
 
