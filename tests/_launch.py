@@ -1,5 +1,6 @@
-"""The one way tests start the training script as a process, as a user does: `python train/sft.py` or `accelerate
-launch [--num_processes N --multi_gpu] train/sft.py`, offline, with W&B off, and what they read back from a run."""
+"""The one way tests start the training script as a process, as a user does: `python train/sft.py [--num_processes N
+--multi_gpu]` or `accelerate launch [--num_processes N --multi_gpu] train/sft.py`, offline, with W&B off, and what
+they read back from a run."""
 
 from __future__ import annotations
 
@@ -29,13 +30,14 @@ CHEAP = [
 
 
 def sft_command(launcher: str = "python", processes: int = 1, launcher_args: tuple[str, ...] = ()) -> list[str]:
-    """The command line that starts train/sft.py: the script itself, or through `accelerate launch` (on a CPU,
-    `--multi_gpu` is what starts several DDP processes; `launcher_args` replace it, e.g. DeepSpeed's flags)."""
+    """The command line that starts train/sft.py: the script itself (for several processes with `accelerate launch`'s
+    options, and it launches them), or through `accelerate launch` (on a CPU, `--multi_gpu` is what starts several
+    DDP processes; `launcher_args` replace it, e.g. DeepSpeed's flags)."""
     if launcher == "accelerate":
         several = list(launcher_args) or (["--multi_gpu"] if processes > 1 else [])
         accelerate = shutil.which("accelerate") or "accelerate"
         return [accelerate, "launch", "--num_processes", str(processes), *several, str(SFT)]
-    return [sys.executable, str(SFT)]
+    return [sys.executable, str(SFT), *(["--num_processes", str(processes), "--multi_gpu"] if processes > 1 else [])]
 
 
 def sft_env(**extra: str) -> dict[str, str]:

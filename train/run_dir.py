@@ -15,6 +15,7 @@ from probdiff_callback.runs.checkpoints import (
     is_cut_off,
 )
 from train import say
+from train.launch import training_command
 from train.recipe import Recipe, RecipeError
 from train.run_lock import raise_if_held
 
@@ -164,9 +165,9 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
 
 
 def resume_command(args: list[str]) -> str:
-    """The command that continues a run: the same arguments, `resume=true`."""
+    """The command that continues a run: the same options and arguments, `resume=true`."""
     kept = [arg for arg in args if not arg.startswith("resume=")]
-    return f"accelerate launch train/sft.py {' '.join(kept)} resume=true"
+    return f"{training_command()} {' '.join(kept)} resume=true"
 
 
 def resume_hint(run_dir: Path, args: list[str]) -> str:

@@ -1,11 +1,12 @@
 """Supervised fine-tuning (LoRA or full) with ProbDiff self-evaluation at every checkpoint.
 
-    accelerate launch [--config_file recipes/accelerate/<name>.yaml] train/sft.py recipe=blog [key=value ...]
     python train/sft.py recipe=blog model=tiny
+    python train/sft.py [--config_file recipes/accelerate/<name>.yaml] recipe=blog [key=value ...]
 
 `recipe=NAME` reads recipes/NAME.yaml; `key=value` overrides any of its keys (nested with dots:
 `lora.r=8`, `probdiff.delta=-0.02`, `probdiff.n_queries=50`), and any trl.SFTConfig field can be set the
-same way (`optim=adafactor`). See docs/configuration.md.
+same way (`optim=adafactor`). Options before them are `accelerate launch`'s: the script then launches its
+training processes and waits for them, passing stop signals on (train/launch.py). See docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -14,8 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script (accelerate launch train/sft.py): import `train` from the checkout
+if __package__ in (None, ""):  # run as a script (python train/sft.py): import `train` from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if __name__ == "__main__":  # the command users start: the launcher of the training processes where one is needed
+    from train import launch
+
+    if launch.needs_launcher(launch.split_arguments(sys.argv[1:])[0]):
+        sys.exit(launch.main(sys.argv[1:], script=__file__))
+    launch.follow_launcher()  # before the imports below, which take seconds: a Ctrl-C then reaches the launcher only
 
 from probdiff_callback.core.queries import DataFileError
 from probdiff_callback.runtime.threads import configure_threads

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 LAUNCHERS = ("accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch")
+# train/sft.py's own launcher (train/launch.py) names itself to the training processes it starts
+LAUNCHER_PID_ENV = "PROBDIFF_LAUNCHER_PID"
 LOAD_SAMPLES = 5
 LOAD_SAMPLE_INTERVAL_S = 0.05
 
@@ -52,14 +54,14 @@ def choose_threads(cores: int, local_processes: int, busy_elsewhere: int) -> int
 
 
 def launcher_environment() -> dict[str, str] | None:
-    """The environment the launcher (`accelerate launch`, `torchrun`) itself was started with (the user's),
-    read from /proc: the value a launcher hands its workers cannot tell a user's OMP_NUM_THREADS=1 from the
+    """The environment the launcher (`accelerate launch`, `torchrun`, train/sft.py's) itself was started with (the
+    user's), read from /proc: the value a launcher hands its workers cannot tell a user's OMP_NUM_THREADS=1 from the
     launcher's own default."""
     pid = os.getppid()
     for _ in range(4):  # worker <- (torch elastic agent, same process as) accelerate launch / torchrun
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if any(name in cmdline for name in LAUNCHERS):
+            if any(name in cmdline for name in LAUNCHERS) or str(pid) == os.environ.get(LAUNCHER_PID_ENV):
                 raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
             status = Path(f"/proc/{pid}/status").read_text()

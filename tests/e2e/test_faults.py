@@ -105,7 +105,7 @@ def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
     assert preempted.returncode == 0, preempted.stdout[-3000:] + preempted.stderr[-3000:]
     assert "received SIGTERM: saving a checkpoint at the end of this step, then stopping" in preempted.stderr
     line = next(line for line in preempted.stdout.splitlines() if line.startswith("stopped by SIGTERM"))
-    assert line == "stopped by SIGTERM: saved run/checkpoint-3. Continue with: accelerate launch train/sft.py " + (
+    assert line == "stopped by SIGTERM: saved run/checkpoint-3. Continue with: python train/sft.py " + (
         " ".join(args) + " resume=true"
     )
     assert (run / "run.lock").read_text() == "", "a preemption's stop releases the run directory cleanly"

@@ -1,0 +1,101 @@
+"""train/launch.py in this process: which arguments are the launcher's, when the script launches, the exit status it
+reports, the defaults that keep accelerate's warning block away, and the command in the continue line.
+(The launcher with real processes and signals: e2e/test_launcher_signals.py.)"""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from train import launch
+
+
+def test_launcher_options_come_before_the_key_value_arguments():
+    assert launch.split_arguments(["recipe=blog", "model=tiny"]) == ([], ["recipe=blog", "model=tiny"])
+    assert launch.split_arguments(["--config_file", "recipes/accelerate/zero3.yaml", "recipe=blog", "lora.r=8"]) == (
+        ["--config_file", "recipes/accelerate/zero3.yaml"],
+        ["recipe=blog", "lora.r=8"],
+    )
+    assert launch.split_arguments(["--num_processes=2", "--multi_gpu", "recipe=blog"]) == (
+        ["--num_processes=2", "--multi_gpu"],
+        ["recipe=blog"],
+    )
+    # an option after the key=value arguments is the training script's (the recipe says it is not key=value)
+    late = ["recipe=blog", "--num_processes", "2"]
+    assert launch.split_arguments(late) == ([], late)
+    assert launch.split_arguments(["--help"]) == (["--help"], [])
+
+
+def test_a_training_process_never_launches_again(monkeypatch):
+    for name in ("PROBDIFF_LAUNCHER_PID", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.needs_launcher(["--num_processes", "2"])
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's worker
+    assert not launch.needs_launcher(["--num_processes", "2"])
+
+
+def test_without_options_it_launches_only_where_accelerate_launch_would_start_more(monkeypatch, tmp_path):
+    import accelerate.commands.config
+    import torch
+
+    for name in ("PROBDIFF_LAUNCHER_PID", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(accelerate.commands.config, "default_config_file", str(tmp_path / "none.yaml"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert not launch.needs_launcher([])  # one process: this one
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert launch.needs_launcher([])  # one per GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    (tmp_path / "none.yaml").write_text("distributed_type: DEEPSPEED\n")
+    assert launch.needs_launcher([])  # the user's `accelerate config`
+
+
+def test_exit_status(capsys):
+    assert launch.exit_status(0, "the training process", []) == 0
+    assert launch.exit_status(2, "the training process", []) == 2  # a setup error: the process said it
+    assert launch.exit_status(-signal.SIGTERM, "the training process", [signal.SIGTERM]) == 143  # the one passed on
+    assert capsys.readouterr().err == ""
+    assert launch.exit_status(-signal.SIGKILL, "the training process of rank 1 (pid 7)", [signal.SIGTERM]) == 137
+    assert capsys.readouterr().err == "error: the training process of rank 1 (pid 7) was killed by SIGKILL\n"
+
+
+def test_the_rank_that_failed_by_itself_is_reported_before_those_torchrun_then_stopped():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {0: ProcessFailure(0, 10, -signal.SIGTERM, "<N/A>"), 1: ProcessFailure(1, 11, 2, "<N/A>")}
+    rank, failure = launch.first_failure(ChildFailedError("train/sft.py", failures))
+    assert (rank, failure.exitcode) == (1, 2)
+    only_killed = {0: ProcessFailure(0, 10, -signal.SIGKILL, "<N/A>")}
+    assert launch.first_failure(ChildFailedError("train/sft.py", only_killed))[0] == 0
+
+
+@pytest.mark.parametrize("gpus, expected", [(0, (1, False)), (1, (1, False)), (8, (8, True))])
+def test_the_values_accelerate_would_warn_about_are_set(gpus, expected, monkeypatch, tmp_path):
+    import accelerate.commands.config
+    import torch
+
+    monkeypatch.setattr(accelerate.commands.config, "default_config_file", str(tmp_path / "none.yaml"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = SimpleNamespace(config_file=None, cpu=False, num_processes=None, num_machines=None, mixed_precision=None,
+                           dynamo_backend=None, multi_gpu=False, use_deepspeed=False, use_fsdp=False)  # fmt: skip
+    launch.set_unset_defaults(args)
+    assert (args.num_processes, args.multi_gpu) == expected
+    assert (args.num_machines, args.mixed_precision, args.dynamo_backend) == (1, "no", "no")
+    given = SimpleNamespace(**{**vars(args), "config_file": "recipes/accelerate/zero3.yaml", "num_processes": None})
+    launch.set_unset_defaults(given)
+    assert given.num_processes is None  # a config file says it
+
+
+def test_the_continue_line_names_the_command_with_its_options(monkeypatch):
+    from train.run_dir import resume_command
+
+    monkeypatch.delenv(launch.LAUNCH_OPTIONS_ENV, raising=False)
+    assert resume_command(["recipe=blog", "model=tiny", "resume=false"]) == (
+        "python train/sft.py recipe=blog model=tiny resume=true"
+    )
+    monkeypatch.setenv(launch.LAUNCH_OPTIONS_ENV, "--config_file recipes/accelerate/zero3.yaml")
+    assert resume_command(["recipe=blog"]) == (
+        "python train/sft.py --config_file recipes/accelerate/zero3.yaml recipe=blog resume=true"
+    )
