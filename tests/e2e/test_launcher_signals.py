@@ -122,7 +122,9 @@ def assert_clean_stop(stopped: Stopped, command_line: str, signame: str = "SIGTE
     assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert not stopped.left and not stopped.hard_killed, stopped.left
     assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
-    line = next(line for line in stopped.stdout.splitlines() if line.startswith(f"stopped by {signame}: saved "))
+    lines = [line for line in stopped.stdout.splitlines() if line.startswith(f"stopped by {signame}: saved ")]
+    assert len(lines) == 1, stopped.stdout[-3000:]  # (`accelerate launch` as PID 1 ignores SIGTERM: it has no handler)
+    line = lines[0]
     saved = line.removeprefix(f"stopped by {signame}: saved ").split(". Continue with: ")[0]
     assert line.endswith(f". Continue with: {command_line} resume=true"), line
     assert Path(saved).parent.name == "run" and Path(saved).name not in ("checkpoint-0", "checkpoint-1"), line
