@@ -33,11 +33,11 @@ def sft_command(launcher: str = "python", processes: int = 1, launcher_args: tup
     """The command line that starts train/sft.py: the script itself (for several processes with `accelerate launch`'s
     options, and it launches them), or through `accelerate launch` (on a CPU, `--multi_gpu` is what starts several
     DDP processes; `launcher_args` replace it, e.g. DeepSpeed's flags)."""
+    several = list(launcher_args) or (["--multi_gpu"] if processes > 1 else [])
     if launcher == "accelerate":
-        several = list(launcher_args) or (["--multi_gpu"] if processes > 1 else [])
         accelerate = shutil.which("accelerate") or "accelerate"
         return [accelerate, "launch", "--num_processes", str(processes), *several, str(SFT)]
-    return [sys.executable, str(SFT), *(["--num_processes", str(processes), "--multi_gpu"] if processes > 1 else [])]
+    return [sys.executable, str(SFT), *(["--num_processes", str(processes), *several] if several else [])]
 
 
 def sft_env(**extra: str) -> dict[str, str]:

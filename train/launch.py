@@ -3,7 +3,8 @@ launcher it becomes when training takes more than its own process.
 
 `accelerate launch` cannot be the process a terminal, a container runtime or SLURM signals. For one training process
 it dies of SIGTERM at once (exit 143), and the training process saves and prints its continue line in the
-background; a container runtime, seeing its main process gone, kills the save. For several, torchrun (inside it)
+background; a container runtime, seeing its main process gone, kills the save (and as the container's PID 1, without
+a handler, it ignores SIGTERM: training goes on until the SIGKILL). For several, torchrun (inside it)
 forwards SIGTERM, kills the training processes 30 s later whether they are done or not, and exits 1 with its
 traceback. A setup error ends in accelerate's traceback and exit 1.
 
@@ -159,7 +160,7 @@ def launch(options: list[str], script: str, script_args: list[str], received: li
     try:
         launch_command(args)
     except ValueError as err:  # accelerate's checks of the options
-        print(f"error: {shlex.join(options)}: {err}", file=sys.stderr)
+        print(f"error: {shlex.join(options) or 'accelerate launch'}: {err}", file=sys.stderr)
         return 2
     except subprocess.CalledProcessError as err:  # one process (accelerate's simple launcher)
         return exit_status(err.returncode, "the training process", received)
