@@ -584,6 +584,7 @@ class BadQueryTemplate:
         return self.real(conversation, *args, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["out of memory", "NaN logits", "bad query"])
 def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on(
     fault, tmp_path, tiny_model_path, monkeypatch

@@ -108,6 +108,7 @@ def test_the_callback_warns_once_per_disagreement_and_alerts_wandb(tmp_path, mon
     assert sum("ProbDiff DISAGREES" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.slow  # a W&B run of its own: seconds to start and finish
 def test_alert_wandb_puts_the_text_in_the_run_summary(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
