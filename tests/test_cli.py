@@ -361,3 +361,28 @@ def test_overwrite_replaces_earlier_results_and_says_so(tmp_path, capsys, tiny_m
 
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "error:" in line]
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_limit_must_be_a_positive_count(limit, tmp_path, capsys):
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--queries", SAMPLES, "--limit", limit, "--out", str(out)])
+    assert exit_.value.code == 2 and not out.exists()  # refused before loading anything
+    assert (
+        f"argument --limit: {limit} is not a positive count (leave --limit out for every query)"
+        in capsys.readouterr().err
+    )
+
+
+def test_help_describes_the_arguments_and_the_query_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "dir_a a `probdiff eval` or `score` output directory (records.jsonl, summary.json): model A" in text
+    assert "dir_b another one, on the same query ids: model B" in text
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "query, instruction, question, user, prompt" in text and "conversations, messages, turns, prompt" in text
+    assert "reference answer (reference, completion, or the chat's assistant turn)" in text

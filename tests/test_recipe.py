@@ -354,11 +354,16 @@ def test_wrong_types_name_the_layer_they_came_from(tmp_path):
         load_recipe(["recipe=blog", "optim=adamw_troch"])
 
 
-def test_missing_and_misspelled_recipe_list_the_recipes():
+def test_missing_and_misspelled_recipe_list_the_recipes(tmp_path):
     for args in (["model=tiny"], ["recipe=blgo"]):
         with pytest.raises(RecipeError) as info:
             load_recipe(args)
         assert all(name in str(info.value) for name in TASKS)
+    with pytest.raises(RecipeError, match=r"recipe='blgo' is not a recipe \(did you mean 'blog'\?\)"):
+        load_recipe(["recipe=blgo"])
+    missing = tmp_path / "mine.yaml"  # a file that is not there is said to be missing, not "not a recipe"
+    with pytest.raises(RecipeError, match=rf"^recipe={missing}: no such file\. Recipes: alignbench, blog"):
+        load_recipe([f"recipe={missing}"])
 
 
 def test_bad_values_in_a_recipe_file_name_the_file(tmp_path):
