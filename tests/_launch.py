@@ -62,3 +62,42 @@ def run_sft(
 
 def history_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "probdiff" / "history.jsonl").read_text().splitlines()]
+
+
+# ---- comparing a run that was stopped and continued with one that was not ----
+STEPS = 4  # the runs compared: 4 steps, evaluated and saved at each
+SETTINGS = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], f"max_steps={STEPS}"]
+
+
+def table(stdout: str) -> list[str]:
+    """The end-of-run table: ProbDiff over training, its header and one row per evaluated step (no timings)."""
+    lines = stdout[stdout.index("ProbDiff over training") :].splitlines()
+    rows = [line for line in lines[2:] if line[:1] == " " and line.split()[0].isdigit()]
+    return lines[:2] + rows
+
+
+def assert_same_run(reference: Path, run: Path) -> None:
+    """The history, every step's records and the Trainer's log equal the uninterrupted run's."""
+    expected, got = history_rows(reference), history_rows(run)
+    assert [r["global_step"] for r in got] == [r["global_step"] for r in expected]
+    for want, have in zip(expected, got):
+        assert have.get("abandoned") is None, have
+        for key in want.keys() | have.keys():
+            if key == "seconds" or (key == "error" and want[key]):
+                continue
+            if key == "checkpoint":
+                assert (want[key] and Path(want[key]).name) == (have[key] and Path(have[key]).name)
+            else:
+                assert want.get(key) == have.get(key), (want["global_step"], key)
+        if want["records"]:
+            assert (run / "probdiff" / have["records"]).read_text() == (
+                reference / "probdiff" / want["records"]
+            ).read_text()
+
+    def log(directory: Path) -> list[dict]:
+        state = json.loads((directory / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+        return [
+            {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k} for e in state["log_history"]
+        ]
+
+    assert log(run) == log(reference), "each step logged once, with the uninterrupted run's numbers"

@@ -5,7 +5,6 @@ log and final table."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _launch import CHEAP, history_rows, run_sft, sft_command, sft_env
+from _launch import SETTINGS, assert_same_run, history_rows, run_sft, sft_command, sft_env, table
 
 from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.runs.checkpoints import checkpoints
@@ -23,43 +22,7 @@ from probdiff_callback.runtime import faults
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-STEPS = 4
-SETTINGS = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], f"max_steps={STEPS}"]
 OOM_AT_STEP_1 = "answers-done:2=OOM"  # the baseline's answers are visit 1: step 1's evaluation runs out of memory
-
-
-def table(stdout: str) -> list[str]:
-    """The end-of-run table: ProbDiff over training, its header and one row per evaluated step (no timings)."""
-    lines = stdout[stdout.index("ProbDiff over training") :].splitlines()
-    rows = [line for line in lines[2:] if line[:1] == " " and line.split()[0].isdigit()]
-    return lines[:2] + rows
-
-
-def assert_same_run(reference: Path, run: Path) -> None:
-    """The history, every step's records and the Trainer's log equal the uninterrupted run's."""
-    expected, got = history_rows(reference), history_rows(run)
-    assert [r["global_step"] for r in got] == [r["global_step"] for r in expected]
-    for want, have in zip(expected, got):
-        assert have.get("abandoned") is None, have
-        for key in want.keys() | have.keys():
-            if key == "seconds" or (key == "error" and want[key]):
-                continue
-            if key == "checkpoint":
-                assert (want[key] and Path(want[key]).name) == (have[key] and Path(have[key]).name)
-            else:
-                assert want.get(key) == have.get(key), (want["global_step"], key)
-        if want["records"]:
-            assert (run / "probdiff" / have["records"]).read_text() == (
-                reference / "probdiff" / want["records"]
-            ).read_text()
-
-    def log(directory: Path) -> list[dict]:
-        state = json.loads((directory / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
-        return [
-            {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k} for e in state["log_history"]
-        ]
-
-    assert log(run) == log(reference), "each step logged once, with the uninterrupted run's numbers"
 
 
 def assert_no_stray_files(run: Path) -> None:

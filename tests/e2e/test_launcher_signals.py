@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,8 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _launch import CHEAP, run_sft, sft_command, sft_env
-from test_faults import SETTINGS, assert_same_run, table
+from _launch import CHEAP, ROOT, SETTINGS, assert_same_run, run_sft, sft_command, sft_env, table
 
 from probdiff_callback.runs.checkpoints import checkpoints
 from train.recipe import TASKS
@@ -227,6 +227,18 @@ def test_setup_errors_through_the_readme_command(tmp_path, tiny_model_path):
     broken = a_broken_checkpoint(tmp_path / "run")
     error = one_error(run_sft([*args, "resume=true"], tmp_path))
     assert f"cannot resume from run/{broken.name}: run/{broken.name}/optimizer.pt is missing" in error
+
+
+def test_a_bad_probdiff_setting_gets_the_same_line_from_training_and_from_probdiff_eval(tmp_path):
+    """One validator for both: `probdiff.delta=abc` to the training script and `delta=abc` to `probdiff eval`."""
+    training = one_error(run_sft(["recipe=blog", "model=tiny", "probdiff.delta=abc"], tmp_path))
+    queries = str(ROOT / "data" / "samples" / "blog" / "heldout.jsonl")
+    command = [sys.executable, "-m", "probdiff_callback.cli", "eval", "--queries", queries, "--out", "o", "delta=abc"]
+    evaluation = subprocess.run(command, cwd=tmp_path, env=sft_env(), capture_output=True, text=True, timeout=300)
+    assert evaluation.returncode == 2 and "Traceback" not in evaluation.stderr
+    expected = "command line: wrong type for ProbDiff setting 'delta': got 'abc', expected float"
+    assert training == f"error: {expected}"
+    assert evaluation.stderr.strip().splitlines()[-1] == f"probdiff eval: error: {expected}"
 
 
 def test_setup_errors_through_the_launcher(tmp_path, tiny_model_path):
