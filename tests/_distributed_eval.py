@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seen: dict = {"rank": rank, "world_size": trainer.accelerator.num_processes, "history_metrics": callback.evaluated}
     if args.vllm:  # the run's engine is stopped at the end of training: what the callback logged is the result
-        outcome = callback.last_outcome
+        outcome = callback.state.last_outcome
         seen["last"] = {"records": outcome.records, "summary": outcome.summary, "error": outcome.error}
         return _write_seen(args.out, rank, seen, trainer)
     callback.config.gather_params = True
