@@ -1,7 +1,9 @@
 """A small SFT run whose eval loss is kept per conversation, shared by tests/test_eval_losses.py: imported for the
 single-process runs, and launched as a script on 2 processes (DDP over gloo on CPU):
 
-    accelerate launch --num_processes 2 --multi_gpu tests/_distributed_eval_losses.py --model DIR --out DIR
+    accelerate launch --num_processes 2 --multi_gpu tests/_distributed_eval_losses.py --mode ddp --model DIR --out DIR
+
+(or DeepSpeed ZeRO-3 with `--use_deepspeed --zero_stage 3 ... --mode zero3`).
 
 The script trains one LoRA step with ProbDiffCallback (the Trainer's eval loss at steps 0 and 1, on 5 conversations in
 batches of 2, so the ranks' last batches are padded), then has every rank compute the per-conversation losses of the
@@ -51,7 +53,7 @@ def build_trainer(model_path: str | Path, output_dir: str | Path, n_eval: int = 
         max_length=64,
         packing=False,
         dataset_num_proc=None,
-        assistant_only_loss=False,
+        activation_checkpointing=True,  # trl's default under its transformers 5 name (the old one warns)
     )
     settings.update(training_args)
     return SFTTrainer(
@@ -75,14 +77,18 @@ def add_callback(trainer) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["ddp", "zero3"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
+    from _distributed_eval import _zero3_config
+
     from probdiff_callback.callback.eval_losses import per_example_eval_losses
     from probdiff_callback.runs.run_files import write_json
 
-    trainer = build_trainer(args.model, Path(args.out) / "run")
+    extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
+    trainer = build_trainer(args.model, Path(args.out) / "run", **extra)
     add_callback(trainer)
     trainer.train()
     rank = trainer.accelerator.process_index
@@ -94,5 +100,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
     sys.exit(main())

@@ -111,12 +111,19 @@ def test_the_per_conversation_losses_do_not_depend_on_the_eval_batch_size(tmp_pa
 
 
 # ---- two processes ----
+LAUNCHERS = {"ddp": ["--multi_gpu"], "zero3": ["--use_deepspeed", "--zero_stage", "3"]}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
-def test_two_processes_gather_every_conversation_once_in_order(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_two_processes_gather_every_conversation_once_in_order(mode, tmp_path, tiny_model_path):
+    if mode == "zero3":
+        pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     command = [
         "accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--multi_gpu", str(SCRIPT), "--model", str(tiny_model_path), "--out", str(tmp_path),
+        "--dynamo_backend", "no", *LAUNCHERS[mode], str(SCRIPT), "--mode", mode, "--model", str(tiny_model_path),
+        "--out", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(SCRIPT.parents[1])}
     try:
@@ -127,7 +134,8 @@ def test_two_processes_gather_every_conversation_once_in_order(tmp_path, tiny_mo
     ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     assert [seen["world_size"] for seen in ranks] == [2, 2]
     run = read_run(tmp_path / "run")
-    # every rank holds all 5 (the padding of the last batches dropped), in the eval dataset's order
+    # every rank holds all 5 (the padding of the last batches dropped), in the eval dataset's order; under ZeRO-3 the
+    # forward passes gather the sharded parameters on both ranks in step
     assert ranks[0]["final_losses"] == ranks[1]["final_losses"]
     assert ranks[0]["final_losses"] == pytest.approx(run.eval_losses[1], abs=1e-5)  # step 1: the final weights
     # step 0 is the base model: the same values as one process computes
