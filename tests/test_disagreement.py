@@ -79,9 +79,11 @@ def test_probdiff_select_says_it_with_the_steps_and_figures(tmp_path, capsys):
     assert main(["select", str(run)]) == 0
     printed = capsys.readouterr().out
     assert "!! ProbDiff DISAGREES with a measure that does not come from the model's own judgement" in printed
+    # these records have no per-query scores and no per-conversation eval losses: not graded, so in the alarm
     assert (
-        "step 10: confidence rose from 12.5% at step 0 (before training) to 62.5%, but ROUGE-L fell from 30.00 to "
-        "26.50 and eval loss rose from 2.0000 to 2.2000" in printed
+        "!!   step 10: confidence rose from 12.5% at step 0 (before training) to 62.5%, but ROUGE-L fell from 30.00 to "
+        "26.50, not graded (no per-query ROUGE-L at step 0), and eval loss rose from 2.0000 to 2.2000, not graded "
+        "(no eval loss per conversation at step 0)" in printed
     )
     assert (
         "step 20 (the checkpoint ProbDiff picks): confidence rose from 12.5% at step 0 (before training) to 100.0%"

@@ -7,17 +7,26 @@ gets worse. Two places matter, and each is checked for every measure the run has
 - from the baseline to a checkpoint: confidence rose, the measure got worse;
 - at the checkpoint ProbDiff picks: another evaluated step had a lower confidence and a better measure.
 
-Pure functions over `agreement.step_measures` entries; callers print `format_disagreements`.
+Each change is then graded (`grade_disagreements`) by a paired test over the same queries: the queries' sentence-level
+reference metric at the two steps, or the held-out conversations' eval loss (`significance.paired_permutation_p`).
+Only a disagreement with a significant change, or one that cannot be graded (a run without per-query values), is an
+alarm; the rest are listed quietly, as within noise.
+
+Pure functions over `agreement.step_measures` entries and the steps' per-query values; callers print
+`format_disagreements`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from probdiff_callback.analysis.report import pct
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.reference_metrics import METRIC_LABELS
+from probdiff_callback.core.significance import SIGNIFICANCE_LEVEL, paired_permutation_p
 
 LOSS = "eval_loss"
 LABELS = {**METRIC_LABELS, LOSS: "eval loss"}
@@ -27,15 +36,40 @@ TOLERANCE = {LOSS: 1e-4, **{name: 0.01 for name in METRIC_LABELS}}
 
 
 @dataclass(frozen=True)
+class Grade:
+    """A paired test of one measure between two steps, or why there is none."""
+
+    p: float | None  # two-sided p of the paired permutation test; None when not graded (NaN would break equality)
+    n: int  # the pairs: queries (a reference metric) or held-out conversations (the eval loss)
+    unit: str  # "queries" or "conversations"
+    why_not: str | None = None  # why it could not be graded
+
+    @property
+    def significant(self) -> bool:
+        return self.p is not None and self.p < SIGNIFICANCE_LEVEL
+
+    @property
+    def within_noise(self) -> bool:
+        return self.p is not None and not self.p < SIGNIFICANCE_LEVEL
+
+    def words(self) -> str:
+        if self.p is None:
+            return f"not graded ({self.why_not})"
+        return f"{'significant' if self.significant else 'within noise'} (p = {self.p:.2g}, {self.n} {self.unit})"
+
+
+@dataclass(frozen=True)
 class Worse:
     measure: str  # a reference metric name or "eval_loss"
     before: float
     after: float
+    grade: Grade | None = None  # None: not graded yet (`grade_disagreements`)
 
     def words(self) -> str:
         verb = "rose" if self.measure == LOSS else "fell"
         spec = ".4f" if self.measure == LOSS else ".2f"
-        return f"{LABELS[self.measure]} {verb} from {self.before:{spec}} to {self.after:{spec}}"
+        change = f"{LABELS[self.measure]} {verb} from {self.before:{spec}} to {self.after:{spec}}"
+        return change if self.grade is None else f"{change}, {self.grade.words()}"
 
 
 @dataclass(frozen=True)
@@ -49,11 +83,17 @@ class Disagreement:
     earlier_is_baseline: bool = False
     at_pick: bool = False  # `later` is the step ProbDiff picks
 
+    @property
+    def within_noise(self) -> bool:
+        """Every change was graded, and none is significant: listed quietly, not an alarm."""
+        return all(w.grade is not None and w.grade.within_noise for w in self.worse)
+
     def sentence(self) -> str:
         where = f"step {self.later}" + (" (the checkpoint ProbDiff picks)" if self.at_pick else "")
         since = f"step {self.earlier}" + (" (before training)" if self.earlier_is_baseline else "")
         low, high = self.confidence
-        return f"{where}: confidence rose from {pct(low)} at {since} to {pct(high)}, but " + " and ".join(
+        joint = ", and " if any(w.grade is not None for w in self.worse) else " and "
+        return f"{where}: confidence rose from {pct(low)} at {since} to {pct(high)}, but " + joint.join(
             w.words() for w in self.worse
         )
 
@@ -117,8 +157,85 @@ def find_disagreements(steps: Sequence[Mapping], picked_step: int | None) -> lis
     return found
 
 
-def format_disagreements(found: Sequence[Disagreement], run_dir: object = "RUN_DIR") -> str:
-    """A block a user cannot miss, or "" when ProbDiff and the independent measures do not disagree."""
+# --- grading: a paired test over the same queries -------------------------------------------------------------------
+# A step's per-query values: (its records, its per-conversation eval losses), each None where the step has none.
+StepValues = tuple[Sequence[Mapping] | None, Sequence[float] | None]
+
+
+def _reference_scores(records: Sequence[Mapping], measure: str) -> dict[str, float]:
+    """Query id -> the answer's sentence-level score, for the records that have one."""
+    return {
+        str(r["id"]): float(value)
+        for r in records
+        if is_finite(value := (r.get("ref") or {}).get(measure))  # type: ignore[arg-type]
+    }
+
+
+def _reference_pairs(
+    measure: str, earlier: int, later: int, records: tuple[Sequence[Mapping] | None, Sequence[Mapping] | None]
+) -> tuple[list[float], list[float]] | str:
+    """(before, after) over the queries scored at both steps, or why there are none."""
+    scores = []
+    for step, step_records in zip((earlier, later), records):
+        if step_records is None:
+            return f"no records of step {step} on disk"
+        scores.append(_reference_scores(step_records, measure))
+        if not scores[-1]:
+            return f"no per-query {LABELS[measure]} at step {step}"
+    shared = [query for query in scores[0] if query in scores[1]]
+    if not shared:
+        return f"no query has a {LABELS[measure]} at both steps"
+    return [scores[0][q] for q in shared], [scores[1][q] for q in shared]
+
+
+def _loss_pairs(
+    earlier: int, later: int, losses: tuple[Sequence[float] | None, Sequence[float] | None]
+) -> tuple[list[float], list[float]] | str:
+    """(before, after) over the held-out conversations with a loss at both steps, or why there are none."""
+    for step, step_losses in zip((earlier, later), losses):
+        if step_losses is None:
+            return f"no eval loss per conversation at step {step}"
+    before, after = losses
+    assert before is not None and after is not None
+    if len(before) != len(after):
+        return f"the eval sets differ: {len(before)} conversations at step {earlier}, {len(after)} at step {later}"
+    pairs = [(b, a) for b, a in zip(before, after) if is_finite(b) and is_finite(a)]
+    if not pairs:
+        return "no conversation has an eval loss at both steps"
+    return [b for b, _ in pairs], [a for _, a in pairs]
+
+
+def grade_change(measure: str, earlier: int, later: int, values: Callable[[int], StepValues]) -> Grade:
+    """The paired permutation test of `measure` between two steps, over the queries (or conversations) both have."""
+    unit = "conversations" if measure == LOSS else "queries"
+    if measure == LOSS:
+        pairs = _loss_pairs(earlier, later, (values(earlier)[1], values(later)[1]))
+    else:
+        pairs = _reference_pairs(measure, earlier, later, (values(earlier)[0], values(later)[0]))
+    if isinstance(pairs, str):
+        return Grade(None, 0, unit, why_not=pairs)
+    before, after = pairs
+    return Grade(paired_permutation_p(before, after), len(before), unit)
+
+
+def grade_disagreements(found: Sequence[Disagreement], values: Callable[[int], StepValues]) -> list[Disagreement]:
+    """`found`, each change graded by a paired test over the same queries; `values(step)` gives a step's records and
+    per-conversation eval losses (read once per step here)."""
+    values = functools.cache(values)
+    return [
+        dataclasses.replace(
+            d,
+            worse=tuple(
+                dataclasses.replace(w, grade=grade_change(w.measure, d.earlier, d.later, values)) for w in d.worse
+            ),
+        )
+        for d in found
+    ]
+
+
+# --- in words -----------------------------------------------------------------------------------------------------
+def format_alarm(found: Sequence[Disagreement], run_dir: object = "RUN_DIR") -> str:
+    """A block a user cannot miss, or "" without disagreements."""
     if not found:
         return ""
     lines = ["!! ProbDiff DISAGREES with a measure that does not come from the model's own judgement:"]
@@ -128,3 +245,22 @@ def format_disagreements(found: Sequence[Disagreement], run_dir: object = "RUN_D
         f"read the answers in {run_dir}/probdiff/step-<N>/ before trusting the pick."
     )
     return "\n".join(lines)
+
+
+def format_within_noise(found: Sequence[Disagreement]) -> str:
+    """The disagreements whose every change a paired test puts within noise, listed quietly; "" without any."""
+    if not found:
+        return ""
+    lines = [
+        "ProbDiff and an independent measure moved apart, within noise (a paired test over the same queries finds no "
+        f"change beyond chance, p >= {SIGNIFICANCE_LEVEL:g}):"
+    ]
+    return "\n".join(lines + [f"  {d.sentence()}" for d in found])
+
+
+def format_disagreements(found: Sequence[Disagreement], run_dir: object = "RUN_DIR") -> str:
+    """The alarm for the disagreements that are not within noise, then the quiet list of those that are; "" when
+    ProbDiff and the independent measures do not disagree."""
+    loud = [d for d in found if not d.within_noise]
+    quiet = [d for d in found if d.within_noise]
+    return "\n".join(block for block in (format_alarm(loud, run_dir), format_within_noise(quiet)) if block)

@@ -8,6 +8,9 @@ from collections.abc import Mapping, Sequence
 
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.reference_metrics import METRIC_LABELS
+from probdiff_callback.core.significance import queries_needed, resolution
+
+RESOLUTION_CHANGE = 0.10  # the change the resolution line says how many queries it would take to see
 
 
 def format_summary(summary: dict) -> str:
@@ -32,6 +35,8 @@ def format_summary(summary: dict) -> str:
             )
     if summary.get("reference"):
         lines.append(format_reference(summary["reference"]))
+    if summary["n"]:
+        lines.append(resolution_line(summary["n"], summary["confidence"], "two models or steps on these queries"))
     return "\n".join(lines)
 
 
@@ -76,6 +81,41 @@ def degenerate_note(summary: Mapping) -> str:
             "model."
         )
     return note
+
+
+def resolution_line(n: int, confidence: float | None, between: str = "two steps") -> str:
+    """One line on how small a change in confidence `n` queries can show, from `confidence` (None or NaN: 50%, where
+    a share varies most): `significance.resolution` and `queries_needed`, in words."""
+    assumed = confidence is None or not is_finite(confidence)
+    baseline = 0.5 if assumed else float(confidence)  # type: ignore[arg-type]
+    seen = resolution(n, baseline)
+    needed = queries_needed(baseline, RESOLUTION_CHANGE)
+    start = f"ProbDiff resolution: with {n} quer{'y' if n == 1 else 'ies'} and a confidence of {pct(baseline)}" + (
+        " (assumed: no baseline yet)" if assumed else ""
+    )
+    if seen.within_noise is None:
+        what = (
+            f"every change of confidence between {between} is within noise (a paired test over {n} "
+            f"quer{'y' if n == 1 else 'ies'} calls none significant even half the time)"
+        )
+    else:
+        parts = []
+        if seen.smallest_rise is not None:
+            parts.append(f"+{100 * seen.smallest_rise:.1f}")
+        if seen.smallest_fall is not None:
+            parts.append(f"-{100 * seen.smallest_fall:.1f}")
+        what = f"a change of less than {'/'.join(parts)} points between {between} is within noise"
+        if seen.smallest_rise is not None and seen.smallest_rise > 1 / n:
+            what += f" ({pct(baseline)} cannot be told from {pct(baseline + seen.smallest_rise - 1 / n)})"
+        elif seen.smallest_rise is None:
+            what += f" (no rise from {pct(baseline)} could be significant)"
+    points = f"{100 * RESOLUTION_CHANGE:.0f}"
+    more = (
+        f"a change of ±{points} points would need about {needed} queries"
+        if needed is not None
+        else f"±{points} points is out of reach"
+    )
+    return f"{start}, {what}; {more} (docs/callback.md#what-n-queries-can-see)"
 
 
 def format_comparison(result: dict, name_a: str, name_b: str) -> str:

@@ -16,11 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from probdiff_callback.analysis.crosscheck import step_measures
-from probdiff_callback.analysis.disagreement import Disagreement, find_disagreements, format_disagreements
+from probdiff_callback.analysis.disagreement import (
+    Disagreement,
+    find_disagreements,
+    format_disagreements,
+    grade_disagreements,
+)
 from probdiff_callback.analysis.report import fmt, format_p, format_win_tie_lose, pct
 from probdiff_callback.core.metric import compare
 from probdiff_callback.runs.checkpoints import weights_problem
-from probdiff_callback.runs.run_files import DEFAULT_SUBDIR, HistoryRow, Run, read_run
+from probdiff_callback.runs.run_files import DEFAULT_SUBDIR, HistoryRow, Run, probdiff_dir, read_run, step_files
 
 
 @dataclass
@@ -94,9 +99,15 @@ def picked_step(ranked: Sequence[HistoryRow], run_dir: str | os.PathLike) -> int
     return None if pick is None else pick.global_step
 
 
-def disagreements(rows: Sequence[HistoryRow], run_dir: str | os.PathLike) -> list[Disagreement]:
-    """Where an independent measure moves against ProbDiff, from the rows alone (the callback's, in memory)."""
-    return find_disagreements(step_measures(rows), picked_step(ranked_rows(rows), run_dir))
+def disagreements(
+    rows: Sequence[HistoryRow], run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR
+) -> list[Disagreement]:
+    """Where an independent measure moves against ProbDiff, from the rows (the callback's, in memory), each change
+    graded with the per-query values in the files the rows name."""
+    directory = probdiff_dir(run_dir, subdir)
+    by_step = {row.global_step: row for row in rows}
+    found = find_disagreements(step_measures(rows), picked_step(ranked_rows(rows), run_dir))
+    return grade_disagreements(found, lambda step: step_files(directory, by_step[step]))
 
 
 def _ranked_step(row: HistoryRow, run_dir: Path) -> RankedStep:
@@ -150,7 +161,10 @@ def select(run: Run) -> Selection:
         skipped=skipped,
         delta=delta,
         run_dir=run.run_dir,
-        disagreements=find_disagreements(step_measures(run.rows), picked_step(ranked, run.run_dir)),
+        disagreements=grade_disagreements(
+            find_disagreements(step_measures(run.rows), picked_step(ranked, run.run_dir)),
+            lambda step: (run.records.get(step), run.eval_losses.get(step)),
+        ),
     )
 
 

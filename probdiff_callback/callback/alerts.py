@@ -1,29 +1,37 @@
 """The disagreement alarm during training: as soon as an independent measure (a reference metric, the eval loss) moves
-against ProbDiff, a warning on the console and a W&B alert, once per disagreement. Main process only."""
+against ProbDiff by more than noise, a warning on the console and a W&B alert, once per disagreement; a disagreement
+that a paired test puts within noise is listed quietly (the log at info level). Main process only."""
 
 from __future__ import annotations
 
 import logging
+
+from probdiff_callback.core.config import DEFAULT_SUBDIR
 
 logger = logging.getLogger(__name__)
 
 
 class DisagreementAlerts:
     """As soon as an independent measure moves against ProbDiff: a warning on the console and a W&B alert, once per
-    disagreement."""
+    disagreement, for those graded significant (or that cannot be graded); the rest once, quietly."""
 
     def __init__(self) -> None:
         self.said: set = set()
 
-    def announce(self, rows, run_dir: str, to_wandb: bool) -> None:
-        from probdiff_callback.analysis.disagreement import format_disagreements
+    def announce(self, rows, run_dir: str, to_wandb: bool, subdir: str = DEFAULT_SUBDIR) -> None:
+        from probdiff_callback.analysis.disagreement import format_alarm, format_within_noise
         from probdiff_callback.analysis.select import disagreements
 
-        new = [d for d in disagreements(rows, run_dir) if d not in self.said]
+        new = [d for d in disagreements(rows, run_dir, subdir) if d not in self.said]
         if not new:
             return
         self.said.update(new)
-        text = format_disagreements(new, run_dir)
+        if quiet := format_within_noise([d for d in new if d.within_noise]):
+            logger.info(quiet)
+        loud = [d for d in new if not d.within_noise]
+        if not loud:
+            return
+        text = format_alarm(loud, run_dir)
         logger.warning(text)
         if to_wandb:
             try:

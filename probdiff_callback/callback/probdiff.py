@@ -4,7 +4,8 @@ The callback decides when to evaluate and hands the outcome on; the rest lives b
 which steps), `distributed` (the model in training evaluated across ranks), `core.evaluator` (the evaluation),
 `runs.run_files` (the history, step records and checkpoint summaries), `metrics` (the Trainer's), `wandb_records`,
 `alerts` (the disagreement alarm), `cost` (what evaluating adds to the run's time) and `preemption` (a signal's stop,
-which abandons an evaluation in progress). It says everything through `logger` or `trainer.log`.
+which abandons an evaluation in progress), `eval_losses` (each held-out conversation's eval loss, for the alarm's
+paired test). It says everything through `logger` or `trainer.log`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.cost import CostReport
 from probdiff_callback.callback.distributed import (
@@ -27,6 +29,7 @@ from probdiff_callback.callback.distributed import (
     evaluate_in_training,
     start_training_engine,
 )
+from probdiff_callback.callback.eval_losses import ExampleLosses, PerExampleLossUnavailable, per_example_eval_losses
 from probdiff_callback.callback.metrics import metrics_from_summary, vs_base_metrics
 from probdiff_callback.callback.schedule import (
     EvaluationSchedule,
@@ -40,7 +43,7 @@ from probdiff_callback.callback.wandb_records import WandbRecords
 from probdiff_callback.core import reference_metrics
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
-from probdiff_callback.core.metric import compare_to_base
+from probdiff_callback.core.metric import compare_to_base, is_finite
 from probdiff_callback.core.queries import queries_from
 from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, Record, RunFiles, read_records
 
@@ -58,6 +61,9 @@ class CallbackState:
     baseline_due: bool = False  # the baseline waits for the Trainer's evaluation at step 0 (eval_on_start)
     abandoned_step: int | None = None  # the step whose evaluation a preemption abandoned
     last_outcome: EvaluationOutcome | None = None
+    without_eval_loss: set[int] = field(default_factory=set)  # evaluated steps whose row awaits the Trainer's eval loss
+    example_losses_unavailable: bool = False  # the eval batches cannot give each conversation's loss (said once)
+    resolution_said: bool = False
 
 
 class ProbDiffCallback(TrainerCallback):
@@ -156,6 +162,7 @@ class ProbDiffCallback(TrainerCallback):
         self.state = CallbackState(
             evaluated={row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned},
             baseline_records=baseline_records,
+            without_eval_loss={row.global_step for row in kept if not row.abandoned and not is_finite(row.eval_loss)},
         )
         self.schedule.resume(args, state)
         self._complete_resumed_step(state, kept)
@@ -165,6 +172,9 @@ class ProbDiffCallback(TrainerCallback):
         # from its own seeds and leaves the training RNG as it found it.
         if self.state.baseline_due and not args.eval_on_start:
             self._run(self._row(state, "baseline"))
+        elif not self.state.baseline_due:  # else the baseline's evaluation says it, with its confidence
+            baseline = next((row for row in kept if row.kind == "baseline" and not row.failed), None)
+            self._say_resolution(None if baseline is None else baseline.confidence)
         self._cost.training_started(state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -195,18 +205,27 @@ class ProbDiffCallback(TrainerCallback):
         if metrics is None:
             return
         step = state.global_step
-        # The Trainer computed the eval loss before calling on_evaluate: it goes into the step's row as written.
+        # The Trainer computed the eval loss before calling on_evaluate: it goes into the step's row as written, with
+        # each conversation's (`eval_losses`) beside it.
         eval_loss = float(metrics.get("eval_loss", math.nan))
+        dataloader = kwargs.get("eval_dataloader")
         if step == 0 and self.state.baseline_due:
-            self._run(self._row(state, "baseline", eval_loss=eval_loss))
+            losses = self._example_losses(metrics, dataloader)
+            self._run(self._row(state, "baseline", eval_loss=eval_loss), losses)
         elif step not in self.evaluated:
             if not self.schedule.is_due(state, control, self._stopping()):
                 return
             checkpoint = checkpoint_to_come(args, state, control)
-            self._run(self._row(state, "evaluate", checkpoint=checkpoint, eval_loss=eval_loss))
+            losses = self._example_losses(metrics, dataloader)
+            self._run(self._row(state, "evaluate", checkpoint=checkpoint, eval_loss=eval_loss), losses)
             self._stop_if_abandoned(state, control)
-        elif self._is_main():  # evaluated already: at the end of training, or the row of a resumed run
-            self._files.set_eval_loss(step, eval_loss)
+        else:  # evaluated already: at the end of training, or the row of a resumed run
+            losses = None
+            if step in self.state.without_eval_loss:  # the same on every rank: each runs its share
+                self.state.without_eval_loss.discard(step)
+                losses = self._example_losses(metrics, dataloader)
+            if self._is_main():
+                self._files.set_eval_loss(step, eval_loss, None if losses is None else losses.losses)
         metrics.update(self.evaluated[step])
         self._say_disagreements()
 
@@ -245,10 +264,32 @@ class ProbDiffCallback(TrainerCallback):
         if engine is not None:
             engine.close()
 
+    def _say_resolution(self, baseline_confidence: float | None) -> None:
+        """Once, at the start of training: how small a change in confidence these queries can show."""
+        if not self.state.resolution_said and self._is_main():
+            logger.info(resolution_line(len(self.queries), baseline_confidence))
+        self.state.resolution_said = True
+
+    def _example_losses(self, metrics: dict[str, float], dataloader) -> ExampleLosses | None:
+        """Each eval conversation's loss, from the dataloader the Trainer's evaluation just used (every rank runs
+        its share); None without the Trainer's eval loss, or when the batches do not allow it (said once)."""
+        if "eval_loss" not in metrics or dataloader is None or self.state.example_losses_unavailable:
+            return None
+        try:
+            return per_example_eval_losses(self.trainer, dataloader)
+        except PerExampleLossUnavailable as why:  # the batches' layout: the same on every rank
+            self.state.example_losses_unavailable = True
+            if self._is_main():
+                logger.warning(
+                    f"ProbDiff: no eval loss per conversation ({why}); the disagreement alarm cannot grade changes of "
+                    "the eval loss"
+                )
+            return None
+
     def _say_disagreements(self) -> None:
         if self._is_main():
             to_wandb = "wandb" in (self.trainer.args.report_to or [])
-            self._alerts.announce(self._files.rows(), self.trainer.args.output_dir, to_wandb)
+            self._alerts.announce(self._files.rows(), self.trainer.args.output_dir, to_wandb, self.config.output_subdir)
 
     # ---- preemption ----
     def _stopping(self) -> bool:
@@ -350,9 +391,9 @@ class ProbDiffCallback(TrainerCallback):
         """The row of the step being evaluated, before its evaluation fills it."""
         return HistoryRow(state.global_step, state.epoch, kind, kind == "baseline", checkpoint, eval_loss=eval_loss)
 
-    def _run(self, row: HistoryRow) -> EvaluationOutcome:
-        """Evaluate for `row` (its step, kind and checkpoint), then hand the outcome to the Trainer, W&B and the
-        run's files."""
+    def _run(self, row: HistoryRow, example_losses: ExampleLosses | None = None) -> EvaluationOutcome:
+        """Evaluate for `row` (its step, kind and checkpoint), then hand the outcome, with the step's eval loss of
+        each conversation where the Trainer evaluated it, to the Trainer, W&B and the run's files."""
         outcome = self.evaluate_model(base_model=row.base_model)
         self.state.last_outcome = outcome
         if outcome.abandoned:
@@ -361,11 +402,15 @@ class ProbDiffCallback(TrainerCallback):
             self.state.baseline_due = False
             if outcome.error is None:
                 self.state.baseline_records = outcome.records
+            self._say_resolution(None if outcome.summary is None else outcome.summary["confidence"])
         else:
             row.vs_base = compare_to_base(outcome.records, self.state.baseline_records, self.config.delta)
         outcome.metrics = self._metrics(outcome.summary, row.vs_base)
         self.evaluated[row.global_step] = outcome.metrics
-        self._cost.evaluated(outcome.seconds, before_training=row.kind == "baseline")
+        if not is_finite(row.eval_loss):
+            self.state.without_eval_loss.add(row.global_step)
+        seconds = outcome.seconds + (example_losses.seconds if example_losses is not None else 0.0)
+        self._cost.evaluated(seconds, before_training=row.kind == "baseline")
         if outcome.error is not None:
             logger.error(f"ProbDiff evaluation at step {row.global_step} failed; training goes on:\n{outcome.error}")
         # Trainer.evaluate logs its metrics before on_evaluate, so ours need their own log call (W&B,
@@ -374,7 +419,11 @@ class ProbDiffCallback(TrainerCallback):
         if self._is_main():
             self._log_to_wandb(row.global_step, outcome.records)
             row.summary, row.error, row.seconds = outcome.summary, outcome.error, round(outcome.seconds, 3)
-            self._files.add(row, outcome.records if outcome.error is None else None)
+            self._files.add(
+                row,
+                outcome.records if outcome.error is None else None,
+                None if example_losses is None else example_losses.losses,
+            )
         if outcome.error is not None and self.config.fail_on_error:
             raise RuntimeError(
                 f"ProbDiff evaluation at step {row.global_step} failed (fail_on_error=True):\n{outcome.error}"

@@ -5,8 +5,11 @@
   that step's weights to, or null), `records` (the step's records file, relative to this directory), `summary` (the
   core's summary, null on failure; with `reference` where the queries have reference metrics), `error` (null or the
   message), `seconds`, `vs_base` (`metric.compare` against the baseline, null for the baseline itself) and, where the
-  Trainer computed it at that step, `eval_loss`.
+  Trainer computed it at that step, `eval_loss` and `eval_losses` (the step's per-conversation eval losses file,
+  relative to this directory; rows written before it existed lack it).
 - `step-<N>/records.jsonl`: the step's records (`Record`), one per query.
+- `step-<N>/eval_losses.json`: `{"losses": [...]}`, the eval loss of each held-out conversation at that step, in the
+  eval dataset's order (null where a conversation has no loss token), for the paired test of the disagreement alarm.
 - `checkpoint-N/probdiff.json`: the step's row beside its weights, so it travels with the checkpoint.
 
 Writing: `RunFiles`, the callback's, keeps the rows in memory and writes the whole history from them
@@ -35,6 +38,7 @@ from probdiff_callback.core.queries import DataFileError, read_jsonl
 
 HISTORY_FILE = "history.jsonl"
 RECORDS_FILE = "records.jsonl"
+EVAL_LOSSES_FILE = "eval_losses.json"
 CHECKPOINT_SUMMARY_FILE = "probdiff.json"
 # Why a step was evaluated: the base model before training, a Trainer evaluation, a save (no evaluations), the end
 EvaluationKind = Literal["baseline", "evaluate", "save", "end"]
@@ -93,6 +97,7 @@ class HistoryRow:
     seconds: float = math.nan
     vs_base: dict | None = None
     eval_loss: float = math.nan
+    eval_losses: str | None = None  # the per-conversation eval losses file, relative to the probdiff directory
     abandoned: bool = False  # a preemption stopped the evaluation; resuming from this step's checkpoint runs it
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
 
@@ -132,6 +137,8 @@ class HistoryRow:
         }
         if is_finite(self.eval_loss):
             value["eval_loss"] = self.eval_loss
+        if self.eval_losses is not None:
+            value["eval_losses"] = self.eval_losses
         if self.abandoned:
             value["abandoned"] = True
         return nan_to_none({**value, **self.extra})
@@ -153,6 +160,10 @@ def history_path(output_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) ->
 
 def step_records_path(output_dir: str | os.PathLike, step: int, subdir: str = DEFAULT_SUBDIR) -> Path:
     return probdiff_dir(output_dir, subdir) / f"step-{step}" / RECORDS_FILE
+
+
+def step_eval_losses_path(output_dir: str | os.PathLike, step: int, subdir: str = DEFAULT_SUBDIR) -> Path:
+    return probdiff_dir(output_dir, subdir) / f"step-{step}" / EVAL_LOSSES_FILE
 
 
 def existing_run_dir(run_dir: str | os.PathLike) -> Path:
@@ -194,6 +205,30 @@ def read_records(path: str | os.PathLike) -> list[Record]:
     return records  # type: ignore[return-value]
 
 
+def read_eval_losses(path: str | os.PathLike) -> list[float]:
+    """A step's per-conversation eval losses (NaN for null); a file that does not hold them raises with its path."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataFileError(f"{path}: not valid JSON ({err.msg})") from None
+    losses = value.get("losses") if isinstance(value, dict) else None
+    if not isinstance(losses, list) or not all(v is None or is_finite(v) for v in losses):
+        raise DataFileError(f"{path}: expected {{\"losses\": [numbers or null, ...]}}, one per eval conversation")
+    return [math.nan if v is None else float(v) for v in losses]
+
+
+def step_files(directory: Path, row: HistoryRow) -> tuple[list[Record] | None, list[float] | None]:
+    """(records, per-conversation eval losses) of a row's step, each None where the row names no file or it is gone
+    (a successful step only has records)."""
+    records_path = directory / row.records if row.records and row.summary is not None else None
+    losses_path = directory / row.eval_losses if row.eval_losses else None
+    return (
+        read_records(records_path) if records_path is not None and records_path.is_file() else None,
+        read_eval_losses(losses_path) if losses_path is not None and losses_path.is_file() else None,
+    )
+
+
 @dataclass
 class Run:
     """What a run directory holds, read once: every history row and the records of each step that has them."""
@@ -202,6 +237,7 @@ class Run:
     directory: Path  # run_dir / subdir
     rows: list[HistoryRow]  # oldest first, failed evaluations included
     records: dict[int, list[Record]]  # global step -> records, for the successful steps whose file is on disk
+    eval_losses: dict[int, list[float]] = field(default_factory=dict)  # global step -> per-conversation eval losses
 
     @property
     def history_path(self) -> Path:
@@ -230,12 +266,14 @@ def read_run(run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Run:
     run_dir = existing_run_dir(run_dir)
     directory = probdiff_dir(run_dir, subdir)
     rows = read_history(directory / HISTORY_FILE)
-    records = {}
+    records, eval_losses = {}, {}
     for row in rows:
-        path = directory / row.records if row.records and row.summary is not None else None
-        if path is not None and path.is_file():
-            records[row.global_step] = read_records(path)
-    return Run(run_dir, directory, rows, records)
+        step_records, step_losses = step_files(directory, row)
+        if step_records is not None:
+            records[row.global_step] = step_records
+        if step_losses is not None:
+            eval_losses[row.global_step] = step_losses
+    return Run(run_dir, directory, rows, records, eval_losses)
 
 
 # ---- writing (the callback, main process) ----
@@ -280,28 +318,46 @@ class RunFiles:
         path = None if row is None else self.directory / row.records  # type: ignore[operator]
         return read_records(path) if path is not None and path.is_file() else None
 
-    def add(self, row: HistoryRow, records: Sequence[Record] | None) -> HistoryRow:
-        """Write the step's records (when it succeeded), then its row, replacing an earlier row of the same step;
-        the row goes into its checkpoint too if that is already on disk (else `link_checkpoint` puts it there)."""
+    def add(
+        self, row: HistoryRow, records: Sequence[Record] | None, eval_losses: Sequence[float] | None = None
+    ) -> HistoryRow:
+        """Write the step's records (when it succeeded) and per-conversation eval losses (when given), then its row,
+        replacing an earlier row of the same step; the row goes into its checkpoint too if that is already on disk
+        (else `link_checkpoint` puts it there)."""
         row.records = None
         if records is not None:
             path = step_records_path(self.output_dir, row.global_step, self.subdir)
             write_jsonl(path, records)
             row.records = str(path.relative_to(self.directory))
             faults.reached("records-written")
+        if eval_losses is not None:
+            self._write_eval_losses(row, eval_losses)
         self._rows[row.global_step] = row
         self._write_history()
         if row.checkpoint is not None and os.path.isdir(row.checkpoint):
             self._write_checkpoint_summary(row.checkpoint, row)
         return row
 
-    def set_eval_loss(self, step: int, eval_loss: float) -> None:
-        """The eval loss of a step ProbDiff evaluated before the Trainer did (the end of training), set once: a later
-        `trainer.evaluate()` may run on other weights (`load_best_model_at_end`) and must not overwrite it."""
+    def set_eval_loss(self, step: int, eval_loss: float, eval_losses: Sequence[float] | None = None) -> None:
+        """The eval loss (and per-conversation losses) of a step ProbDiff evaluated before the Trainer did (the end of
+        training), set once: a later `trainer.evaluate()` may run on other weights (`load_best_model_at_end`) and must
+        not overwrite it."""
         row = self._rows.get(step)
         if row is not None and not is_finite(row.eval_loss) and is_finite(eval_loss):
             row.eval_loss = eval_loss
+            if eval_losses is not None:
+                self._write_eval_losses(row, eval_losses)
             self._write_history()
+
+    def step_files(self, step: int) -> tuple[list[Record] | None, list[float] | None]:
+        """(records, per-conversation eval losses) of an evaluated step, read from the files this writer wrote."""
+        row = self._rows.get(step)
+        return (None, None) if row is None else step_files(self.directory, row)
+
+    def _write_eval_losses(self, row: HistoryRow, eval_losses: Sequence[float]) -> None:
+        path = step_eval_losses_path(self.output_dir, row.global_step, self.subdir)
+        write_atomic(path, to_json({"losses": list(eval_losses)}) + "\n")  # one line: a number per conversation
+        row.eval_losses = str(path.relative_to(self.directory))
 
     def link_checkpoint(self, step: int, checkpoint: str) -> None:
         """A checkpoint just saved at an evaluated step: the row goes beside it. The history changes only where the
