@@ -1,15 +1,39 @@
-"""Where an independent measure moves against ProbDiff: found from the steps, said by `probdiff select`, the callback
+"""analysis/disagreement.py: where an independent measure moves against ProbDiff, found from the steps and graded by a
+paired test over the same queries (a significant change is an alarm: the loud block, the W&B alert; a change within
+noise is listed quietly, and every line says which it is, with its p-value); said by `probdiff select`, the callback
 (console and W&B) and, through the selection, the end of a training run."""
 
 from __future__ import annotations
 
+import itertools
+import logging
+from pathlib import Path
+
+import numpy as np
 import pytest
 from _runs import GOOD, MIXED, POOR, write_run
 
-from probdiff_callback.analysis.disagreement import find_disagreements, format_disagreements
+from probdiff_callback.analysis.disagreement import (
+    Disagreement,
+    Worse,
+    find_disagreements,
+    format_disagreements,
+    grade_disagreements,
+)
+from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.callback import alerts
 from probdiff_callback.cli import main
-from probdiff_callback.runs.run_files import RunFiles, history_path, read_history, write_jsonl
+from probdiff_callback.core import significance
+from probdiff_callback.core.significance import paired_permutation_p
+from probdiff_callback.runs.run_files import (
+    RunFiles,
+    history_path,
+    read_history,
+    read_records,
+    step_eval_losses_path,
+    write_atomic,
+    write_jsonl,
+)
 
 
 def step(number: int, confidence: float, rouge_l: float | None = None, loss: float | None = None, kind="evaluate"):
@@ -122,3 +146,188 @@ def test_alert_wandb_puts_the_text_in_the_run_summary(tmp_path, monkeypatch):
         assert run.summary["probdiff/disagreement"] == "first\nsecond"
     finally:
         run.finish()
+
+
+# ---- the alarm graded by a paired test over the same queries: a significant change alarms, noise is listed ----
+# Eight queries' sentence-level ROUGE-L and six held-out conversations' eval losses at steps 0, 10 and 20.
+ROUGE_L = {
+    0: [30.0, 32.0, 28.0, 31.0, 29.0, 33.0, 27.0, 30.0],
+    10: [33.0, 28.0, 30.0, 26.0, 33.0, 30.0, 28.0, 28.0],  # step 0 + (3, -4, 2, -5, 4, -3, 1, -2): mean -0.5, noise
+    20: [25.0, 26.0, 24.0, 26.0, 22.0, 28.0, 21.0, 25.0],  # step 0 - (5, 6, 4, 5, 7, 5, 6, 5): every query falls
+}
+LOSSES = {
+    0: [2.0, 2.1, 1.9, 2.2, 2.0, 1.8],
+    10: [2.3, 1.9, 2.0, 1.95, 2.2, 1.7],  # step 0 + (0.3, -0.2, 0.1, -0.25, 0.2, -0.1): mean +0.008, noise
+    20: [2.3, 2.45, 2.1, 2.5, 2.35, 2.1],  # every conversation rises
+}
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def write_graded_run(run: Path, *, with_per_query: bool = True) -> None:
+    """Confidence 1/8 -> 5/8 -> 8/8 (ProbDiff picks step 20). From step 0 to 10, ROUGE-L and the eval loss move the
+    wrong way within noise; at step 20 every query's ROUGE-L falls and every conversation's loss rises."""
+    write_run(run, {0: POOR, 10: MIXED, 20: GOOD}, checkpoints=(10, 20))
+    rows = read_history(history_path(run))
+    for row in rows:
+        step = row.global_step
+        records = read_records(run / "probdiff" / row.records)
+        if with_per_query:
+            for record, score in zip(records, ROUGE_L[step]):
+                record["ref"] = {"rougeL": score}
+            write_jsonl(run / "probdiff" / row.records, records)
+            path = step_eval_losses_path(run, step)
+            write_atomic(path, '{"losses": [' + ", ".join(map(str, LOSSES[step])) + "]}\n")
+            row.eval_losses = f"step-{step}/eval_losses.json"
+        reference = {"overall": {"rougeL": mean(ROUGE_L[step])}, "n_scored": {"rougeL": 8}, "by_category": {}}
+        row.eval_loss, row.summary = mean(LOSSES[step]), dict(row.summary, reference=reference)
+    write_jsonl(history_path(run), [row.to_json() for row in rows])
+
+
+def exact_sign_flip_p(differences: list[float]) -> float:
+    """The two-sided paired permutation p by brute force: every sign pattern's mean against the observed one."""
+    d = np.asarray(differences)
+    observed = d.mean()
+    means = [np.mean(d * np.array(signs)) for signs in itertools.product((1, -1), repeat=len(d))]
+    tolerance = 1e-12
+    low = np.mean([m <= observed + tolerance for m in means])
+    high = np.mean([m >= observed - tolerance for m in means])
+    return min(1.0, 2 * min(low, high))
+
+
+# ---- the test itself ----
+def test_the_paired_permutation_p_is_every_sign_pattern_counted():
+    noise = [b - a for a, b in zip(ROUGE_L[0], ROUGE_L[10])]
+    falls = [b - a for a, b in zip(ROUGE_L[0], ROUGE_L[20])]
+    assert paired_permutation_p(ROUGE_L[0], ROUGE_L[10]) == pytest.approx(exact_sign_flip_p(noise))
+    assert paired_permutation_p(ROUGE_L[0], ROUGE_L[20]) == pytest.approx(exact_sign_flip_p(falls))
+    # all 8 differences negative: only that pattern and its mirror image reach the observed mean, 2 of 256
+    assert paired_permutation_p(ROUGE_L[0], ROUGE_L[20]) == pytest.approx(2 / 256)
+    assert paired_permutation_p(ROUGE_L[0], ROUGE_L[10]) > 0.5
+    assert paired_permutation_p([1.0, 2.0], [1.0, 2.0]) == 1.0  # nothing moved
+    assert np.isnan(paired_permutation_p([], []))
+    with pytest.raises(ValueError, match="pair them by query"):
+        paired_permutation_p([1.0], [1.0, 2.0])
+
+
+def test_beyond_sixteen_pairs_the_sign_patterns_are_drawn_and_stay_close_to_the_exact_p():
+    rng = np.random.default_rng(1)
+    before = rng.normal(20, 5, 18)
+    after = before + rng.normal(-1.2, 2.5, 18)  # 2^18 patterns: drawn, 9,999 of them
+    drawn = paired_permutation_p(before, after)
+    assert drawn == paired_permutation_p(before, after)  # a fixed seed: the same p every time
+    assert drawn == pytest.approx(exact_sign_flip_p(list(after - before)), abs=0.01)
+    assert significance.PERMUTATION_DRAWS == 9_999
+
+
+# ---- a run's disagreements, graded ----
+def test_a_significant_drop_is_an_alarm_and_a_drop_within_noise_is_listed_quietly(tmp_path):
+    run = tmp_path / "run"
+    write_graded_run(run)
+    found = select_checkpoints(run).disagreements
+    assert [(d.earlier, d.later, d.at_pick, d.within_noise) for d in found] == [
+        (0, 10, False, True),
+        (0, 20, True, False),
+        (10, 20, True, False),
+    ]
+    grades = {(d.earlier, d.later, w.measure): w.grade for d in found for w in d.worse}
+    assert all(g is not None and g.why_not is None for g in grades.values())
+    noise_rouge, noise_loss = grades[(0, 10, "rougeL")], grades[(0, 10, "eval_loss")]
+    assert (noise_rouge.n, noise_rouge.unit, noise_loss.n, noise_loss.unit) == (8, "queries", 6, "conversations")
+    assert noise_rouge.within_noise and noise_rouge.p == pytest.approx(paired_permutation_p(ROUGE_L[0], ROUGE_L[10]))
+    assert noise_loss.within_noise and noise_loss.p == pytest.approx(paired_permutation_p(LOSSES[0], LOSSES[10]))
+    assert grades[(0, 20, "rougeL")].significant and grades[(0, 20, "rougeL")].p == pytest.approx(2 / 256)
+    assert grades[(0, 20, "eval_loss")].significant and grades[(0, 20, "eval_loss")].p == pytest.approx(2 / 64)
+    assert grades[(10, 20, "rougeL")].significant
+
+
+def test_probdiff_select_prints_the_grade_and_p_on_every_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_graded_run(run)
+    assert main(["select", str(run)]) == 0
+    printed = capsys.readouterr().out
+    alarm, quiet = printed.split("!! Confidence may be rewarding")
+    p_noise_rouge = paired_permutation_p(ROUGE_L[0], ROUGE_L[10])
+    p_noise_loss = paired_permutation_p(LOSSES[0], LOSSES[10])
+    assert (
+        "!!   step 20 (the checkpoint ProbDiff picks): confidence rose from 12.5% at step 0 (before training) to "
+        "100.0%, but ROUGE-L fell from 30.00 to 24.62, significant (p = 0.0078, 8 queries), and eval loss rose from "
+        "2.0000 to 2.3000, significant (p = 0.031, 6 conversations)" in alarm
+    )
+    assert "step 10:" not in alarm  # the noise is not in the alarm...
+    assert (
+        "ProbDiff and an independent measure moved apart, within noise (a paired test over the same queries finds no "
+        "change beyond chance, p >= 0.05):\n"
+        "  step 10: confidence rose from 12.5% at step 0 (before training) to 62.5%, but ROUGE-L fell from 30.00 to "
+        f"29.50, within noise (p = {p_noise_rouge:.2g}, 8 queries), and eval loss rose from 2.0000 to 2.0083, within "
+        f"noise (p = {p_noise_loss:.2g}, 6 conversations)" in quiet
+    )  # ...but listed, quietly, after it
+
+
+def test_only_noise_prints_no_alarm(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_graded_run(run)
+    rows = read_history(history_path(run))
+    write_jsonl(history_path(run), [row.to_json() for row in rows if row.global_step != 20])  # stop at step 10
+    assert main(["select", str(run)]) == 0
+    printed = capsys.readouterr().out
+    assert "!!" not in printed and "DISAGREES" not in printed
+    assert "within noise (p = " in printed and "step 10 (the checkpoint ProbDiff picks)" in printed
+
+
+def test_without_per_query_values_a_change_is_not_graded_and_stays_an_alarm(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_graded_run(run, with_per_query=False)  # a run written before per-query values were kept
+    found = select_checkpoints(run).disagreements
+    assert found and not any(d.within_noise for d in found)
+    reasons = {w.grade.why_not for d in found for w in d.worse}
+    assert reasons == {
+        "no per-query ROUGE-L at step 0",
+        "no per-query ROUGE-L at step 10",
+        "no eval loss per conversation at step 0",
+        "no eval loss per conversation at step 10",
+    }
+    assert main(["select", str(run)]) == 0
+    assert "ROUGE-L fell from 30.00 to 29.50, not graded (no per-query ROUGE-L at step 0)" in capsys.readouterr().out
+
+
+def test_pairs_are_matched_by_query_id_and_conversation_position():
+    # the later step's records in another order, one query missing; the eval sets differ in size at step 3
+    records = {
+        1: [{"id": "a", "ref": {"rougeL": 10.0}}, {"id": "b", "ref": {"rougeL": 20.0}}, {"id": "c", "ref": {}}],
+        2: [{"id": "b", "ref": {"rougeL": 18.0}}, {"id": "a", "ref": {"rougeL": 9.0}}],
+    }
+    losses = {1: [1.0, float("nan"), 2.0], 2: [1.5, 1.0, 2.5], 3: [1.0]}
+    found = [
+        Disagreement(1, 2, (0.25, 0.5), (Worse("rougeL", 15.0, 13.5), Worse("eval_loss", 1.5, 2.0))),
+        Disagreement(1, 3, (0.25, 0.5), (Worse("eval_loss", 1.5, 1.0),)),
+    ]
+    graded = grade_disagreements(found, lambda step: (records.get(step), losses.get(step)))
+    rouge, loss = (w.grade for w in graded[0].worse)
+    assert (rouge.n, rouge.p) == (2, pytest.approx(paired_permutation_p([10.0, 20.0], [9.0, 18.0])))
+    assert (loss.n, loss.p) == (2, pytest.approx(paired_permutation_p([1.0, 2.0], [1.5, 2.5])))  # the NaN left out
+    assert graded[1].worse[0].grade.why_not == "the eval sets differ: 3 conversations at step 1, 1 at step 3"
+
+
+# ---- the callback: the alarm during training ----
+def test_the_callback_alerts_wandb_only_for_significant_changes_and_logs_the_noise_quietly(
+    tmp_path, monkeypatch, caplog
+):
+    run = tmp_path / "run"
+    write_graded_run(run)
+    sent = []
+    monkeypatch.setattr(alerts, "alert_wandb", lambda title, text: sent.append((title, text)))
+    files = RunFiles(run)
+    files.continue_from(resumed_step=20)  # the rows in memory, as the callback holds them
+    announcer = alerts.DisagreementAlerts()
+    with caplog.at_level(logging.INFO, logger=alerts.logger.name):
+        announcer.announce(files.rows(), str(run), to_wandb=True)
+        announcer.announce(files.rows(), str(run), to_wandb=True)  # the next evaluation: nothing new
+    assert len(sent) == 1
+    assert "significant (p = 0.0078, 8 queries)" in sent[0][1] and "step 10:" not in sent[0][1]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(warnings) == 1 and "step 10:" not in warnings[0] and "ProbDiff DISAGREES" in warnings[0]
+    assert len(infos) == 1 and "step 10: confidence rose" in infos[0] and "within noise (p = " in infos[0]

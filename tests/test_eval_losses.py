@@ -70,6 +70,7 @@ def test_packed_or_padding_free_batches_are_refused_with_the_reason(tiny_model):
 
 
 # ---- one process ----
+@pytest.mark.slow  # a training run
 def test_one_process_keeps_each_conversations_loss_says_the_resolution_and_the_alarm_uses_them(
     tmp_path, tiny_model_path, caplog
 ):
@@ -98,6 +99,7 @@ def test_one_process_keeps_each_conversations_loss_says_the_resolution_and_the_a
     assert grade.why_not is None and grade.n == N_EVAL and grade.unit == "conversations" and 0 < grade.p <= 1
 
 
+@pytest.mark.slow  # two training runs
 def test_the_per_conversation_losses_do_not_depend_on_the_eval_batch_size(tmp_path, tiny_model_path):
     trainer = build_trainer(tiny_model_path, tmp_path / "run")
     by_batch = {}
