@@ -37,3 +37,11 @@ def test_the_readme_callback_snippet_trains_and_evaluates(tmp_path, tiny_model_p
     assert all(r["error"] is None for r in rows)
     assert all(r["summary"]["n"] == 2 for r in rows)  # the two held-out chats
     assert any("eval_probdiff_confidence" in entry for entry in trainer.state.log_history)
+
+
+def test_the_readme_is_short_and_its_quick_start_is_two_commands():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) < 200, "the README reads in one sitting: move detail to docs/"
+    quick_start = text.split("## Quick start", 1)[1]
+    commands = re.search(r"```bash\n(.*?)```", quick_start, re.S).group(1).strip().splitlines()
+    assert commands == ["python train/sft.py recipe=blog model=tiny", "python -m pytest -q"]
