@@ -16,6 +16,11 @@ each confidence is also given over the queries where neither hit it. It takes ab
 commands at a time).
 
 Run: python bench/trust_study.py [--work runs/trust-study] [--source ../shared/data/probdiff-reference]
+     python bench/trust_study.py --work DIR --alarm-fixture tests/data/trust_study_alarm.json   (after the runs)
+
+`--alarm-fixture` writes what the disagreement alarm of the two runs reads, numbers only (the history rows without
+checkpoint paths; each record's id, d, log-probs, lengths and sentence-level ROUGE, no text; each step's eval losses),
+for tests/test_alarm_grading.py, which checks the graded lines docs/agreement.md quotes.
 """
 
 from __future__ import annotations
@@ -282,14 +287,51 @@ def cap_check(work: Path, source: Path, heldout: Path) -> str:
     return "\n".join(lines)
 
 
+RECORD_NUMBERS = (
+    "id",
+    "category",
+    "d",
+    "logp_response",
+    "logp_revised",
+    "n_tokens_response",
+    "n_tokens_revised",
+    "ref",
+)
+
+
+def alarm_values(run_dir: Path) -> dict:
+    """What `probdiff select` grades the run's disagreements from, without a word of the documents or answers."""
+    rows = [dict(row, checkpoint=None) for row in history(run_dir)]
+    return {
+        "rows": rows,
+        "records": {
+            str(row["global_step"]): [
+                {k: r[k] for k in RECORD_NUMBERS if k in r} for r in records(run_dir / "probdiff" / row["records"])
+            ]
+            for row in rows
+            if row["records"]
+        },  # fmt: skip
+        "eval_losses": {
+            str(row["global_step"]): json.loads((run_dir / "probdiff" / row["eval_losses"]).read_text())["losses"]
+            for row in rows
+            if row.get("eval_losses")
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", default=str(ROOT / "runs" / "trust-study"), help="where everything goes")
     parser.add_argument(
         "--source", default=str(DEFAULT_SOURCE), help="the paper's data (the layout of data/prepare.py)"
     )
+    parser.add_argument("--alarm-fixture", help="write the two runs' alarm values to this JSON file and stop")
     args = parser.parse_args()
     work, source = Path(args.work).resolve(), Path(args.source).resolve()
+    if args.alarm_fixture:
+        fixture = {kind: alarm_values(work / kind) for kind in ("clean", "broken")}
+        Path(args.alarm_fixture).write_text(json.dumps(fixture, indent=1) + "\n")
+        return
     if not (source / "xsum" / "test.json").is_file():
         sys.exit(f"{source}/xsum/test.json not found: give --source, the folder with the paper's data")
     print(f"load average {os.getloadavg()[0]:.2f}; everything goes to {work}")

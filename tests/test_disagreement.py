@@ -6,6 +6,7 @@ noise is listed quietly, and every line says which it is, with its p-value); sai
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from probdiff_callback.runs.run_files import (
     read_history,
     read_records,
     step_eval_losses_path,
+    step_records_path,
     write_atomic,
     write_jsonl,
 )
@@ -331,3 +333,35 @@ def test_the_callback_alerts_wandb_only_for_significant_changes_and_logs_the_noi
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(warnings) == 1 and "step 10:" not in warnings[0] and "ProbDiff DISAGREES" in warnings[0]
     assert len(infos) == 1 and "step 10: confidence rose" in infos[0] and "within noise (p = " in infos[0]
+
+
+# ---- the trust study's two runs ----
+# The trust study's two runs (docs/agreement.md), numbers only: `python bench/trust_study.py --alarm-fixture`.
+STUDY = Path(__file__).with_name("data") / "trust_study_alarm.json"
+AGREEMENT = Path(__file__).resolve().parents[1] / "docs" / "agreement.md"
+
+
+def write_study_run(run: Path, values: dict) -> None:
+    for step, records in values["records"].items():
+        write_jsonl(step_records_path(run, int(step)), records)
+    for step, losses in values["eval_losses"].items():
+        write_atomic(step_eval_losses_path(run, int(step)), json.dumps({"losses": losses}) + "\n")
+    write_jsonl(history_path(run), values["rows"])
+
+
+def quoted_in_the_docs(kind: str) -> list[str]:
+    """The lines docs/agreement.md quotes under "The <kind> run:"."""
+    text = AGREEMENT.read_text(encoding="utf-8")
+    start = text.index(f"The {kind} run:\n\n```\n") + len(f"The {kind} run:\n\n```\n")
+    return text[start : text.index("```", start)].splitlines()
+
+
+@pytest.mark.parametrize("kind", ["clean", "broken"])
+def test_the_study_runs_graded_lines_are_the_ones_the_docs_quote(kind, tmp_path, capsys):
+    write_study_run(tmp_path / kind, json.loads(STUDY.read_text(encoding="utf-8"))[kind])
+    assert main(["select", str(tmp_path / kind)]) == 0
+    printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
+    lines = printed[printed.index("!! ProbDiff DISAGREES") :].splitlines()
+    assert lines == quoted_in_the_docs(kind)
+    # what the docs conclude: one alarming line in each run, so the alarm alone does not tell them apart
+    assert sum(line.startswith("!!   ") for line in lines) == 1

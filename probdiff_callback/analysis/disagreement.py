@@ -221,12 +221,12 @@ def grade_change(measure: str, earlier: int, later: int, values: Callable[[int],
 def grade_disagreements(found: Sequence[Disagreement], values: Callable[[int], StepValues]) -> list[Disagreement]:
     """`found`, each change graded by a paired test over the same queries; `values(step)` gives a step's records and
     per-conversation eval losses (read once per step here)."""
-    values = functools.cache(values)
+    cached = functools.cache(values)
     return [
         dataclasses.replace(
             d,
             worse=tuple(
-                dataclasses.replace(w, grade=grade_change(w.measure, d.earlier, d.later, values)) for w in d.worse
+                dataclasses.replace(w, grade=grade_change(w.measure, d.earlier, d.later, cached)) for w in d.worse
             ),
         )
         for d in found

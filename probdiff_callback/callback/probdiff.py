@@ -397,7 +397,7 @@ class ProbDiffCallback(TrainerCallback):
         outcome = self.evaluate_model(base_model=row.base_model)
         self.state.last_outcome = outcome
         if outcome.abandoned:
-            return self._record_abandoned(row, outcome)
+            return self._record_abandoned(row, outcome, example_losses)
         if row.kind == "baseline":
             self.state.baseline_due = False
             if outcome.error is None:
@@ -430,8 +430,11 @@ class ProbDiffCallback(TrainerCallback):
             )
         return outcome
 
-    def _record_abandoned(self, row: HistoryRow, outcome: EvaluationOutcome) -> EvaluationOutcome:
-        """Not a failure: no metrics are logged, and the row says the resumed run evaluates the step."""
+    def _record_abandoned(
+        self, row: HistoryRow, outcome: EvaluationOutcome, example_losses: ExampleLosses | None
+    ) -> EvaluationOutcome:
+        """Not a failure: no metrics are logged, and the row says the resumed run evaluates the step; it keeps the
+        step's eval loss, and each conversation's (the resumed run does not compute them again)."""
         outcome.metrics = self._metrics(None, None)
         self.evaluated[row.global_step] = outcome.metrics
         self.state.abandoned_step = row.global_step
@@ -442,7 +445,7 @@ class ProbDiffCallback(TrainerCallback):
         if self._is_main():
             row.error = f"{ABANDONED}: the run was asked to stop; resuming evaluates this step"
             row.abandoned = True
-            self._files.add(row, None)
+            self._files.add(row, None, None if example_losses is None else example_losses.losses)
         return outcome
 
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
