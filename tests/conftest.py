@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -32,3 +33,19 @@ def tiny_model(tiny_model_path):
     from probdiff_callback.models import load_model_and_tokenizer
 
     return load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def sft_in_this_process(monkeypatch):
+    """For tests that call train/sft.py's `main` here: its effects on this process undone afterwards (W&B's
+    environment, torch's threads, and the console handlers it gives the library's log, which stops propagating)."""
+    import torch
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    library = logging.getLogger("probdiff_callback")
+    monkeypatch.setattr(library, "handlers", list(library.handlers))
+    monkeypatch.setattr(library, "propagate", library.propagate)
+    monkeypatch.setattr(library, "level", library.level)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

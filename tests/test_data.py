@@ -54,7 +54,9 @@ def test_truncation_leaving_no_assistant_token_is_counted(qwen_tokenizer):
 
 
 @pytest.mark.parametrize("key", ["train_file", "heldout_file"])
-def test_a_named_data_file_that_is_missing_stops_instead_of_training_on_the_samples(key, tmp_path, capsys):
+def test_a_named_data_file_that_is_missing_stops_instead_of_training_on_the_samples(
+    key, tmp_path, capsys, sft_in_this_process
+):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(RecipeError) as raised:
         data_files(load_recipe(["recipe=blog", "model=tiny", f"{key}={missing}"]))

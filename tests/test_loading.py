@@ -71,7 +71,7 @@ def test_hub_id_not_cached_with_hf_hub_offline_stops_at_once(hub, monkeypatch, t
         resolve_model_path("qwen1.5-14b-chat")
 
 
-def test_hub_id_with_the_hub_unreachable_stops_at_once(hub, tmp_path, capsys):
+def test_hub_id_with_the_hub_unreachable_stops_at_once(hub, tmp_path, capsys, sft_in_this_process):
     from huggingface_hub import constants
 
     started = time.time()

@@ -53,7 +53,7 @@ def test_resolve_run_resume_and_existing_checkpoints(tmp_path):
     assert resolve_run(load_recipe(["recipe=blog", "model=tiny", f"output_dir={run}", "overwrite=true"])) == (run, None)
 
 
-def test_resume_of_a_missing_checkpoint_lists_the_runs_checkpoints(tmp_path, capsys):
+def test_resume_of_a_missing_checkpoint_lists_the_runs_checkpoints(tmp_path, capsys, sft_in_this_process):
     run = tmp_path / "run"
     for step in (10, 20):
         (run / f"checkpoint-{step}").mkdir(parents=True)

@@ -3,23 +3,16 @@ status 2 before anything is written. (Whole runs, as a user starts them: e2e/tes
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from train import sft
 from train.recipe import TASKS
 
 
 @pytest.fixture
-def in_a_new_directory(tmp_path, monkeypatch):
-    """The script's effects on this process undone: the working directory, W&B's environment and torch's threads."""
+def in_a_new_directory(tmp_path, monkeypatch, sft_in_this_process):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(os, "environ", os.environ.copy())
-    threads = torch.get_num_threads()
-    yield tmp_path
-    torch.set_num_threads(threads)
+    return tmp_path
 
 
 def stops(args: list[str], capsys) -> str:

@@ -33,6 +33,7 @@ def configure_logging() -> None:
     process (the cost forecast, notices), warnings on every rank; warnings and errors to stderr, the rest to stdout."""
     library = logging.getLogger("probdiff_callback")
     library.setLevel(logging.INFO if is_main_process() else logging.WARNING)
+    library.propagate = False  # the script owns the console: a root handler someone else adds would print it twice
     if any(getattr(handler, "probdiff_console", False) for handler in library.handlers):
         return  # configured by an earlier run in this process
     out = _Console("stdout")
