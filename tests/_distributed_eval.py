@@ -6,9 +6,11 @@ as a script under `accelerate launch` (DDP or DeepSpeed ZeRO-3 over gloo on CPU)
     accelerate launch --num_processes 2 --multi_gpu tests/_distributed_eval.py --mode ddp --out DIR
 
 The script trains 2 LoRA steps with the callback (baseline, then an evaluation at the
-checkpoint of step 2), evaluates the final weights again with the parameters gathered
-and (ZeRO-3) left sharded, checks that a failure on rank 1 reaches every rank, and
-writes what each rank saw to DIR/rank-<r>.json.
+checkpoint of step 2; the Trainer's eval loss at both, kept per conversation), evaluates
+the final weights again with the parameters gathered and (ZeRO-3) left sharded, checks
+that a failure on rank 1 reaches every rank, has every rank compute the per-conversation
+eval losses of the final weights once more, and writes what each rank saw to
+DIR/rank-<r>.json.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN_FILE = REPO / "data" / "samples" / "blog" / "train.jsonl"
 QUERY_FILE = REPO / "data" / "samples" / "alignbench" / "heldout.jsonl"
 N_QUERIES = 5  # odd, so two ranks need padding
+EVAL_LOSS_ROWS = range(8, 13)  # 5 held-out conversations in batches of 2: the ranks' last batches are padded
 EVAL_SETTINGS = dict(max_new_tokens=8, batch_size=8, seed=3)
 
 
@@ -60,11 +63,13 @@ def build_trainer(
     lora: bool = True,
     plain_trainer: bool = False,
     n_train_rows: int = 16,
+    eval_rows: range = range(2),
     callbacks: list | None = None,
     **training_args,
 ):
     """An SFTTrainer (LoRA by default) or a plain Trainer (full fine-tuning) on a fresh copy
-    of the tiny model: 64-token blog samples, batch 2, fp32 on CPU, no reporting."""
+    of the tiny model: 64-token blog samples, batch 2, fp32 on CPU, no reporting; `eval_rows` of the training
+    rows are the eval dataset."""
     from peft import LoraConfig
 
     model, tokenizer = load_tiny(model_path)
@@ -99,7 +104,7 @@ def build_trainer(
             model=model,
             args=TrainingArguments(**settings),
             train_dataset=dataset,
-            eval_dataset=dataset.select(range(2)),
+            eval_dataset=dataset.select(eval_rows),
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
             processing_class=tokenizer,
             callbacks=callbacks,
@@ -112,7 +117,7 @@ def build_trainer(
         # trl's default (gradient checkpointing on) under its transformers 5 name: the old one warns
         args=SFTConfig(max_length=64, packing=False, dataset_num_proc=None, activation_checkpointing=True, **settings),
         train_dataset=dataset,
-        eval_dataset=dataset.select(range(2)),
+        eval_dataset=dataset.select(eval_rows),
         processing_class=tokenizer,
         callbacks=callbacks,
         peft_config=LoraConfig(
@@ -143,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import probdiff_callback.callback.distributed as evaluation_module
+    from probdiff_callback.callback.eval_losses import per_example_eval_losses
     from probdiff_callback.callback.probdiff import ProbDiffCallback
 
     extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
-    trainer = build_trainer(args.model, Path(args.out) / "run", max_steps=2, save_steps=2, eval_strategy="no", **extra)
+    trainer = build_trainer(args.model, Path(args.out) / "run", max_steps=2, save_steps=2, eval_rows=EVAL_LOSS_ROWS,
+                            eval_strategy="steps", eval_steps=2, eval_on_start=True, **extra)  # fmt: skip
     config = probdiff_config(n_queries=N_QUERIES, fail_on_error=True, use_vllm=args.vllm)
     callback = ProbDiffCallback(trainer, held_out_queries(), config)
     trainer.add_callback(callback)
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = callback.evaluate_model()
     evaluation_module.evaluate = real_evaluate
     seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
+    seen["final_losses"] = per_example_eval_losses(trainer, trainer.get_eval_dataloader()).losses
 
     return _write_seen(args.out, rank, seen, trainer)
 

@@ -36,7 +36,8 @@ def sft_command(launcher: str = "python", processes: int = 1, launcher_args: tup
     several = list(launcher_args) or (["--multi_gpu"] if processes > 1 else [])
     if launcher == "accelerate":
         accelerate = shutil.which("accelerate") or "accelerate"
-        return [accelerate, "launch", "--num_processes", str(processes), *several, str(SFT)]
+        # a free port for the processes' rendezvous: other tests' launches may run beside this one
+        return [accelerate, "launch", "--num_processes", str(processes), "--main_process_port", "0", *several, str(SFT)]
     return [sys.executable, str(SFT), *(["--num_processes", str(processes), *several] if several else [])]
 
 

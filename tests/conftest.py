@@ -12,6 +12,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:  # tests side by side (pytest-xdist): each worker's torch keeps to its share of the cores
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     from probdiff_callback.models.tokenizer import load_qwen_tokenizer
@@ -49,3 +57,24 @@ def sft_in_this_process(monkeypatch):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+# The variables the project's code sets (W&B's environment for the run, the launcher's); the libraries' own
+# bookkeeping (wandb's WANDB_SERVICE, torch's PYTORCH_NVML_BASED_CUDA_CHECK) is theirs.
+SET_BY_THE_PROJECT = ("WANDB_", "PROBDIFF_", "PET_SIGNALS_TO_HANDLE")
+LIBRARIES_OWN = {"WANDB_SERVICE"}
+
+
+def project_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(SET_BY_THE_PROJECT) and k not in LIBRARIES_OWN}
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found():
+    """A test that leaves such a variable set changes every later test's runs (a stray WANDB_DIR sent W&B files to
+    another test's folder); that test fails here, naming the variables."""
+    before = project_environment()
+    yield
+    after = project_environment()
+    changed = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    assert not changed, f"the test left the environment changed: {changed} (use monkeypatch or sft_in_this_process)"

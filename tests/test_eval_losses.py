@@ -1,19 +1,17 @@
-"""Each held-out conversation's eval loss, kept per step beside the Trainer's mean, on 1 and 2 processes, and used by
-the alarm's paired test; and the resolution line the callback logs at the start of training."""
+"""Each held-out conversation's eval loss, kept per step beside the Trainer's mean, and used by the alarm's paired test;
+and the resolution line the callback logs at the start of training. (On 2 processes, DDP and ZeRO-3: tests/e2e/
+test_distributed.py.)"""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from _distributed_eval_losses import N_EVAL, add_callback, build_trainer
+from _distributed_eval import build_trainer as sft_trainer
+from _distributed_eval import held_out_queries, probdiff_config
 
 from probdiff_callback.analysis.disagreement import grade_change
 from probdiff_callback.analysis.report import resolution_line
@@ -23,10 +21,21 @@ from probdiff_callback.callback.eval_losses import (
     per_example_eval_losses,
     row_losses,
 )
+from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.runs.run_files import read_run
 
-SCRIPT = Path(__file__).with_name("_distributed_eval_losses.py")
-LAUNCH_TIMEOUT_S = 420
+N_EVAL = 5  # odd: 2 ranks with batches of 2 pad their last batch
+
+
+def build_trainer(model_path: str | Path, output_dir: str | Path, n_eval: int = N_EVAL, **training_args):
+    """The tests' SFT run (LoRA on the tiny model) for one step, with `n_eval` held-out blog conversations for the
+    eval loss, evaluated at the start and every step."""
+    settings = dict(max_steps=1, eval_strategy="steps", eval_steps=1, eval_on_start=True, save_strategy="no")
+    return sft_trainer(model_path, output_dir, eval_rows=range(8, 8 + n_eval), **{**settings, **training_args})
+
+
+def add_callback(trainer) -> None:
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=3)))
 
 
 @pytest.fixture(autouse=True)
@@ -110,38 +119,3 @@ def test_the_per_conversation_losses_do_not_depend_on_the_eval_batch_size(tmp_pa
     assert len(by_batch[1]) == N_EVAL
     assert by_batch[2] == pytest.approx(by_batch[1], abs=1e-5)
     assert by_batch[4] == pytest.approx(by_batch[1], abs=1e-5)
-
-
-# ---- two processes ----
-LAUNCHERS = {"ddp": ["--multi_gpu"], "zero3": ["--use_deepspeed", "--zero_stage", "3"]}
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("accelerate") is None, reason="needs the accelerate launcher")
-@pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_two_processes_gather_every_conversation_once_in_order(mode, tmp_path, tiny_model_path):
-    if mode == "zero3":
-        pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
-    command = [
-        "accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", *LAUNCHERS[mode], str(SCRIPT), "--mode", mode, "--model", str(tiny_model_path),
-        "--out", str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(SCRIPT.parents[1])}
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"the 2-process run did not finish in {LAUNCH_TIMEOUT_S}s (a hang?)\n{(err.stderr or b'')[-4000:]}")
-    assert done.returncode == 0, f"launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
-    assert [seen["world_size"] for seen in ranks] == [2, 2]
-    run = read_run(tmp_path / "run")
-    # every rank holds all 5 (the padding of the last batches dropped), in the eval dataset's order; under ZeRO-3 the
-    # forward passes gather the sharded parameters on both ranks in step
-    assert ranks[0]["final_losses"] == ranks[1]["final_losses"]
-    assert ranks[0]["final_losses"] == pytest.approx(run.eval_losses[1], abs=1e-5)  # step 1: the final weights
-    # step 0 is the base model: the same values as one process computes
-    single = build_trainer(tiny_model_path, tmp_path / "single")
-    expected = per_example_eval_losses(single, single.get_eval_dataloader()).losses
-    assert len(run.eval_losses[0]) == N_EVAL
-    assert run.eval_losses[0] == pytest.approx(expected, abs=1e-5)

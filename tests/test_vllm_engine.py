@@ -328,7 +328,7 @@ def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, process
     from _launch import CHEAP, history_rows, run_sft
 
     args = [*CHEAP, "recipe=blog", f"output_dir={tmp_path / 'run'}", "probdiff.use_vllm=true"]
-    result = run_sft(args, ROOT, launcher="accelerate", processes=processes, timeout=900)
+    result = run_sft(args, ROOT, processes=processes, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = history_rows(tmp_path / "run")
     assert [row["global_step"] for row in rows] == [0, 1, 2]
@@ -345,9 +345,9 @@ SCRIPT = Path(__file__).with_name("_distributed_eval.py")
 @needs_vllm
 def test_zero3_gathers_the_weights_on_every_rank_and_rank_0_generates(tiny_model_path, tmp_path):
     pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
-    command = ["accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", "3", str(SCRIPT), "--mode", "zero3",
-               "--model", str(tiny_model_path), "--out", str(tmp_path), "--vllm"]  # fmt: skip
+    command = ["accelerate", "launch", "--num_processes", "2", "--num_machines", "1", "--main_process_port", "0",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--use_deepspeed", "--zero_stage", "3", str(SCRIPT),
+               "--mode", "zero3", "--model", str(tiny_model_path), "--out", str(tmp_path), "--vllm"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

@@ -378,7 +378,9 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
     assert len(segments) == 2 and segments == sorted(glob.glob(str(tmp_path / "wandb" / "offline-run-*")))
 
 
-def test_wandb_offline_when_not_logged_in(tmp_path, monkeypatch):
+def test_wandb_offline_when_not_logged_in(tmp_path, monkeypatch, sft_in_this_process):
+    """setup_wandb sets W&B's environment for the run; here on a copy of it (a WANDB_DIR left behind would send
+    later runs' W&B files here)."""
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))

@@ -207,5 +207,7 @@ def set_unset_defaults(args: Namespace) -> None:
         if gpus > 1 and not (args.multi_gpu or args.use_deepspeed or args.use_fsdp or args.cpu):
             args.multi_gpu = True
     args.num_machines = 1 if args.num_machines is None else args.num_machines
+    if args.num_machines == 1 and args.main_process_port is None:
+        args.main_process_port = 0  # a free port: a second job on the machine would find 29500 taken and stop
     args.mixed_precision = args.mixed_precision or "no"
     args.dynamo_backend = args.dynamo_backend or "no"

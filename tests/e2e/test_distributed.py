@@ -1,8 +1,9 @@
 """ProbDiffCallback on 2 processes (CPU, gloo): DDP and DeepSpeed ZeRO-3 + LoRA.
 
-Each launch runs tests/_distributed_eval.py once (2 LoRA steps with the callback, then the
-final weights evaluated again, and a failure injected on rank 1); the tests share the
-launches and compare what each rank saw with a single-process evaluation of the same weights.
+Each launch runs tests/_distributed_eval.py once (2 LoRA steps with the callback and the
+Trainer's eval loss, then the final weights evaluated again, and a failure injected on
+rank 1); the tests share the launches and compare what each rank saw with a single-process
+evaluation of the same weights.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _distributed_eval import N_QUERIES, held_out_queries, load_tiny, probdiff_config
+from _distributed_eval import EVAL_LOSS_ROWS, N_QUERIES, build_trainer, held_out_queries, load_tiny, probdiff_config
 
+from probdiff_callback.callback.eval_losses import per_example_eval_losses
 from probdiff_callback.callback.schedule import select_queries
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import read_jsonl
 from probdiff_callback.runs import run_files
+from probdiff_callback.runs.run_files import read_run
 
 SCRIPT = Path(__file__).resolve().parents[1] / "_distributed_eval.py"
 LAUNCH_TIMEOUT_S = 420  # a hang (unequal collective calls) fails the test instead of blocking CI
@@ -45,6 +48,8 @@ def launch(mode: str, model_path: Path, out: Path) -> list[dict]:
         "2",
         "--num_machines",
         "1",
+        "--main_process_port",
+        "0",
         "--mixed_precision",
         "no",
         "--dynamo_backend",
@@ -126,7 +131,7 @@ def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None
     assert sorted(ranks[0]["history_metrics"], key=int) == ["0", "2"]
 
     rows = [r.to_json() for r in run_files.read_history(run_files.history_path(out / "run"))]
-    assert [(r["global_step"], r["kind"], r["error"]) for r in rows] == [(0, "baseline", None), (2, "save", None)]
+    assert [(r["global_step"], r["kind"], r["error"]) for r in rows] == [(0, "baseline", None), (2, "evaluate", None)]
     assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), reference(None))
     assert_same_records(
         read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), reference(out / "run" / "checkpoint-2")
@@ -148,3 +153,23 @@ def test_ddp_two_ranks_match_a_single_process(ddp_run, reference):
 def test_zero3_lora_gathered_and_sharded_match_a_single_process(zero3_run, reference):
     out, ranks = zero3_run
     check_run(out, ranks, reference, ["gathered", "sharded"])
+
+
+# ---- the Trainer's eval loss, kept per conversation ----
+@pytest.fixture(scope="module")
+def single_process_eval_losses(tiny_model_path, tmp_path_factory) -> list[float]:
+    """The base model's per-conversation eval losses computed in this process, one rank."""
+    trainer = build_trainer(tiny_model_path, tmp_path_factory.mktemp("single"), eval_rows=EVAL_LOSS_ROWS)
+    return per_example_eval_losses(trainer, trainer.get_eval_dataloader()).losses
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero3"])
+def test_two_processes_gather_every_conversation_once_in_order(mode, request, single_process_eval_losses):
+    """Every rank holds all 5 (the padding of the last batches dropped), in the eval dataset's order; under ZeRO-3
+    the forward passes gather the sharded parameters on both ranks in step."""
+    out, ranks = request.getfixturevalue(f"{mode}_run")
+    run = read_run(out / "run")
+    assert ranks[0]["final_losses"] == ranks[1]["final_losses"]
+    assert ranks[0]["final_losses"] == pytest.approx(run.eval_losses[2], abs=1e-5)  # step 2: the final weights
+    assert len(run.eval_losses[0]) == len(EVAL_LOSS_ROWS)
+    assert run.eval_losses[0] == pytest.approx(single_process_eval_losses, abs=1e-5)  # step 0: the base model

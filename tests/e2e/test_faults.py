@@ -131,13 +131,11 @@ def workers(launcher: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train/sft.py" in " ".join(p.cmdline())]
 
 
-def test_two_processes_kill_9_then_sigusr1_then_resume(tmp_path, tiny_model_path):
+def test_two_processes_kill_9_then_sigusr1_then_resume(tmp_path, uninterrupted):
     """Two ranks: both killed -9 in an evaluation (a node lost), then preempted by SIGUSR1 sent from outside to the
     training processes, as the SLURM script in docs/configuration.md does; each resume continues, and the end equals
     an uninterrupted two-process run."""
-    (tmp_path / "reference").mkdir()
-    reference = run_sft([*SETTINGS, "output_dir=run"], tmp_path / "reference", launcher="accelerate", processes=2)
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    reference_run, reference_stdout = uninterrupted(2)
     args = [*SETTINGS, "output_dir=run"]
     run = tmp_path / "run"
 
@@ -170,6 +168,6 @@ def test_two_processes_kill_9_then_sigusr1_then_resume(tmp_path, tiny_model_path
 
     finished = run_sft([*args, "resume=true"], tmp_path, launcher="accelerate", processes=2)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert_same_run(tmp_path / "reference/run", run)
-    assert table(finished.stdout) == table(reference.stdout)
+    assert_same_run(reference_run, run)
+    assert table(finished.stdout) == table(reference_stdout)
     assert_no_stray_files(run)
