@@ -1,6 +1,6 @@
 """Small SFT runs with ProbDiffCallback on the `tiny` preset, shared by the callback tests.
 
-Imported by the tests for `build_trainer`, and launched by tests/test_callback_distributed.py
+Imported by the tests for `build_trainer`, and launched by tests/e2e/test_distributed.py
 as a script under `accelerate launch` (DDP or DeepSpeed ZeRO-3 over gloo on CPU):
 
     accelerate launch --num_processes 2 --multi_gpu tests/_distributed_eval.py --mode ddp --out DIR
