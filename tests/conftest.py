@@ -59,6 +59,21 @@ def sft_in_this_process(monkeypatch):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def fresh_wandb(tmp_path, monkeypatch):
+    """wandb offline in `tmp_path`. Its process-wide settings are dropped before and after: wandb reads the environment
+    once per setup, and an earlier test in the same worker process would otherwise keep its own WANDB_DIR."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_PROJECT", "probdiff-test")
+    wandb.teardown()
+    yield wandb
+    wandb.teardown()
+
+
 # The variables the project's code sets (W&B's environment for the run, the launcher's); the libraries' own
 # bookkeeping (wandb's WANDB_SERVICE, torch's PYTORCH_NVML_BASED_CUDA_CHECK) is theirs.
 SET_BY_THE_PROJECT = ("WANDB_", "PROBDIFF_", "PET_SIGNALS_TO_HANDLE")

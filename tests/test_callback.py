@@ -675,14 +675,9 @@ def test_resumed_run_continues_the_history_without_duplicates(tmp_path, tiny_mod
 
 @pytest.mark.slow
 def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step(
-    tmp_path, tiny_model_path, monkeypatch
+    tmp_path, tiny_model_path, fresh_wandb
 ):
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_PROJECT", "probdiff-test")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb = fresh_wandb
     run = tmp_path / "run"
     trainer = build_trainer(
         tiny_model_path, run, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="no", report_to="wandb"

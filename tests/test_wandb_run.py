@@ -53,21 +53,6 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def fresh_wandb(tmp_path, monkeypatch):
-    """wandb offline in `tmp_path`; its process-wide settings are dropped afterwards, so a later test's
-    WANDB_DIR is read again (wandb reads the environment once per setup)."""
-    import wandb
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    monkeypatch.setenv("WANDB_PROJECT", "probdiff-test")
-    wandb.teardown()
-    yield wandb
-    wandb.teardown()
-
-
 def checkpoint(run: Path, step: int, record: StepRecord | None = None) -> Path:
     path = run / f"checkpoint-{step}"
     path.mkdir(parents=True)
