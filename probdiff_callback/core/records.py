@@ -1,0 +1,331 @@
+"""The evaluation's data as typed objects: a query's `Record`, a step's `Summary`, the `Comparison` of two steps and
+an evaluation's `Cost`, each with its JSON form here and nowhere else.
+
+The JSON form: keys in the order of the fields; NaN (and infinity) written as null, since JSON has none; and read
+back the other way, so that the rest of the package sees NaN, never None, where a number belongs. A field whose type
+admits None keeps None (`answer_temperature` of texts generated elsewhere, a `ref` score that could not be computed).
+Files of older versions lack some keys: they read as the fields' defaults. Keys this version does not know are kept
+in `extra` and written back after the known ones, so rewriting a file loses nothing.
+
+A field's `help` (its metadata) is its documentation: `markdown_table` makes docs/cli.md's tables from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T", bound="JsonRecord")
+
+
+def _field(default: Any = dataclasses.MISSING, *, help: str, omit_none: bool = False, **kw) -> Any:
+    """A documented field; `omit_none`: left out of the JSON form while None (keys only some evaluations have)."""
+    return field(default=default, metadata={"help": help, "omit_none": omit_none}, **kw)
+
+
+def _extra() -> Any:
+    return field(default_factory=dict, repr=False, compare=False, metadata={"extra": True})
+
+
+# --- JSON ------------------------------------------------------------------------------------------------
+def nan_to_none(value: Any) -> Any:
+    """`value` with every NaN and infinity, however deeply nested, as None; tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_to_none(v) for v in value]
+    return value
+
+
+def _members(hint: Any) -> tuple:
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    return typing.get_args(hint) if union else (hint,)
+
+
+def _from_json(value: Any, hint: Any) -> Any:
+    """A JSON value as a field of type `hint` holds it: null as NaN where a number belongs and None does not, nested
+    records as their types; anything else as it is (the reader checks what it needs)."""
+    members = _members(hint)
+    if value is None:
+        return None if type(None) in members or float not in members else math.nan
+    if type(value) in members:  # a number, text or flag the field takes as it is
+        return value
+    for member in members:
+        origin = typing.get_origin(member) or member
+        args = typing.get_args(member)
+        if isinstance(origin, type) and issubclass(origin, JsonRecord) and isinstance(value, Mapping):
+            return origin.from_json(value)
+        if origin is list and isinstance(value, list):
+            return [_from_json(v, args[0]) if args else v for v in value]
+        if origin is dict and isinstance(value, Mapping):
+            return {k: _from_json(v, args[1]) if args else v for k, v in value.items()}
+        if origin is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+    return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class JsonRecord:
+    """The JSON form of the dataclasses below (see the module's docstring)."""
+
+    @classmethod
+    def from_json(cls: type[T], value: Mapping[str, Any]) -> T:
+        """The object a file's mapping describes; a ValueError names a required key it lacks."""
+        hints, known = _hints(cls), {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("extra")}
+        missing = [
+            name
+            for name, f in known.items()
+            if name not in value and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise ValueError(f"not a {cls.__name__.lower()}: no {', '.join(map(repr, missing))}")
+        made = cls(**{name: _from_json(value[name], hints[name]) for name in known if name in value})
+        made.extra = {k: v for k, v in value.items() if k not in known}  # type: ignore[attr-defined]
+        return made
+
+    def to_json(self) -> dict[str, Any]:
+        """The mapping written to the files: the fields in their order, NaN as null, then the unknown keys kept."""
+        value: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            item = getattr(self, f.name)
+            if f.metadata.get("extra") or (item is None and f.metadata.get("omit_none")):
+                continue
+            value[f.name] = _to_json(item)
+        return nan_to_none({**value, **getattr(self, "extra", {})})
+
+
+def _to_json(item: Any) -> Any:
+    if isinstance(item, JsonRecord):
+        return item.to_json()
+    if isinstance(item, dict):
+        return {k: _to_json(v) for k, v in item.items()}
+    if isinstance(item, (list, tuple)):
+        return [_to_json(v) for v in item]
+    return item
+
+
+# --- one query --------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Record(JsonRecord):
+    """One query's evaluation: a row of `records.jsonl` (`probdiff eval`, `score`) and of a training run's step files.
+
+    With `n_samples > 1`, `response`, `revisions` and the token counts are the first sample's, `logp_*` and `d` the
+    means over the samples (of those with a value), the flags true when they hold for any sample, and the degenerate
+    kinds those any sample shows.
+    """
+
+    id: str = _field(help="the query's id as loaded")
+    category: str | None = _field(help="the query's category as loaded (null: none)")
+    query: str = _field(help="the query's text, before any cut")
+    response: str = _field(help="the answer (`score`: the given `response`)")
+    revisions: list[str] = _field(help="its revisions, one per round (`score`: `[revised]`)")
+    logp_response: float = _field(
+        help="mean per-token log-probability of the answer after the query's chat prompt; `null` for an empty text"
+    )
+    logp_revised: float = _field(help="the same for the last revision")
+    d: float = _field(help="`logp_revised − logp_response`; `null` when a text is empty")
+    n_tokens_response: int = _field(help="the answer's length in tokens")
+    n_tokens_revised: int = _field(help="the last revision's length in tokens")
+    confident: bool = _field(help="`d ≥ delta` (`false` for a `null` d)")
+    truncated: bool = _field(help="the query was longer than `max_prompt_tokens` and was cut in the middle")
+    answer_temperature: float | None = _field(
+        None,
+        help="the temperature the answer was sampled at: `answer_temperature`, or the query category's from "
+        "`answer_temperature_by_category` (`score`: `null`)",
+    )
+    response_capped: bool | None = _field(
+        None,
+        help="the answer ended at `max_new_tokens` without an end-of-turn token and was scored cut short "
+        "(`score`: `null`)",
+    )
+    revision_capped: bool | None = _field(None, help="the same for the last revision (`score`: `null`)")
+    revision_truncated: bool = _field(
+        False,
+        help="a refinement request (query + answer + prompt) was cut in the middle to `max_prompt_tokens` "
+        "(`score`: `false`)",
+    )
+    response_degenerate: list[str] = _field(
+        help="the kinds of degeneration the answer shows, `[]` for none: `repetition` (a loop: more than half its "
+        "8-grams repeated, in the whole text or a 128-word window). Scored as written: see "
+        "[method.md](method.md#known-limits-of-the-metric)",
+        default_factory=list,
+    )
+    revision_degenerate: list[str] = _field(
+        help="the same for the last revision, and `echo` (it holds a label or an instruction line of the refinement "
+        "prompt that the query and the answer did not; `score`: of any shipped prompt)",
+        default_factory=list,
+    )
+    responses: list[str] | None = _field(
+        None, help="with `n_samples > 1` only: each sample's answer", omit_none=True
+    )
+    revisions_by_sample: list[list[str]] | None = _field(
+        None, help="with `n_samples > 1` only: each sample's revisions", omit_none=True
+    )
+    d_samples: list[float] | None = _field(None, help="with `n_samples > 1` only: each sample's d", omit_none=True)
+    reference: str | None = _field(
+        None,
+        help="`eval` only, where the query has a reference answer and its category a reference metric: the reference",
+        omit_none=True,
+    )
+    ref: dict[str, float | None] | None = _field(
+        None,
+        help="beside `reference`: the answer's sentence scores (`bleu`, `chrf` for translation; `rouge1`, `rouge2`, "
+        "`rougeL` for summarization, `null` for an empty reference)",
+        omit_none=True,
+    )
+    extra: dict[str, Any] = _extra()
+
+
+# --- one step ---------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class CategorySummary(JsonRecord):
+    n: int = _field(help="queries of the category")
+    confidence: float = _field(help="their confidence")
+    d_mean: float = _field(help="their mean d")
+    extra: dict[str, Any] = _extra()
+
+
+@dataclass(kw_only=True)
+class ReferenceSummary(JsonRecord):
+    overall: dict[str, float] = _field(help="each reference metric over every scored answer")
+    n_scored: dict[str, int] = _field(help="how many answers each metric scored")
+    by_category: dict[str, dict[str, float | int | str]] = _field(
+        help="per category: `n` and its metrics (translation: `bleu`, `chrf` and BLEU's `tokenize`; summarization: "
+        "`rouge1`, `rouge2`, `rougeL` and `n_unscored`)"
+    )
+    extra: dict[str, Any] = _extra()
+
+
+@dataclass(kw_only=True)
+class Summary(JsonRecord):
+    """The summary of one evaluation's records (`metric.summarize`): `summary.json`, and each step's in a training
+    run's history. NaN where a number cannot be computed (no valid d)."""
+
+    n: int = _field(help="queries")
+    n_invalid: int = _field(0, help="queries whose d is `null` (an empty text)")
+    n_truncated: int = _field(0, help="queries cut to `max_prompt_tokens`")
+    n_capped: int = _field(0, help="answers cut by `max_new_tokens`")
+    n_revision_capped: int = _field(0, help="last revisions cut by `max_new_tokens`")
+    n_revision_truncated: int = _field(0, help="refinement requests cut to `max_prompt_tokens`")
+    n_degenerate: int = _field(0, help="answers that loop")
+    n_revision_degenerate: int = _field(0, help="last revisions that loop or echo the refinement prompt")
+    revision_degenerate_kinds: dict[str, int] = _field(
+        help="the degenerate last revisions per kind", default_factory=dict
+    )
+    delta: float = _field(help="the threshold")
+    confidence: float = _field(help="the share of queries with d ≥ delta (a fraction)")
+    confidence_ci: list[float] = _field(help="its Wilson 95% interval", default_factory=lambda: [math.nan, math.nan])
+    confidence_non_degenerate: float = _field(
+        math.nan,
+        help="the confidence with the degenerate revisions counted as not confident, beside the paper's `confidence`",
+    )
+    confidence_non_degenerate_ci: list[float] = _field(
+        help="its Wilson 95% interval", default_factory=lambda: [math.nan, math.nan]
+    )
+    confidence_sweep: dict[str, float] = _field(help="the confidence at each threshold of `sweep`", default_factory=dict)
+    d_mean: float = _field(math.nan, help="the mean of the valid d")
+    d_median: float = _field(math.nan, help="their median")
+    d_std: float = _field(math.nan, help="their standard deviation")
+    d_quantiles: dict[str, float] = _field(help="their 5, 25, 50, 75 and 95% quantiles", default_factory=dict)
+    logp_response_mean: float = _field(math.nan, help="the mean of `logp_response`")
+    logp_revised_mean: float = _field(math.nan, help="the mean of `logp_revised`")
+    by_category: dict[str, CategorySummary] = _field(
+        help="per category: `n`, `confidence`, `d_mean`", default_factory=dict
+    )
+    len_response_mean: float = _field(math.nan, help="the answers' mean length in tokens")
+    len_revised_mean: float = _field(math.nan, help="the last revisions' mean length in tokens")
+    length_changed_share: float = _field(
+        math.nan, help="revisions whose token length changed by more than half (the paper's length bias)"
+    )
+    reference: ReferenceSummary | None = _field(
+        None,
+        help="on queries with references: the corpus metrics overall and by category, and how many answers each "
+        "scored",
+        omit_none=True,
+    )
+    extra: dict[str, Any] = _extra()
+
+
+@dataclass(kw_only=True)
+class Comparison(JsonRecord):
+    """The paper's pairwise comparison of two sets of records on the queries they share (`metric.compare`): A wins a
+    query where A is confident and B is not. A training run's rows hold each step's against the baseline
+    (`vs_base`)."""
+
+    n: int = _field(help="queries both sets hold")
+    n_only_a: int = _field(help="queries only A holds")
+    n_only_b: int = _field(help="queries only B holds")
+    delta: float = _field(help="the threshold")
+    win: int = _field(help="A confident, B not")
+    tie: int = _field(help="both or neither confident")
+    lose: int = _field(help="B confident, A not")
+    confidence_a: float = _field(help="A's confidence on the shared queries")
+    confidence_b: float = _field(help="B's confidence on the shared queries")
+    difference: float = _field(help="(win − lose) / n: `confidence_a − confidence_b`")
+    difference_ci: list[float] = _field(help="its 95% interval (Bonett and Price's adjusted Wald)")
+    sign_p: float = _field(help="exact two-sided sign test of wins against losses")
+    n_paired: int = _field(help="shared queries where both d are valid")
+    d_mean_a: float = _field(help="A's mean d over those")
+    d_mean_b: float = _field(help="B's mean d over those")
+    wilcoxon_p: float = _field(help="Wilcoxon signed-rank test of d_A against d_B over those (`null` when all equal)")
+    extra: dict[str, Any] = _extra()
+
+
+# --- what an evaluation cost ------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Cost(JsonRecord):
+    """Where an evaluation's time went, measured by the evaluator itself: read by the cost line, `bench/` and the
+    GPU kit. On several ranks each stage's seconds are the slowest rank's and the tokens the sum (`Cost.merged`)."""
+
+    answers_seconds: float = _field(0.0, help="generating the answers")
+    revisions_seconds: float = _field(0.0, help="generating the revisions, every round")
+    scoring_seconds: float = _field(0.0, help="scoring the answers and last revisions")
+    reference_seconds: float = _field(0.0, help="the reference metrics (BLEU, chrF, ROUGE)")
+    answer_tokens: int = _field(0, help="tokens generated for the answers")
+    revision_tokens: int = _field(0, help="tokens generated for the revisions")
+    extra: dict[str, Any] = _extra()
+
+    @property
+    def seconds(self) -> float:
+        return self.answers_seconds + self.revisions_seconds + self.scoring_seconds + self.reference_seconds
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.answer_tokens + self.revision_tokens
+
+    @classmethod
+    def merged(cls, costs: list[Cost]) -> Cost:
+        """The cost of ranks that ran side by side: each stage as long as its slowest rank, the tokens summed."""
+        if not costs:
+            return cls()
+        slowest = {
+            name: max(getattr(c, name) for c in costs)
+            for name in ("answers_seconds", "revisions_seconds", "scoring_seconds", "reference_seconds")
+        }
+        return cls(
+            **slowest,
+            answer_tokens=sum(c.answer_tokens for c in costs),
+            revision_tokens=sum(c.revision_tokens for c in costs),
+        )
+
+
+# --- the docs ---------------------------------------------------------------------------------------------
+def markdown_table(cls: type) -> str:
+    """A Markdown table of a record type's documented fields (docs/cli.md; tests/test_records.py keeps it current)."""
+    lines = ["| field | |", "| --- | --- |"]
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            lines.append(f"| `{f.name}` | {f.metadata['help'].replace('|', chr(92) + '|')} |")
+    return "\n".join(lines)
