@@ -167,9 +167,7 @@ class Record(JsonRecord):
         "prompt that the query and the answer did not; `score`: of any shipped prompt)",
         default_factory=list,
     )
-    responses: list[str] | None = _field(
-        None, help="with `n_samples > 1` only: each sample's answer", omit_none=True
-    )
+    responses: list[str] | None = _field(None, help="with `n_samples > 1` only: each sample's answer", omit_none=True)
     revisions_by_sample: list[list[str]] | None = _field(
         None, help="with `n_samples > 1` only: each sample's revisions", omit_none=True
     )
@@ -234,7 +232,9 @@ class Summary(JsonRecord):
     confidence_non_degenerate_ci: list[float] = _field(
         help="its Wilson 95% interval", default_factory=lambda: [math.nan, math.nan]
     )
-    confidence_sweep: dict[str, float] = _field(help="the confidence at each threshold of `sweep`", default_factory=dict)
+    confidence_sweep: dict[str, float] = _field(
+        help="the confidence at each threshold of `sweep`", default_factory=dict
+    )
     d_mean: float = _field(math.nan, help="the mean of the valid d")
     d_median: float = _field(math.nan, help="their median")
     d_std: float = _field(math.nan, help="their standard deviation")
@@ -251,8 +251,7 @@ class Summary(JsonRecord):
     )
     reference: ReferenceSummary | None = _field(
         None,
-        help="on queries with references: the corpus metrics overall and by category, and how many answers each "
-        "scored",
+        help="on queries with references: the corpus metrics overall and by category, and how many answers each scored",
         omit_none=True,
     )
     extra: dict[str, Any] = _extra()
