@@ -69,6 +69,9 @@ def test_python_construction_goes_through_the_same_check():
         ("max_new_tokens", "64.5", "command line: wrong type for ProbDiff setting 'max_new_tokens': got 64.5"),
         ("dleta", "1", "command line: unknown key 'dleta' (did you mean 'delta'?)"),
         ("n_revisions", "0", "Invalid ProbDiff config: n_revisions=0: needs at least 1 revision"),
+        # an enumeration is a Literal: refused by the same typed check, with the choices
+        ("vllm_mode", "colocat",
+         "command line: vllm_mode='colocat' (did you mean 'colocate'?): use one of colocate, server"),
     ],
 )  # fmt: skip
 def test_the_cli_and_the_recipe_refuse_a_setting_with_the_same_message(key, value, message):

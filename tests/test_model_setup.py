@@ -1,4 +1,5 @@
-"""train/model_setup.py: LoRA targets on the model's own modules; QLoRA's need of CUDA."""
+"""train/model_setup.py: LoRA targets on the model's own modules; the lora keys and QLoRA through trl's ModelConfig;
+QLoRA's need of CUDA."""
 
 from __future__ import annotations
 
@@ -36,3 +37,31 @@ def test_qlora_needs_cuda_here():
         pytest.skip("checks the error CPU-only machines give; with CUDA, 4-bit loading is allowed")
     with pytest.raises(RecipeError, match="needs an NVIDIA GPU with CUDA and the bitsandbytes package"):
         quantization_config(recipe)
+
+
+def test_the_lora_keys_reach_peft_through_trls_model_config(tiny_model):
+    from train.model_setup import lora_config
+
+    model, _ = tiny_model
+    recipe = load_recipe(
+        ["recipe=blog", "lora.r=8", "lora.alpha=16", "lora.dropout=0.1", "lora.target_modules=[q_proj]"]
+    )
+    config = lora_config(recipe, model)
+    assert (config.r, config.lora_alpha, config.lora_dropout, config.bias) == (8, 16, 0.1, "none")
+    # one module name stays a name: as the str ModelConfig would make of it, peft would match it as a whole path
+    assert config.target_modules == {"q_proj"} and config.task_type == "CAUSAL_LM"
+    assert lora_config(load_recipe(["recipe=blog", "lora.enabled=false"]), model) is None
+
+
+@pytest.mark.parametrize(("bf16", "compute"), [("true", "bfloat16"), ("false", "float16")])
+def test_qlora_is_nf4_with_nested_quantization_through_trls_model_config(bf16, compute):
+    import torch
+    from trl import get_quantization_config
+
+    from train.model_setup import model_config
+
+    recipe = load_recipe(["recipe=blog", "quantization=4bit", f"bf16={bf16}"])
+    config = get_quantization_config(model_config(recipe))
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_compute_dtype == getattr(torch, compute)
+    assert get_quantization_config(model_config(load_recipe(["recipe=blog"]))) is None

@@ -386,6 +386,44 @@ def test_cross_field_validation():
         load_recipe(["recipe=blog", "model"])
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("quantization=8bit", "quantization='8bit' (did you mean '4bit'?): use one of none, 4bit"),
+        ("task=blgo", "task='blgo' (did you mean 'blog'?): use one of translation, summarization, blog, alignbench"),
+        ("dtype=fp16", "dtype='fp16': use one of auto, float32, bfloat16, float16"),
+    ],
+)
+def test_the_projects_enumerations_stop_as_sftconfigs_do(override, message, tmp_path):
+    """`task`, `dtype` and `quantization` are Literals, checked with SFTConfig's enumerations, where the layer is
+    known: the command line, or the file that set the value."""
+    with pytest.raises(RecipeError) as err:
+        load_recipe(["recipe=blog", override])
+    assert str(err.value) == f"command line: {message}"
+    key, value = override.split("=")
+    (tmp_path / "mine.yaml").write_text(("" if key == "task" else "task: blog\n") + f"{key}: {value}\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(["recipe=mine"], directory=tmp_path)
+    assert str(err.value) == f"{tmp_path / 'mine.yaml'}: {message}"
+
+
+def test_a_recipe_names_its_task(tmp_path):
+    (tmp_path / "mine.yaml").write_text("description: no task\n")
+    with pytest.raises(RecipeError, match=r"^recipe 'mine': task: not set; a recipe names its task \(translation, "):
+        load_recipe(["recipe=mine"], directory=tmp_path)
+
+
+def test_the_values_the_run_gets_are_checked_once_the_layers_are_merged(tmp_path):
+    """OmegaConf merges the layers, then types the result: a value a later layer replaces is not the run's, and is
+    not refused; the one the run gets is, naming the layer that set it."""
+    (tmp_path / "mine.yaml").write_text("task: blog\nlearning_rate: fast\nprobdiff: {delta: high}\n")
+    recipe = load_recipe(["recipe=mine", "learning_rate=1e-4", "probdiff.delta=-0.02"], directory=tmp_path)
+    assert recipe.training["learning_rate"] == 1e-4 and recipe.probdiff.delta == -0.02
+    assert recipe.sources["learning_rate"] == "command line"
+    with pytest.raises(RecipeError, match=r"mine.yaml: wrong type for ProbDiff setting 'delta': got 'high'"):
+        load_recipe(["recipe=mine", "learning_rate=1e-4"], directory=tmp_path)
+
+
 # --- data ----------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,8 @@
-"""The model a recipe trains: its files, weights (optionally 4-bit), chat template and LoRA adapters."""
+"""The model a recipe trains: its files, weights (optionally 4-bit), chat template and LoRA adapters.
+
+The recipe's `lora.*` keys and `quantization` map onto trl's `ModelConfig` (`model_config`), and trl's
+`get_peft_config` and `get_quantization_config` make peft's and bitsandbytes' configs from it.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,29 @@ def prepare_model_files(name: str) -> None:
         raise RecipeError(f"model={name}: {err}") from None
 
 
+def model_config(recipe: Recipe, target_modules: list[str] | str | None = None):
+    """trl's ModelConfig for the recipe's `lora` section and `quantization=4bit` (NF4 with nested quantization).
+    `target_modules`: peft's, once checked against the model (`lora_targets`)."""
+    from trl import ModelConfig
+
+    config = ModelConfig(
+        model_name_or_path=recipe.model,
+        # trl computes 4-bit layers in `dtype`; ours follow the mixed precision: bf16, else fp16
+        dtype="bfloat16" if recipe.setting("bf16") else "float16",
+        use_peft=recipe.lora.enabled,
+        lora_r=recipe.lora.r,
+        lora_alpha=recipe.lora.alpha,
+        lora_dropout=recipe.lora.dropout,
+        load_in_4bit=recipe.quantization == "4bit",
+        bnb_4bit_quant_type="nf4",
+        use_bnb_nested_quant=True,
+    )
+    # Set after ModelConfig's __post_init__, which makes a list of one name a str: peft matches a str as a regular
+    # expression over the whole module path, so ["q_proj"] would match no module
+    config.lora_target_modules = target_modules
+    return config
+
+
 def quantization_config(recipe: Recipe):
     """The bitsandbytes NF4 config for quantization=4bit, or None; a clear error where it cannot run."""
     if recipe.quantization == "none":
@@ -35,14 +62,9 @@ def quantization_config(recipe: Recipe):
         raise RecipeError(
             "quantization=4bit (QLoRA) needs bitsandbytes: pip install 'probdiff[qlora]' (bitsandbytes>=0.45)"
         )
-    from transformers import BitsAndBytesConfig
+    from trl import get_quantization_config
 
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16 if recipe.setting("bf16") else torch.float16,
-    )
+    return get_quantization_config(model_config(recipe))
 
 
 def load_model(recipe: Recipe):
@@ -99,13 +121,6 @@ def lora_config(recipe: Recipe, model):
     if not recipe.lora.enabled:
         say("LoRA off: training all weights")
         return None
-    from peft import LoraConfig
+    from trl import get_peft_config
 
-    return LoraConfig(
-        r=recipe.lora.r,
-        lora_alpha=recipe.lora.alpha,
-        lora_dropout=recipe.lora.dropout,
-        target_modules=lora_targets(model, recipe.lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+    return get_peft_config(model_config(recipe, lora_targets(model, recipe.lora.target_modules)))

@@ -5,8 +5,10 @@
 The project's own keys (`model`, `lora.*`, `probdiff.*`, the data files, ...) are the fields of `RecipeKeys`; every
 other key is a field of trl's `SFTConfig` and goes to `SFTConfig(**fields)` unchanged. Defaults are stated once:
 `RecipeKeys` and `ProbDiffConfig` for the project's keys, `SFT_DEFAULTS` for SFTConfig's, `recipes/models/<model>.yaml`
-for what a model preset needs in every recipe; a recipe states what differs. Every layer is checked by the same typed
-check as the CLI's settings (`probdiff_callback.core.config`), so a bad value gets the same message on both paths.
+for what a model preset needs in every recipe; a recipe states what differs. OmegaConf merges the layers and types
+the result once against `RecipeKeys` and SFTConfig's own fields (`probdiff_callback.runtime.config_layers`); the
+`probdiff` section goes to `ProbDiffConfig.from_values`, the CLI's way in, so a bad value gets the same message on both
+paths. A refusal names the layer that set the key.
 """
 
 from __future__ import annotations
@@ -16,28 +18,28 @@ import enum
 import functools
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from probdiff_callback.core.config import (
-    WRONG,
-    ConfigError,
-    ProbDiffConfig,
-    check_settings,
-    check_value,
-    deep_merge,
-    did_you_mean,
-    members,
-    raise_if_problems,
-    type_name,
-)
+from probdiff_callback.core.config import ConfigError, ProbDiffConfig
 from probdiff_callback.models import PRESETS
+from probdiff_callback.runtime.config_layers import (
+    SettingError,
+    did_you_mean,
+    layer_of,
+    members,
+    merge,
+    parse_items,
+    typed,
+)
 from train import PROJECT_ROOT
 
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 MODELS_DIR = "models"  # recipes/models/<preset>.yaml: what a model preset needs in every recipe
-TASKS = ("translation", "summarization", "blog", "alignbench")
+Task = Literal["translation", "summarization", "blog", "alignbench"]
+TASKS: tuple[str, ...] = typing.get_args(Task)
 
 # The project's SFTConfig settings, the layer under every recipe. `logging_steps` and `seed` equal trl's defaults:
 # stated so that a change of trl's cannot move a run, and so that RUN_DIR/recipe.yaml names them.
@@ -103,15 +105,18 @@ class RecipeKeys:
 
     recipe: str = _key("", help="set from recipe=NAME (a file in recipes/, or a path to a .yaml file)")
     description: str = _key("", help="one line on the task and its data")
-    task: str = _key(
-        "", help="translation, summarization, blog or alignbench: data from data/processed/<task>, data/samples/<task>"
+    task: Task | None = _key(
+        None,
+        help="translation, summarization, blog or alignbench: data from data/processed/<task>, data/samples/<task>",
     )
     model: str = _key(
         "qwen-14b-chat", help="a preset (tiny, smollm2, qwen-14b-chat, qwen1.5-14b-chat), a directory or a hub id"
     )
-    dtype: str = _key("bfloat16", help="weights as loaded: auto, float32, bfloat16, float16")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _key(
+        "bfloat16", help="weights as loaded: auto, float32, bfloat16, float16"
+    )
     attn_implementation: str = _key("sdpa", help="sdpa, eager, flash_attention_2 (where flash-attn is installed)")
-    quantization: str = _key("none", help="none, 4bit (QLoRA: bitsandbytes NF4, CUDA only)")
+    quantization: Literal["none", "4bit"] = _key("none", help="none, 4bit (QLoRA: bitsandbytes NF4, CUDA only)")
     lora: LoraArgs = _key(help="the adapters: `lora.r`, `lora.alpha`, ... (below)", default_factory=LoraArgs)
     train_file: str | None = _key(None, help="null: data/processed/<task>/train.jsonl")
     heldout_file: str | None = _key(
@@ -172,34 +177,63 @@ def sft_fields() -> dict[str, Any]:
     return _fields(SFTConfig)
 
 
-def _checked(layer: dict, where: str, cls: type | None = None, prefix: str = "") -> dict:
-    """A layer's values, typed; an unknown key or a wrong type stops with the key and the layer. The `probdiff`
-    section goes through ProbDiff's own validator, the one the CLI uses."""
-    fields = _fields(cls) if cls else {**sft_fields(), **_fields(RecipeKeys)}
-    checked = {}
-    for key, value in layer.items():
-        name, hint = f"{prefix}{key}", fields.get(key)
-        if hint is None:
-            raise _key_error(name, where)
-        if hint is ProbDiffConfig and isinstance(value, dict):
-            try:
-                checked[key] = check_settings(value, where)
-            except ConfigError as err:
-                raise RecipeError(str(err)) from None
-            continue
-        if dataclasses.is_dataclass(hint):  # a section: lora
-            if isinstance(value, dict):
-                checked[key] = _checked(value, where, hint, f"{name}.")  # type: ignore[arg-type]
-                continue
-            hint = dict
-        checked[key] = check_value(value, hint, keep_ints=cls is None and key in sft_fields())
-        if checked[key] is WRONG:
-            raise RecipeError(f"{where}: wrong type for {name!r}: got {value!r}, expected {type_name(hint)}")
-        choices = [str(c.value) for m in members(hint) if isinstance(m, enum.EnumMeta) for c in m]
-        if choices and value is not None and str(value) not in choices:
-            close = did_you_mean(str(value), choices)
-            raise RecipeError(f"{where}: {name}={value!r}{close}: use one of {', '.join(choices)}")
-    return checked
+@functools.cache
+def _schema() -> type:
+    """The dataclass OmegaConf types a recipe by: SFTConfig's fields as a recipe writes them (`_as_written`), and the
+    project's own keys, whose `probdiff` section is a mapping here: ProbDiffConfig checks it itself."""
+    from trl import SFTConfig
+
+    own, sft = _fields(RecipeKeys), _fields(SFTConfig)
+    specs = {f.name: f for f in (*dataclasses.fields(SFTConfig), *dataclasses.fields(RecipeKeys))}
+    fields = [
+        (name, _as_written(hint), _schema_field(specs[name], hint)) for name, hint in sft.items() if name not in own
+    ]
+    fields += [(name, dict[str, Any] if hint is ProbDiffConfig else hint, _schema_field(specs[name], hint))
+               for name, hint in own.items()]  # fmt: skip
+    return dataclasses.make_dataclass("RecipeSchema", fields)
+
+
+def _as_written(hint: Any) -> Any:
+    """An SFTConfig field's type for OmegaConf: an enumeration (`SchedulerType | str`) as a Literal of its values, so
+    that a misspelt one stops; a float as int or float, so that `eval_steps: 10` stays a count (a float below 1 is a
+    share of the steps)."""
+    types = members(hint)
+    choices = tuple(choice.value for member in types if isinstance(member, enum.EnumMeta) for choice in member)
+    if choices:
+        types = (Literal[choices], *(t for t in types if t is type(None)))  # type: ignore[valid-type]
+    elif float in types:
+        types = (int, *types)
+    return typing.Union[types] if len(types) > 1 else types[0]  # noqa: UP007 (a tuple of types)
+
+
+def _schema_field(spec: dataclasses.Field, declared: Any) -> Any:
+    """A schema field with `spec`'s default, and the type its owner declares, for messages."""
+    metadata = {"declared": declared}
+    if declared is ProbDiffConfig:
+        return field(default_factory=dict, metadata=metadata)
+    if spec.default_factory is not dataclasses.MISSING:
+        return field(default_factory=spec.default_factory, metadata=metadata)
+    default = spec.default.value if isinstance(spec.default, enum.Enum) else spec.default  # a Literal's value
+    return field(default=default, metadata=metadata)
+
+
+def _resolved(layers: list[tuple[str, dict]]) -> dict[str, Any]:
+    """The layers merged and typed; a refusal names the key and the layer that set it."""
+    try:
+        values = typed(_schema(), merge([layer for _, layer in layers]))
+    except SettingError as err:
+        where = layer_of(layers, err.key)
+        raise (_key_error(err.key, where) if err.unknown else RecipeError(f"{where}: {err}")) from None
+    if "probdiff" in values:
+        try:
+            values["probdiff"] = ProbDiffConfig.from_values(
+                values["probdiff"], where=lambda key: layer_of(layers, f"probdiff.{key}")
+            )
+        except ConfigError as err:
+            raise RecipeError(str(err)) from None
+    if "lora" in values:
+        values["lora"] = LoraArgs(**values["lora"])
+    return values
 
 
 def _key_error(key: str, where: str) -> RecipeError:
@@ -217,14 +251,6 @@ def _key_error(key: str, where: str) -> RecipeError:
             f"{unknown}. Valid keys: {', '.join(own)}, and any field of trl.SFTConfig ({SFTCONFIG_DOCS})"
         )
     return RecipeError(f"{unknown}. Valid keys in {parts[0]}: {', '.join(_fields(own[parts[0]]))}")
-
-
-def _merge(layers: list[tuple[str, dict]]) -> tuple[dict, dict]:
-    """(the layers merged, each checked first; the layer that set each top-level key)."""
-    merged: dict = {}
-    for where, layer in layers:
-        merged = deep_merge(merged, _checked(layer, where))
-    return merged, {key: where for where, layer in layers for key in layer}
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -278,31 +304,26 @@ def parse_overrides(args: list[str]) -> tuple[str | None, list[str]]:
 
 def load_recipe(args: list[str], directory: Path = RECIPES_DIR) -> Recipe:
     """The validated recipe for `recipe=NAME key=value ...`."""
-    from omegaconf import OmegaConf
-
     name, overrides = parse_overrides(args)
     path = _recipe_path(name, directory)
-    body = _read_yaml(path)
-    command_line = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
-    layers = [("project defaults", SFT_DEFAULTS), (str(path), body), ("command line", command_line)]
-    values, _ = _merge(layers)  # type: ignore[arg-type]
-    model = values.get("model", RecipeKeys.model)
+    try:
+        command_line = parse_items(overrides, "command line")
+    except SettingError as err:
+        raise RecipeError(str(err)) from None
+    layers = [("project defaults", SFT_DEFAULTS), (str(path), _read_yaml(path)), ("command line", command_line)]
+    chosen = merge([layer for _, layer in layers])
+    model, presets = str(chosen.get("model", RecipeKeys.model)), chosen.get("presets")
     model_file = directory / MODELS_DIR / f"{model}.yaml"
-    preset = values.get("presets", {}).get(model)
+    preset = presets.get(model) if isinstance(presets, Mapping) else None  # presets of another type: refused below
     for where, layer in ((str(model_file), _read_yaml(model_file) if model_file.is_file() else None),
                          (f"{path} presets.{model}", preset)):  # fmt: skip
         if layer is not None:  # between the YAML and the command line, in this order
             if not isinstance(layer, dict) or {"model", "presets"} & set(layer):
                 raise RecipeError(f"{where}: must be a mapping of keys other than `model` and `presets`")
             layers.insert(-1, (where, layer))
-    values, sources = _merge(layers)  # type: ignore[arg-type]
+    values = _resolved(layers)
     own = {key: values.pop(key) for key in list(values) if key in _fields(RecipeKeys)}
-    try:  # the sections' own checks (ProbDiffConfig's: n_revisions >= 1, ...), with the CLI's messages
-        own |= {
-            k: cls(**own[k]) for k, cls in _fields(RecipeKeys).items() if dataclasses.is_dataclass(cls) and k in own
-        }
-    except ValueError as err:
-        raise RecipeError(str(err)) from None
+    sources = {key: where for where, layer in layers for key in layer}  # the last layer that set each key
     recipe = Recipe(**own, training=values, sources={key: sources[key] for key in values})
     recipe.recipe = Path(name).stem
     # Defaults that follow from the task and the name, written out so that RUN_DIR/recipe.yaml names them
@@ -336,13 +357,8 @@ def validate(recipe: Recipe) -> None:
     """What the project needs beyond the types and SFTConfig's own checks; raises RecipeError listing every
     problem."""
     problems, value, lora, four_bit = [], recipe.setting, recipe.lora, recipe.quantization == "4bit"
-    dtypes = ("auto", "float32", "bfloat16", "float16")
-    if recipe.task not in TASKS:
-        problems.append(f"task={recipe.task!r}: use one of {', '.join(TASKS)}")
-    if recipe.quantization not in ("none", "4bit"):
-        problems.append(f"quantization={recipe.quantization!r}: use one of none, 4bit")
-    if recipe.dtype not in dtypes:
-        problems.append(f"dtype={recipe.dtype!r}: use one of {', '.join(dtypes)}")
+    if recipe.task is None:
+        problems.append(f"task: not set; a recipe names its task ({', '.join(TASKS)})")
     if four_bit and not lora.enabled:
         problems.append("quantization=4bit trains adapters on frozen 4-bit weights: it needs lora.enabled=true")
     if four_bit and recipe.model in ("tiny", "smollm2"):
@@ -375,7 +391,8 @@ def validate(recipe: Recipe) -> None:
     reports = report_to_values(value("report_to"))
     if not reports or ("none" in reports and len(reports) > 1):
         problems.append(f"report_to={value('report_to')!r}: give `none` or integrations such as wandb, tensorboard")
-    raise_if_problems(f"recipe {recipe.recipe!r}", problems, RecipeError)
+    if problems:
+        raise RecipeError(f"recipe {recipe.recipe!r}: " + "; ".join(problems))
 
 
 def sft_config(

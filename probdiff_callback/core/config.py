@@ -1,27 +1,25 @@
-"""The ProbDiff settings as one typed object, and the one way any setting is checked.
+"""The ProbDiff settings as one typed object, and the one check of them.
 
 `ProbDiffConfig` holds the metric, sampling, lengths and batching, the generation engine and the callback's schedule.
 Each field states its default and its help once, in its definition (`metadata["help"]`, as trl's configs do); `probdiff
 eval --help` and the table in docs/configuration.md are made from them. Each field also names its group and who reads
 it: the CLI refuses a key its command would not read rather than accept it and do nothing with it.
 
-`ProbDiffConfig.from_values` is the one validator of these settings: `probdiff eval|score key=value` and a recipe's
-`probdiff.*` keys both go through it, so a bad value gets the same message on both paths. Its typed check
-(`check_value`) also checks the recipe's own keys and trl.SFTConfig's fields (`train/recipe.py`).
+Constructing a `ProbDiffConfig` is the one check of these settings: OmegaConf types each value against its field
+(enumerations are `Literal`s), then the ranges a type cannot state are checked. `probdiff eval|score key=value` and a
+recipe's `probdiff.*` keys both come in through `from_values`, so a bad value gets the same message on both paths.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import types
-import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, describe, unmatched_keys
 from probdiff_callback.core.prompts import REFINEMENT_PROMPTS
+from probdiff_callback.runtime.config_layers import SettingError, did_you_mean, merge, parse_items, typed
 
 # Who reads a setting: `probdiff eval`, `probdiff score`, and ProbDiffCallback, which runs eval's evaluation during
 # training (so it reads everything eval reads) on its own schedule.
@@ -33,13 +31,16 @@ _TRAINING = frozenset({CALLBACK})
 METRIC, SAMPLING, LENGTHS, ENGINE, SCHEDULE = (
     "metric", "sampling", "lengths and batching", "generation engine", "training schedule"
 )  # fmt: skip
-VLLM_MODES = ("colocate", "server")
-VLLM_WEIGHT_SYNCS = ("auto", "merged", "lora")
 DEFAULT_SUBDIR = "probdiff"  # a run's ProbDiff files: <output_dir>/probdiff/
 
 
 class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the key, where it came from and what is valid."""
+    """A setting that cannot be used; the message names the key, where it came from and what is valid. `key`: the
+    setting a wrong type or value was given to (None for the ranges and for unknown keys)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 def _setting(default=dataclasses.MISSING, *, help: str, group: str, read_by: frozenset[str], cli: str = "", **kw):
@@ -132,7 +133,7 @@ class ProbDiffConfig:
         group=ENGINE,
         read_by=_GENERATING,
     )
-    vllm_mode: str = _setting(
+    vllm_mode: Literal["colocate", "server"] = _setting(
         "colocate",
         help="`colocate`: a vLLM server the job starts, once; `server`: a `vllm serve` you started",
         group=ENGINE,
@@ -149,7 +150,7 @@ class ProbDiffConfig:
     vllm_gpu_memory_utilization: float = _setting(
         0.55, help="`colocate` on a GPU: vLLM's share of its memory", group=ENGINE, read_by=_GENERATING
     )
-    vllm_weight_sync: str = _setting(
+    vllm_weight_sync: Literal["auto", "merged", "lora"] = _setting(
         "auto",
         help="how a colocated engine gets the evaluated weights: `merged` (written, then reloaded: fast on a CPU), "
         "`lora` (the adapter by path: the GPU's way); `auto`: merged on a CPU, lora on a GPU",
@@ -219,24 +220,17 @@ class ProbDiffConfig:
     )
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Types first (an int where a float is expected becomes a float), then the ranges; one error lists every
-        problem."""
-        hints = typing.get_type_hints(type(self))
-        problems = []
-        for f in dataclasses.fields(self):
-            value = check_value(getattr(self, f.name), hints[f.name], keep_ints=False)
-            if value is WRONG:
-                problems.append(
-                    wrong_type_message(f"ProbDiff setting {f.name!r}", getattr(self, f.name), hints[f.name])
-                )
-            else:
-                setattr(self, f.name, value)
-        raise_if_problems("", problems, ConfigError)
-        problems = self._range_problems()
-        raise_if_problems("Invalid ProbDiff config", problems, ConfigError)
+        """The one check, however the settings came: types and choices by OmegaConf (an int where a float is expected
+        becomes a float; the first wrong one stops), then the ranges, every problem in one error."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        try:
+            values = typed(type(self), values, noun="ProbDiff setting ")
+        except SettingError as err:
+            raise ConfigError(str(err), key=err.key) from None
+        for name, value in values.items():
+            setattr(self, name, value)
+        if problems := self._range_problems():
+            raise ConfigError("Invalid ProbDiff config: " + "; ".join(problems))
 
     def _range_problems(self) -> list[str]:
         problems = []
@@ -252,9 +246,6 @@ class ProbDiffConfig:
                 problems.append(f"{name}={getattr(self, name)}: must be positive")
         if self.n_queries is not None and self.n_queries < 1:
             problems.append(f"n_queries={self.n_queries}: must be positive (or None for all)")
-        for name, choices in (("vllm_mode", VLLM_MODES), ("vllm_weight_sync", VLLM_WEIGHT_SYNCS)):
-            if getattr(self, name) not in choices:
-                problems.append(f"{name}={getattr(self, name)!r}: use one of {', '.join(choices)}")
         if self.vllm_server_timeout <= 0:
             problems.append(f"vllm_server_timeout={self.vllm_server_timeout}: must be positive")
         if self.wandb_table_rows < 0:
@@ -277,17 +268,37 @@ class ProbDiffConfig:
         return problems
 
     @classmethod
-    def from_values(cls, values: Mapping[str, Any], where: str, valid: Sequence[str] | None = None) -> ProbDiffConfig:
-        """The settings `values` give, over the defaults: the one validator of both the CLI and the recipes."""
-        return cls(**check_settings(values, where, valid))
+    def from_values(
+        cls,
+        values: Mapping[str, Any],
+        where: str | Callable[[str], str],
+        valid: Sequence[str] | None = None,
+        base: Mapping[str, Any] | None = None,
+    ) -> ProbDiffConfig:
+        """The settings `values` give over `base` (the defaults by default): the way in of both the CLI and the
+        recipes. `where` names the source of the values, or of each key (a recipe's layers); `valid`: the keys that may
+        be given (all by default)."""
+        valid = list(valid) if valid is not None else cls.field_names()
+        source = where if callable(where) else lambda key: where
+        for key in values:
+            if key not in valid:
+                raise ConfigError(
+                    f"{source(key)}: unknown key {key!r}{did_you_mean(key, valid)}. "
+                    f"Valid ProbDiff settings: {', '.join(valid)}"
+                )
+        try:
+            return cls(**merge([base or {}, values]))
+        except ConfigError as err:
+            if err.key is None:  # the ranges: the same message on every path
+                raise
+            raise ConfigError(f"{source(err.key)}: {err}", key=err.key) from None
 
     def with_overrides(
         self, overrides: Sequence[str], where: str = "command line", valid: Sequence[str] | None = None
     ) -> ProbDiffConfig:
         """These settings with `key=value` overrides applied (nested keys with dots), checked as `from_values` checks
-        them; `valid`: the keys that may be given (all by default)."""
-        checked = check_settings(parse_overrides(overrides, where), where, valid)
-        return type(self)(**deep_merge(self.to_dict(), checked))
+        them."""
+        return self.from_values(_items(overrides, where), where, valid, base=self.to_dict())
 
     def selection_problem(self, metric_for_best_model: str | None) -> str | None:
         """Why checkpoints cannot be selected by `metric_for_best_model` with these settings, or None: a ProbDiff or
@@ -343,95 +354,11 @@ class ProbDiffConfig:
         return {f.name: f.metadata for f in dataclasses.fields(cls)}[name]
 
 
-def check_settings(values: Mapping[str, Any], where: str, valid: Sequence[str] | None = None) -> dict[str, Any]:
-    """ProbDiff settings from one source (`where`: the command line, a recipe file, ...), typed; an unknown key
-    (one outside `valid`, all fields by default) or a wrong type stops with the key and the source."""
-    valid = list(valid) if valid is not None else ProbDiffConfig.field_names()
-    hints = typing.get_type_hints(ProbDiffConfig)
-    checked = {}
-    for key, value in values.items():
-        if key not in valid:
-            raise ConfigError(
-                f"{where}: unknown key {key!r}{did_you_mean(key, valid)}. Valid ProbDiff settings: {', '.join(valid)}"
-            )
-        checked[key] = check_value(value, hints[key], keep_ints=False)
-        if checked[key] is WRONG:
-            raise ConfigError(f"{where}: {wrong_type_message(f'ProbDiff setting {key!r}', value, hints[key])}")
-    return checked
-
-
-# --- typed values: the one check, for ProbDiff's settings, the recipe's own keys and SFTConfig's fields ----------
-WRONG = object()  # check_value's answer for a value the field cannot take
-
-
-def members(hint: Any) -> tuple:
-    """The types of a union (`int | None` -> int, NoneType), or the hint itself."""
-    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    return typing.get_args(hint) if union else (hint,)
-
-
-def check_value(value: Any, hint: Any, keep_ints: bool) -> Any:
-    """`value` (as YAML types it) as a field of type `hint` takes it, else WRONG: a dataclass does not check types,
-    so SFTConfig takes `learning_rate='abc'` and fails only once training starts. Where a float is expected an int
-    becomes a float, or stays an int with `keep_ints` (SFTConfig's `eval_steps: 10`, a count or a share)."""
-    for member in members(hint):
-        kind, args = typing.get_origin(member) or member, typing.get_args(member)
-        if kind in (list, dict) and isinstance(value, kind):
-            items = dict(enumerate(value)) if kind is list else value
-            cast = {k: check_value(v, args[-1], keep_ints) for k, v in items.items()} if args else items
-            if WRONG not in cast.values():
-                return list(cast.values()) if kind is list else cast
-        elif kind is float and type(value) is int:
-            return value if keep_ints else float(value)
-        elif type(value) is kind or (isinstance(kind, enum.EnumMeta) and type(value) is str):
-            return value
-        elif kind not in (type(None), bool, int, float, str, list, dict) and not isinstance(kind, enum.EnumMeta):
-            return value  # a type YAML cannot spell (Any, a callable): the receiver's to check
-    return str(value) if str in members(hint) and type(value) in (bool, int, float) else WRONG  # run_name=2024
-
-
-def type_name(hint: Any) -> str:
-    return str(hint).replace("typing.", "") if typing.get_args(hint) else getattr(hint, "__name__", str(hint))
-
-
-def wrong_type_message(key: str, value: object, expected: object) -> str:
-    """`wrong type for 'key': got 'abc', expected float`."""
-    return f"wrong type for {key}: got {value!r}, expected {type_name(expected)}"
-
-
-def raise_if_problems(what: str, problems: list[str], error: type[Exception] = ConfigError) -> None:
-    """One error listing every problem found by a validator (a user fixes them in one go), or nothing."""
-    if problems:
-        raise error((f"{what}: " if what else "") + "; ".join(problems))
-
-
-def did_you_mean(key: str, candidates: list[str]) -> str:
-    """` (did you mean 'x'?)` for the closest candidate to a mistyped key, else ``."""
-    import difflib
-
-    leaf = key.split(".")[-1]
-    by_leaf = {c.split(".")[-1]: c for c in candidates}
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.7) or [
-        by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.7)
-    ]
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def parse_overrides(items: Sequence[str], where: str = "command line") -> dict[str, Any]:
-    """`key=value` items as a nested mapping, each value typed as YAML reads it (`-0.02` a float, `abc` a string,
-    `null` None, `[0, -0.1]` a list); `a.b=1` nests."""
-    from omegaconf import OmegaConf
-
-    for item in items:
-        if "=" not in item or not item.split("=", 1)[0]:
-            raise ConfigError(f"{where}: {item!r} is not key=value")
-    return OmegaConf.to_container(OmegaConf.from_dotlist(list(items)))  # type: ignore[return-value]
-
-
-def deep_merge(base: dict, layer: Mapping) -> dict:
-    """`layer` over `base`, where a mapping in both gains keys (activation_checkpointing_kwargs, presets)."""
-    both = {k for k, v in layer.items() if isinstance(v, Mapping) and isinstance(base.get(k), Mapping)}
-    return {**base, **layer, **{k: deep_merge(dict(base[k]), layer[k]) for k in both}}
+def _items(overrides: Sequence[str], where: str = "command line") -> dict[str, Any]:
+    try:
+        return parse_items(overrides, where)
+    except SettingError as err:
+        raise ConfigError(str(err)) from None
 
 
 def config_for_command(command: str, overrides: list[str]) -> ProbDiffConfig:
@@ -439,7 +366,7 @@ def config_for_command(command: str, overrides: list[str]) -> ProbDiffConfig:
     every key the command would not read: accepted, it would be silently ignored."""
     reads = ProbDiffConfig.keys_read_by(command)
     problems = []
-    for key in parse_overrides(overrides):
+    for key in _items(overrides):
         if key in ProbDiffConfig.field_names() and key not in reads:
             problems.append(_not_read(command, key))
     if problems:  # one per line: each names its key and what to do
