@@ -6,13 +6,13 @@ import contextlib
 import json
 import math
 import random
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
+from _faults import inject
 from transformers import EarlyStoppingCallback
 
 import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
@@ -27,7 +27,6 @@ from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.metric import compare, summarize
 from probdiff_callback.core.queries import DataFileError, Query, read_jsonl
 from probdiff_callback.runs import run_files
-from probdiff_callback.runtime import faults
 
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
 
@@ -148,6 +147,33 @@ def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
         "eval_probdiff_confidence_at_0",
     }
     assert all(math.isnan(v) for v in failed.values())
+
+
+@pytest.mark.parametrize(
+    ("metric", "save_strategy", "values", "best"),
+    [
+        # NaN is never best; a tie keeps the first step
+        ("probdiff_confidence", "steps", [0.5, math.nan, 0.75, 0.75, 0.5], (0.75, 3)),
+        ("eval_loss", "steps", [2.0, 1.5, 1.5, 1.75], (1.5, 2)),  # greater_is_better False for a loss
+        ("probdiff_confidence", "no", [0.5, 0.75], (0.75, None)),  # no checkpoints: no best step
+        (None, "steps", [0.5], (None, None)),
+    ],
+)
+def test_the_best_metric_is_recorded_as_the_trainer_records_it(tmp_path, metric, save_strategy, values, best):
+    """What a resumed run sets for a step evaluated again (`record_best_metric`) follows the Trainer's own rule."""
+    from transformers import TrainerState, TrainingArguments
+
+    from probdiff_callback.callback.probdiff import record_best_metric
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), metric_for_best_model=metric, eval_strategy="steps", save_strategy=save_strategy,
+        use_cpu=True, report_to=[],
+    )  # fmt: skip
+    state = TrainerState()
+    for step, value in enumerate(values, start=1):
+        state.global_step = step
+        record_best_metric(state, args, {"eval_probdiff_confidence": value, "eval_loss": value})
+    assert (state.best_metric, state.best_global_step) == best
 
 
 def test_preserved_rng_state_restores_every_stream():
@@ -596,8 +622,7 @@ def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on
                             save_strategy="no", metric_for_best_model="probdiff_confidence")  # fmt: skip
     failing = [2]
     if fault == "out of memory":
-        monkeypatch.setattr(faults, "_reached", Counter())
-        monkeypatch.setenv(faults.FAULT_ENV, "answers-done:3=OOM")  # one batch per evaluation: visit 1 is the baseline
+        inject("answers-done:3=OOM", monkeypatch.setattr)  # one batch per evaluation: visit 1 is the baseline
     elif fault == "NaN logits":
 
         def nan_in_evaluation(module, inputs, output):

@@ -111,7 +111,7 @@ def test_select_and_best_skip_checkpoints_removed_or_broken_and_say_so(tmp_path,
     assert "skipped for best, ranked higher: step 20 (checkpoint-20 removed (checkpoint rotation, or a fault)); " in (
         printed
     )
-    assert f"step 10 ({weights} is truncated (" in printed
+    assert f"step 10 ({weights} is truncated or damaged (" in printed
     assert "Best checkpoint: step 30" in printed
     assert (run / "best").resolve() == (run / "checkpoint-30").resolve()
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
@@ -345,11 +346,7 @@ class ProbDiffCallback(TrainerCallback):
 
     def _update_best_model(self, metrics: dict[str, float]) -> None:
         """The Trainer's best-model record as the uninterrupted run would have set it at this step."""
-        metric = self.trainer.args.metric_for_best_model or ""
-        determine = getattr(self.trainer, "_determine_best_metric", None)
-        key = metric if metric.startswith("eval_") else f"eval_{metric}"
-        if determine is not None and key in metrics:
-            determine(metrics=metrics, trial=None)
+        record_best_metric(self.trainer.state, self.trainer.args, metrics)
 
     # ---- setup ----
     def _history_to_continue(self, state: TrainerState) -> tuple[list[HistoryRow], list[Record] | None]:
@@ -480,3 +477,23 @@ class ProbDiffCallback(TrainerCallback):
         if self.config.baseline:
             metrics.update(vs_base_metrics(vs_base))
         return metrics
+
+
+def record_best_metric(state: TrainerState, args: TrainingArguments, metrics: dict[str, float]) -> None:
+    """`state.best_metric` and `state.best_global_step` after an evaluation's `metrics`, set as the Trainer sets them
+    after its own evaluations (transformers 5): the metric named by `metric_for_best_model` (`eval_` added) beats the
+    best so far by `greater_is_better` (NaN never does); the step is kept where checkpoints are saved by steps, epochs
+    or best, and the Trainer's next save names its checkpoint `best_model_checkpoint`. Nothing without that metric."""
+    name = args.metric_for_best_model
+    if name is None:
+        return
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    if key not in metrics:
+        return
+    if state.best_metric is None:
+        state.best_metric = -math.inf if args.greater_is_better else math.inf
+    better = operator.gt if args.greater_is_better else operator.lt
+    if better(metrics[key], state.best_metric):
+        state.best_metric = metrics[key]
+        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+            state.best_global_step = state.global_step

@@ -30,7 +30,6 @@ from probdiff_callback.core.prompts import (
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.sampling import row_seed
 from probdiff_callback.core.scoring import score_batch
-from probdiff_callback.runtime import faults
 
 T = TypeVar("T")
 ABANDONED = "evaluation abandoned"  # in the error every rank sees when any rank abandoned its share
@@ -336,12 +335,10 @@ def _generate_batch(batch, tokenizer, engine: Engine, config: ProbDiffConfig, ba
     if bar is not None:
         bar.set_postfix_str("answer")
     generate_answers(batch, engine, config, should_stop, progress)
-    faults.reached("answers-done")
     for round_ in range(1, config.n_revisions + 1):
         if bar is not None:
             bar.set_postfix_str(f"revision {round_}")
         generate_revisions(batch, round_, tokenizer, engine, config, should_stop, progress)
-    faults.reached("revisions-done")
 
 
 def evaluate(

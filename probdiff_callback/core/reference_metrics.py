@@ -109,15 +109,22 @@ def plan_references(queries: Sequence[Query]) -> ReferencePlan:
 
 # --- sentence level (one record) -----------------------------------------------------------------
 @lru_cache(maxsize=1)
+def _rouge_tokenizer():
+    from rouge_score import tokenizers
+
+    return tokenizers.DefaultTokenizer(use_stemmer=True)  # what RougeScorer(use_stemmer=True) builds for itself
+
+
+@lru_cache(maxsize=1)
 def _rouge_scorer():
     from rouge_score import rouge_scorer
 
-    return rouge_scorer.RougeScorer(list(METRICS[SUMMARIZATION]), use_stemmer=True)
+    return rouge_scorer.RougeScorer(list(METRICS[SUMMARIZATION]), tokenizer=_rouge_tokenizer())
 
 
 def rouge_tokens(text: str) -> list[str]:
     """`text` as rouge-score's own tokenizer sees it (lowercased ASCII words, stemmed)."""
-    return _rouge_scorer()._tokenizer.tokenize(text)
+    return _rouge_tokenizer().tokenize(text)
 
 
 def sentence_scores(family: str, category: str, hypothesis: str, reference: str) -> dict[str, float | None]:

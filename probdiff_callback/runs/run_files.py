@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-from probdiff_callback.runtime import faults
 from probdiff_callback.core.config import DEFAULT_SUBDIR
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.queries import DataFileError, read_jsonl
@@ -329,7 +328,6 @@ class RunFiles:
             path = step_records_path(self.output_dir, row.global_step, self.subdir)
             write_jsonl(path, records)
             row.records = str(path.relative_to(self.directory))
-            faults.reached("records-written")
         if eval_losses is not None:
             self._write_eval_losses(row, eval_losses)
         self._rows[row.global_step] = row
@@ -400,8 +398,6 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
-    if path.name == HISTORY_FILE:
-        faults.reached("history-tmp-written")
     os.replace(tmp, path)
 
 

@@ -18,7 +18,6 @@ from _launch import SETTINGS, assert_same_run, history_rows, run_sft, sft_comman
 from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.runs.checkpoints import checkpoints
 from probdiff_callback.runs.run_files import RunFiles, read_history
-from probdiff_callback.runtime import faults
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -118,13 +117,13 @@ def test_a_history_write_cut_off_leaves_the_previous_history(tmp_path):
     assert (kept, dropped) == ([], 1) and not list((tmp_path / "probdiff").glob(".*.tmp*"))
 
 
-def test_a_bad_fault_plan_is_named():
-    with pytest.raises(ValueError, match="'answers:2' is not <place>"):
-        faults.planned_faults("answers:2")
-    assert faults.planned_faults("answers-done:2=oom, records-written") == [
-        ("answers-done", 2, "OOM"),
-        ("records-written", 1, "KILL"),
-    ]
+def test_a_process_started_with_a_bad_fault_plan_stops_at_once():
+    """Python would print an error in `sitecustomize` and run on, without the faults the test counts on."""
+    started = subprocess.run(
+        [sys.executable, "-c", "print('ran')"], env=sft_env(PROBDIFF_FAULT="answers:2"), capture_output=True, text=True
+    )
+    assert started.returncode == 2 and started.stdout == ""
+    assert started.stderr.startswith("error: PROBDIFF_FAULT=answers:2: 'answers:2' is not <place>[:<n>][=<fault>]")
 
 
 def workers(launcher: subprocess.Popen) -> list[psutil.Process]:
