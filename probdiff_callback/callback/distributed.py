@@ -104,7 +104,9 @@ class EvaluationOutcome:
     summary: Summary | None
     error: str | None
     seconds: float
-    cost: Cost | None = None  # each stage's seconds (the slowest rank's) and the tokens generated; None on failure
+    # each stage's seconds (the slowest rank's; the reference metrics' this rank's own, which every rank computes) and
+    # the tokens generated on all ranks; None on failure
+    cost: Cost | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     abandoned: bool = False  # given up for a preemption: not a failure, the resumed run evaluates the step
 
