@@ -312,15 +312,16 @@ class Comparison(JsonRecord):
 # --- what an evaluation cost ------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class Cost(JsonRecord):
-    """Where an evaluation's time went, measured by the evaluator itself: read by the cost line, `bench/` and the
-    GPU kit. On several ranks each stage's seconds are the slowest rank's and the tokens the sum (`Cost.merged`)."""
+    """Where an evaluation's time went, measured by the evaluator itself (on a CUDA model the clock waits for the
+    device, so a stage's GPU work counts in it): read by the cost line, `bench/` and the GPU kit. On several ranks
+    each stage's seconds are the slowest rank's and the tokens the sum (`Cost.merged`)."""
 
-    answers_seconds: float = _field(0.0, help="generating the answers")
-    revisions_seconds: float = _field(0.0, help="generating the revisions, every round")
-    scoring_seconds: float = _field(0.0, help="scoring the answers and last revisions")
-    reference_seconds: float = _field(0.0, help="the reference metrics (BLEU, chrF, ROUGE)")
-    answer_tokens: int = _field(0, help="tokens generated for the answers")
-    revision_tokens: int = _field(0, help="tokens generated for the revisions")
+    answers_seconds: float = _field(0.0, help="seconds generating the answers")
+    revisions_seconds: float = _field(0.0, help="seconds generating the revisions, every round")
+    scoring_seconds: float = _field(0.0, help="seconds scoring the answers and last revisions")
+    reference_seconds: float = _field(0.0, help="seconds computing the reference metrics (BLEU, chrF, ROUGE)")
+    answer_tokens: int = _field(0, help="tokens generated for the answers (before the end-of-turn token)")
+    revision_tokens: int = _field(0, help="tokens generated for the revisions, every round")
     extra: dict[str, Any] = _extra()
 
     @property
