@@ -8,6 +8,7 @@ import math
 import random
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from transformers import EarlyStoppingCallback
 import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
 from probdiff_callback.callback import distributed
+from probdiff_callback.callback.cost import CostReport
 from probdiff_callback.callback.distributed import preserved_rng_state
 from probdiff_callback.callback.metrics import metrics_from_summary
 from probdiff_callback.callback.probdiff import ProbDiffCallback
@@ -120,6 +122,28 @@ def test_a_failure_on_one_rank_is_reported_with_its_traceback(monkeypatch):
 
     results, cost, error = distributed.evaluate_sharded(OneRankOf(1, 2), ["a", "b", "c"], fail)
     assert results == [] and cost == Cost() and error.startswith("rank 1: Traceback") and "out of memory" in error
+
+
+def test_the_cost_lines_say_where_the_evaluations_time_went():
+    report = CostReport()
+    report.training_started(0)
+    report.evaluated(9.0, Cost(answers_seconds=3.0, scoring_seconds=1.0), before_training=True)  # the base model's
+    stages = Cost(
+        answers_seconds=4.0, revisions_seconds=3.0, scoring_seconds=1.0, answer_tokens=1300, revision_tokens=42
+    )
+    report.evaluated(10.0, stages)
+    report.evaluated(12.0, None)  # a failed evaluation: its time counts, no stages
+    args, state = SimpleNamespace(eval_strategy="steps"), SimpleNamespace(eval_steps=4, global_step=4)
+    message = report.message(args, state, every=1)
+    assert message.startswith("ProbDiff: one evaluation takes 10.0s (the base model's took 9.0s, once)")
+    assert message.endswith("; that evaluation: answers 4.0s, revisions 3.0s, scoring 1.0s; 1,342 tokens generated")
+    totals = report.totals()
+    assert totals.startswith("ProbDiff cost: 2 evaluations during training took 0.4 min")
+    assert totals.endswith(
+        "in the evaluations during training: answers 4.0s, revisions 3.0s, scoring 1.0s; 1,342 tokens generated"
+    )
+    stages.reference_seconds = 0.3
+    assert "scoring 1.0s, reference metrics 0.3s; 1,342" in report.totals()
 
 
 def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_global_rng():

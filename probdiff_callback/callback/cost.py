@@ -71,16 +71,16 @@ class CostReport:
         self.reported = True
         per_step = self._training_seconds() / done
         text = f"ProbDiff: one evaluation takes {self.during_training[0]:.1f}s"
-        if self.costs[0] is not None:
-            text += f" ({stage_words(self.costs[0])})"
         if self.before_training:
             text += f" (the base model's took {self.before_training:.1f}s, once)"
         text += f", a training step {per_step:.2f}s"
         interval = evaluation_interval(args, state)
-        if interval is None or per_step == 0:
-            return text
-        share = self.during_training[0] / (per_step * interval * every)
-        return f"{text}; evaluating every {interval * every} steps adds about {100 * share:.0f}% to the training time"
+        if interval is not None and per_step > 0:
+            share = self.during_training[0] / (per_step * interval * every)
+            text += f"; evaluating every {interval * every} steps adds about {100 * share:.0f}% to the training time"
+        if self.costs[0] is not None:
+            text += f"; that evaluation: {stage_words(self.costs[0])}"
+        return text
 
     def totals(self) -> str | None:
         """The measured cost of the whole run, for its end; None before training started."""
