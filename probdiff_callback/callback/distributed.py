@@ -123,8 +123,9 @@ def evaluate_in_training(
 ) -> EvaluationOutcome:
     """The trainer's current weights evaluated on `queries`, shared across ranks, and summarised with the reference
     metrics `reference_plan` (the queries' `plan_references`) promises; every rank returns the same records (in query
-    order), summary, error and cost (but for the reference metrics' seconds, each rank's own). `should_stop` abandons the evaluation (`evaluator.evaluate`). With
-    `config.use_vllm`, the main process's `engine` writes the texts (`_evaluate_with_engine`)."""
+    order), summary, error and cost (but for the reference metrics' seconds, each rank's own). `should_stop` abandons
+    the evaluation (`evaluator.evaluate`). With `config.use_vllm`, the main process's `engine` writes the texts
+    (`_evaluate_with_engine`)."""
     accelerator = trainer.accelerator
     sharded = is_zero3(accelerator) and not config.gather_params
     started = time.perf_counter()
