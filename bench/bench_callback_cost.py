@@ -103,7 +103,7 @@ def main() -> int:
     chains = n_queries * config.n_samples
     batches = math.ceil(chains / config.batch_size)
     batch_sizes = [min(config.batch_size, chains - i * config.batch_size) for i in range(batches)]
-    tokens = sum(r["n_tokens_response"] + r["n_tokens_revised"] for r in warm.records)
+    tokens = sum(r.n_tokens_response + r.n_tokens_revised for r in warm.records)
     per_step = train_seconds / args.steps
     evaluations = args.steps // args.every + 1  # every N steps, plus the baseline
     share = evaluations * warm.seconds / (train_seconds + evaluations * warm.seconds)

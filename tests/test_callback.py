@@ -7,26 +7,31 @@ import json
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from _faults import inject
+from _records import make_record
 from transformers import EarlyStoppingCallback
 
 import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
 from probdiff_callback.callback import distributed
+from probdiff_callback.callback.cost import CostReport
 from probdiff_callback.callback.distributed import preserved_rng_state
 from probdiff_callback.callback.metrics import metrics_from_summary
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import select_queries
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import evaluate
-from probdiff_callback.core.metric import compare, summarize
-from probdiff_callback.core.queries import DataFileError, Query, read_jsonl
+from probdiff_callback.core.metric import compare, summary_of
+from probdiff_callback.core.queries import DataFileError, Query
+from probdiff_callback.core.records import Cost, Record
 from probdiff_callback.runs import run_files
+from probdiff_callback.runs.run_files import read_records
 
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
 
@@ -50,13 +55,13 @@ def probdiff_logs(trainer) -> dict[int, dict]:
     return {entry["step"]: entry for entry in trainer.state.log_history if "eval_probdiff_confidence" in entry}
 
 
-def assert_same_records(actual: list[dict], expected: list[dict]) -> None:
-    assert [r["id"] for r in actual] == [r["id"] for r in expected]
+def assert_same_records(actual: list[Record], expected: list[Record]) -> None:
+    assert [r.id for r in actual] == [r.id for r in expected]
     for a, e in zip(actual, expected):
-        assert a["response"] == e["response"]
-        assert a["revisions"] == e["revisions"]
-        assert abs(a["logp_response"] - e["logp_response"]) < 1e-4
-        assert abs(a["logp_revised"] - e["logp_revised"]) < 1e-4
+        assert a.response == e.response
+        assert a.revisions == e.revisions
+        assert abs(a.logp_response - e.logp_response) < 1e-4
+        assert abs(a.logp_revised - e.logp_revised) < 1e-4
 
 
 # ---- helpers, no model ----
@@ -81,14 +86,31 @@ def test_sharded_evaluation_makes_equal_calls_and_gathers_in_order(monkeypatch, 
     monkeypatch.setattr(distributed, "gather_object", lambda values: values)  # each rank's part; joined below
     items = [f"q{i}" for i in range(n_items)]
     shares, gathered = [], []
+
+    def evaluate_share(share):
+        shares.append(list(share))
+        return [s.upper() for s in share], Cost(scoring_seconds=1.5, answer_tokens=len(share))
+
     for rank in range(n_ranks):
-        results, error = distributed.evaluate_sharded(
-            OneRankOf(rank, n_ranks), items, lambda share: shares.append(list(share)) or [s.upper() for s in share]
-        )
+        results, cost, error = distributed.evaluate_sharded(OneRankOf(rank, n_ranks), items, evaluate_share)
         assert error is None
+        # the padding's cost was spent and counts (on one rank, gather_object gives this rank's cost alone)
+        assert cost == Cost(scoring_seconds=1.5, answer_tokens=len(shares[-1]))
         gathered += results
     assert len({len(share) for share in shares}) == 1  # the same number of calls on every rank (ZeRO-3)
     assert gathered == [item.upper() for item in items]
+
+
+def test_the_ranks_costs_are_merged_as_stages_run_side_by_side(monkeypatch):
+    costs = [
+        Cost(answers_seconds=2.0, scoring_seconds=1.0, answer_tokens=30),
+        Cost(answers_seconds=3.0, answer_tokens=20),
+    ]
+    monkeypatch.setattr(
+        distributed, "gather_object", lambda values: costs if isinstance(values[0], Cost) else values * 2
+    )
+    results, cost, error = distributed.evaluate_sharded(OneRankOf(0, 2), ["a", "b"], lambda share: (share, costs[0]))
+    assert error is None and cost == Cost(answers_seconds=3.0, scoring_seconds=1.0, answer_tokens=50)
 
 
 def test_a_failure_on_one_rank_is_reported_with_its_traceback(monkeypatch):
@@ -97,8 +119,30 @@ def test_a_failure_on_one_rank_is_reported_with_its_traceback(monkeypatch):
     def fail(share):
         raise RuntimeError("out of memory")
 
-    results, error = distributed.evaluate_sharded(OneRankOf(1, 2), ["a", "b", "c"], fail)
-    assert results == [] and error.startswith("rank 1: Traceback") and "out of memory" in error
+    results, cost, error = distributed.evaluate_sharded(OneRankOf(1, 2), ["a", "b", "c"], fail)
+    assert results == [] and cost == Cost() and error.startswith("rank 1: Traceback") and "out of memory" in error
+
+
+def test_the_cost_lines_say_where_the_evaluations_time_went():
+    report = CostReport()
+    report.training_started(0)
+    report.evaluated(9.0, Cost(answers_seconds=3.0, scoring_seconds=1.0), before_training=True)  # the base model's
+    stages = Cost(
+        answers_seconds=4.0, revisions_seconds=3.0, scoring_seconds=1.0, answer_tokens=1300, revision_tokens=42
+    )
+    report.evaluated(10.0, stages)
+    report.evaluated(12.0, None)  # a failed evaluation: its time counts, no stages
+    args, state = SimpleNamespace(eval_strategy="steps"), SimpleNamespace(eval_steps=4, global_step=4)
+    message = report.message(args, state, every=1)
+    assert message.startswith("ProbDiff: one evaluation takes 10.0s (the base model's took 9.0s, once)")
+    assert message.endswith("; that evaluation: answers 4.0s, revisions 3.0s, scoring 1.0s; 1,342 tokens generated")
+    totals = report.totals()
+    assert totals.startswith("ProbDiff cost: 2 evaluations during training took 0.4 min")
+    assert totals.endswith(
+        "in the evaluations during training: answers 4.0s, revisions 3.0s, scoring 1.0s; 1,342 tokens generated"
+    )
+    stages.reference_seconds = 0.3
+    assert "scoring 1.0s, reference metrics 0.3s; 1,342" in report.totals()
 
 
 def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_global_rng():
@@ -117,20 +161,8 @@ def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_glo
 
 
 def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
-    records = [
-        {
-            "id": str(i),
-            "category": c,
-            "d": d,
-            "logp_response": -2.0,
-            "logp_revised": -2.0 + d,
-            "n_tokens_response": 5,
-            "n_tokens_revised": 5,
-            "truncated": False,
-        }
-        for i, (c, d) in enumerate([("a b", 0.1), ("a b", -0.2), ("c/d", 0.3)])
-    ]
-    summary = summarize(records, -0.05, [0.0, -0.1])
+    records = [make_record(i, d, category=c) for i, (c, d) in enumerate([("a b", 0.1), ("a b", -0.2), ("c/d", 0.3)])]
+    summary = summary_of(records, -0.05, [0.0, -0.1])
     metrics = metrics_from_summary(summary, [0.0, -0.1], ["a b", "c/d"])
     assert metrics["eval_probdiff_confidence"] == pytest.approx(2 / 3)
     assert metrics["eval_probdiff_confidence_a_b"] == 0.5 and metrics["eval_probdiff_confidence_c_d"] == 1.0
@@ -280,7 +312,7 @@ def test_queries_come_from_strings_chats_datasets_or_the_trainers_eval_dataset(t
     default = ProbDiffCallback(trainer, config=config)
     assert len(default.queries) == len(trainer.eval_dataset) and all(q.reference for q in default.queries)
     outcome = from_strings.evaluate_model()
-    assert outcome.error is None and [r["id"] for r in outcome.records] == ["0", "1"]
+    assert outcome.error is None and [r.id for r in outcome.records] == ["0", "1"]
     with pytest.raises(DataFileError, match=r"queries\[1\]: got int"):
         ProbDiffCallback(trainer, ["fine", 3], config)
     with pytest.raises(DataFileError, match="no query found"):
@@ -328,28 +360,32 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     assert [r["kind"] for r in rows] == ["baseline", "evaluate", "evaluate"]
     assert [r["base_model"] for r in rows] == [True, False, False]
     assert all(r["error"] is None and r["seconds"] > 0 for r in rows)
+    # what each stage cost, beside the seconds: every stage took time, and the texts were generated
+    costs = [Cost.from_json(r["cost"]) for r in rows]
+    assert all(c.answers_seconds > 0 and c.revisions_seconds > 0 and c.scoring_seconds > 0 for c in costs)
+    assert all(c.answer_tokens > 0 and c.seconds <= r["seconds"] for c, r in zip(costs, rows))
     subset = [q.id for q in select_queries(queries, N_QUERIES, probdiff_config().seed)]
     config = probdiff_config()
     for row in rows:
-        records = read_jsonl(run / "probdiff" / row["records"])
-        assert [r["id"] for r in records] == subset
-        assert row["summary"] == json.loads(json.dumps(summarize(records, config.delta, config.sweep)))
+        records = read_records(run / "probdiff" / row["records"])
+        assert [r.id for r in records] == subset
+        assert row["summary"] == summary_of(records, config.delta, config.sweep).to_json()
     for row in rows[1:]:
         assert row["checkpoint"] == str(run / f"checkpoint-{row['global_step']}")
         assert json.loads((run / f"checkpoint-{row['global_step']}" / "probdiff.json").read_text()) == row
     assert rows[0]["checkpoint"] is None
     assert [r["vs_base"] is None for r in rows] == [True, False, False]
-    base_records = read_jsonl(run / "probdiff" / rows[0]["records"])
+    base_records = read_records(run / "probdiff" / rows[0]["records"])
     for row in rows[1:]:
-        expected = compare(read_jsonl(run / "probdiff" / row["records"]), base_records, config.delta)
-        assert row["vs_base"] == json.loads(json.dumps(expected))
+        expected = compare(read_records(run / "probdiff" / row["records"]), base_records, config.delta)
+        assert row["vs_base"] == expected.to_json()
         step_logs = [e for e in trainer.state.log_history if e.get("step") == row["global_step"]]
         assert [row["eval_loss"]] == [e["eval_loss"] for e in step_logs if "eval_loss" in e]
 
     # The baseline is the base model: the adapters were disabled.
     model, tokenizer = tiny_model
-    base_records = evaluate(model, tokenizer, select_queries(queries, N_QUERIES, config.seed), config, progress=False)
-    assert_same_records(read_jsonl(run / "probdiff" / rows[0]["records"]), base_records)
+    base = evaluate(model, tokenizer, select_queries(queries, N_QUERIES, config.seed), config, progress=False)
+    assert_same_records(read_records(run / "probdiff" / rows[0]["records"]), base.records)
 
     logged = probdiff_logs(trainer)
     assert sorted(logged) == [0, 2, 4]
@@ -540,8 +576,7 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
 
     def observing_evaluate(m, *args, **kwargs):
         seen["checkpointing"] = m.is_activation_checkpointing
-        records = evaluate(m, *args, **kwargs)
-        return records
+        return evaluate(m, *args, **kwargs)
 
     monkeypatch.setattr(evaluation_module, "evaluate", observing_evaluate)
     torch_state, numpy_state = torch.random.get_rng_state(), np.random.get_state()

@@ -9,6 +9,7 @@ import pytest
 
 from probdiff_callback.analysis.report import format_summary
 from probdiff_callback.cli import main
+from probdiff_callback.core.records import Cost, Summary
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 
@@ -60,7 +61,7 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     assert set(summary["by_category"]) == {r["category"] for r in records}
     assert summary["n_capped"] == sum(r["response_capped"] for r in records)
     assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in records)
-    printed = format_summary(summary)
+    printed = format_summary(Summary.from_json(summary))
     assert f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}" in printed
     assert "95% CI [" in printed and "(Wilson)" in printed
     for key in (
@@ -82,6 +83,11 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     ):
         assert key in summary
     assert "reference" not in summary and all("ref" not in r for r in records)  # AlignBench has no reference metric
+    # after what was evaluated and its seconds: what each stage cost
+    assert list(summary)[-2:] == ["seconds", "cost"]
+    cost = Cost.from_json(summary["cost"])
+    assert cost.answers_seconds > 0 and cost.revisions_seconds > 0 and cost.scoring_seconds > 0
+    assert cost.reference_seconds == 0 and 0 < cost.answer_tokens <= 6 * 12 and 0 < cost.revision_tokens <= 6 * 12
 
 
 def test_eval_scores_the_answers_against_the_references_when_the_queries_have_them(tiny_model_path, tmp_path, capsys):
@@ -118,6 +124,7 @@ def test_eval_scores_the_answers_against_the_references_when_the_queries_have_th
     expected = sacrebleu.corpus_bleu([r["response"] for r in cs_en], [[r["reference"] for r in cs_en]]).score
     assert by_category["cs-en"]["bleu"] == pytest.approx(expected)
     assert "reference metrics  BLEU" in printed and "chrF" in printed
+    assert summary["cost"]["reference_seconds"] > 0
 
 
 def test_score_reproduces_eval_scores(eval_dirs, tmp_path):

@@ -91,7 +91,7 @@ def test_one_process_keeps_each_conversations_loss_says_the_resolution_and_the_a
         trainer.train()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ProbDiff resolution:")]
     baseline = read_run(run).rows[0]
-    assert said == [resolution_line(3, baseline.summary["confidence"])]  # once, from the baseline's confidence
+    assert said == [resolution_line(3, baseline.summary.confidence)]  # once, from the baseline's confidence
     assert "within noise" in said[0]
 
     rows = read_run(run)

@@ -15,6 +15,7 @@ from _runs import GOOD, MIXED, MIXED_HIGHER_D, POOR, write_run
 from probdiff_callback.analysis.plot import CROSSCHECK_TITLE, crosscheck_figure, plot_crosscheck
 from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.cli import main
+from probdiff_callback.core.records import ReferenceSummary
 from probdiff_callback.runs.run_files import (
     history_path,
     read_history,
@@ -81,8 +82,9 @@ def set_measures(run: Path, measures: dict[int, tuple[float, float | None]]) -> 
             row.eval_loss, bleu = measures[row.global_step]
             if bleu is not None:
                 overall = {"bleu": bleu, "chrf": 10 * bleu}
-                reference = {"overall": overall, "n_scored": {"bleu": 8, "chrf": 8}, "by_category": {}}
-                row.summary = dict(row.summary, reference=reference)
+                row.summary.reference = ReferenceSummary(
+                    overall=overall, n_scored={"bleu": 8, "chrf": 8}, by_category={}
+                )
     write_jsonl(history_path(run), [row.to_json() for row in rows])
 
 

@@ -151,11 +151,12 @@ def test_a_request_states_its_whole_sampling():
     }  # fmt: skip
 
 
-def test_texts_are_cut_at_a_stop_id_and_capped_only_at_the_length(tiny_model):
+def test_texts_are_cut_at_a_stop_id_and_capped_only_at_the_length_and_their_tokens_counted(tiny_model):
     tokenizer = tiny_model[1]
     ids = tokenizer("hello world", add_special_tokens=False)["input_ids"]
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert vllm_engine.decoded(tokenizer, [*ids, stop, 7, 8], "stop", [stop]).text == "hello world"
+    cut = vllm_engine.decoded(tokenizer, [*ids, stop, 7, 8], "stop", [stop])
+    assert cut.text == "hello world" and cut.n_tokens == len(ids)  # the ids before the stop id
     assert vllm_engine.decoded(tokenizer, ids, "length", [stop]).capped
     assert not vllm_engine.decoded(tokenizer, [*ids, stop], "stop", [stop]).capped
 
@@ -243,26 +244,29 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_an_adapter_changes_them(t
                                       max_lora_rank=8, threads=1, log_dir=tmp_path)  # fmt: skip
     try:
         engine.use_base()
-        whole = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
-        part = evaluate(model, tokenizer, queries[3:5], config, engine=engine, progress=False)
-        assert [r["response"] for r in part] == [r["response"] for r in whole[3:5]]
-        assert [r["revisions"] for r in part] == [r["revisions"] for r in whole[3:5]]
+        evaluation = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+        whole = evaluation.records
+        # what it cost, measured through the engine: its answers' and revisions' tokens, as vLLM returned them
+        assert evaluation.cost.answers_seconds > 0 and 0 < evaluation.cost.answer_tokens <= 6 * 16
+        part = evaluate(model, tokenizer, queries[3:5], config, engine=engine, progress=False).records
+        assert [r.response for r in part] == [r.response for r in whole[3:5]]
+        assert [r.revisions for r in part] == [r.revisions for r in whole[3:5]]
         # The adapter by path (vLLM's LoRA) and merged into the weights (reloaded in place) write the same texts,
         # other than the base model's; back to the base model, its texts again.
         engine.use_adapter(str(adapter_dir))
-        by_lora = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+        by_lora = evaluate(model, tokenizer, queries, config, engine=engine, progress=False).records
         adapted = PeftModel.from_pretrained(model, adapter_dir)
         try:
             vllm_engine.write_weights(adapted, tmp_path)
         finally:
             adapted.unload()
         engine.use_weights(str(tmp_path))
-        merged = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
-        assert [r["response"] for r in by_lora] == [r["response"] for r in merged]
-        assert [r["response"] for r in by_lora] != [r["response"] for r in whole]
+        merged = evaluate(model, tokenizer, queries, config, engine=engine, progress=False).records
+        assert [r.response for r in by_lora] == [r.response for r in merged]
+        assert [r.response for r in by_lora] != [r.response for r in whole]
         engine.use_base()
-        again = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
-        assert [r["response"] for r in again] == [r["response"] for r in whole]
+        again = evaluate(model, tokenizer, queries, config, engine=engine, progress=False).records
+        assert [r.response for r in again] == [r.response for r in whole]
     finally:
         engine.close()
     assert engine.process is None

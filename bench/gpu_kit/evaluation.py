@@ -16,6 +16,7 @@ from probdiff_callback.core import evaluator
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.decoding import sample_continuations
 from probdiff_callback.core.queries import Query
+from probdiff_callback.core.records import Record
 
 from .decoding_paths import PATHS, decoding_paths
 from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory
@@ -32,7 +33,7 @@ class DecodeCall:
 
 @dataclass
 class EvaluationRun:
-    records: list[dict] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: {"answer": 0.0, "revision": 0.0, "scoring": 0.0})
     total_seconds: float = 0.0
     decode_calls: dict[str, list[DecodeCall]] = field(default_factory=lambda: {"answer": [], "revision": []})
@@ -131,7 +132,8 @@ def timed_evaluation(
     reset_peak_memory(device)
     with instrumentation(run):
         started = clock(device)
-        run.records = evaluator.evaluate(model, tokenizer, queries, config, engine=engine, progress=sys.stderr.isatty())
+        evaluation = evaluator.evaluate(model, tokenizer, queries, config, engine=engine, progress=sys.stderr.isatty())
+        run.records = evaluation.records
         run.total_seconds = clock(device) - started
     run.memory_detail, run.memory_numbers = memory_detail(device, before)
     return run
@@ -185,10 +187,7 @@ def evaluation_floors(run: EvaluationRun, tokenizer, cost: ModelCost, hardware: 
 def identical_share(run: EvaluationRun, reference: EvaluationRun | None) -> str:
     if reference is None:
         return ""
-    same = sum(
-        a["response"] == b["response"] and a["revisions"] == b["revisions"]
-        for a, b in zip(run.records, reference.records)
-    )
+    same = sum(a.response == b.response and a.revisions == b.revisions for a, b in zip(run.records, reference.records))
     return f"; texts identical to ours for {same}/{len(run.records)} queries"
 
 

@@ -31,6 +31,7 @@ from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import (
     ABANDONED,
     Chain,
+    Evaluation,
     EvaluationAbandoned,
     evaluate,
     generate_chains,
@@ -38,9 +39,11 @@ from probdiff_callback.core.evaluator import (
     make_chains,
     records_from_chains,
     score_chains,
+    stage_clock,
     summarise,
 )
 from probdiff_callback.core.queries import Query
+from probdiff_callback.core.records import Cost, Record, Summary
 
 T = TypeVar("T")
 
@@ -63,13 +66,15 @@ def max_over_ranks(device: torch.device) -> Callable[[int], int]:
 
 
 def evaluate_sharded(
-    accelerator, items: Sequence[Any], evaluate_share: Callable[[list], list[T]]
-) -> tuple[list[T], str | None]:
-    """(results in the order of `items`, error or None), the same on every rank.
+    accelerator, items: Sequence[Any], evaluate_share: Callable[[list], tuple[list[T], Cost]]
+) -> tuple[list[T], Cost, str | None]:
+    """(results in the order of `items`, what the ranks' shares cost side by side, error or None), the same on every
+    rank.
 
     Each rank evaluates its contiguous share; shares are padded with the last item so every rank makes the
     same number of decoding and forward calls (ZeRO-3 hangs otherwise), and the padding's results are dropped
-    before gathering. A failure on any rank is reported on all of them, and then nothing is gathered.
+    before gathering (its cost was spent, and counts). A failure on any rank is reported on all of them, and then
+    nothing is gathered.
     """
     positions = list(range(len(items)))
     with accelerator.split_between_processes(positions) as own:
@@ -77,9 +82,10 @@ def evaluate_sharded(
     with accelerator.split_between_processes(positions, apply_padding=True) as padded:
         share = [items[i] for i in padded]
     results: list[T] = []
-    error = None
+    cost, error = Cost(), None
     try:
-        results = list(evaluate_share(share))[:n_own]
+        results, cost = evaluate_share(share)
+        results = list(results)[:n_own]
     except EvaluationAbandoned as err:
         error = f"rank {accelerator.process_index}: {ABANDONED}: {err}"
     except Exception:
@@ -88,15 +94,19 @@ def evaluate_sharded(
         errors = [e for e in gather_object([error]) if e is not None]
         error = "\n".join(errors) if errors else None
         results = gather_object(results) if error is None else []
-    return (results, None) if error is None else ([], error)
+        cost = Cost.merged(gather_object([cost])) if error is None else Cost()
+    return (results, cost, None) if error is None else ([], Cost(), error)
 
 
 @dataclass
 class EvaluationOutcome:
-    records: list[dict]
-    summary: dict | None
+    records: list[Record]
+    summary: Summary | None
     error: str | None
     seconds: float
+    # each stage's seconds (the slowest rank's; the reference metrics' this rank's own, which every rank computes) and
+    # the tokens generated on all ranks; None on failure
+    cost: Cost | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     abandoned: bool = False  # given up for a preemption: not a failure, the resumed run evaluates the step
 
@@ -111,16 +121,18 @@ def evaluate_in_training(
     should_stop: Callable[[], bool] | None = None,
     engine=None,
 ) -> EvaluationOutcome:
-    """The trainer's current weights evaluated on `queries`, shared across ranks; every rank returns the same
-    records (in query order), summary and error. `should_stop` abandons the evaluation (`evaluator.evaluate`).
-    With `config.use_vllm`, the main process's `engine` writes the texts (`_evaluate_with_engine`)."""
+    """The trainer's current weights evaluated on `queries`, shared across ranks, and summarised with the reference
+    metrics `reference_plan` (the queries' `plan_references`) promises; every rank returns the same records (in query
+    order), summary, error and cost (but for the reference metrics' seconds, each rank's own). `should_stop` abandons
+    the evaluation (`evaluator.evaluate`). With `config.use_vllm`, the main process's `engine` writes the texts
+    (`_evaluate_with_engine`)."""
     accelerator = trainer.accelerator
     sharded = is_zero3(accelerator) and not config.gather_params
     started = time.perf_counter()
 
-    def evaluate_share(share: list[Query]) -> list[dict]:
+    def evaluate_share(share: list[Query]) -> tuple[list[Record], Cost]:
         with model_for_evaluation(trainer, gather_params=config.gather_params, base_model=base_model) as model:
-            return evaluate(
+            evaluation = evaluate(
                 model,
                 tokenizer,
                 share,
@@ -130,33 +142,37 @@ def evaluate_in_training(
                 sync_n_chunks=max_over_ranks(accelerator.device) if sharded else None,
                 should_stop=should_stop,
             )
+        return evaluation.records, evaluation.cost
 
     if engine is not None or config.use_vllm:
-        records, error = _evaluate_with_engine(trainer, tokenizer, queries, config, engine, base_model, should_stop)
+        gathered, error = _evaluate_with_engine(trainer, tokenizer, queries, config, engine, base_model, should_stop)
     else:
-        records, error = evaluate_sharded(accelerator, queries, evaluate_share)
+        records, cost, error = evaluate_sharded(accelerator, queries, evaluate_share)
+        gathered = Evaluation(records, cost)
     if error is not None and ABANDONED in error:
         return EvaluationOutcome([], None, error, time.perf_counter() - started, abandoned=True)
-    summary = None
-    if error is None:
-        try:  # deterministic on the gathered records: every rank fails alike or not at all
-            records, summary = summarise(records, queries, config)
-        except Exception:
-            error, records = f"summary: {traceback.format_exc()}", []
-    return EvaluationOutcome(records, summary, error, time.perf_counter() - started)
+    if error is not None:
+        return EvaluationOutcome([], None, error, time.perf_counter() - started)
+    try:  # deterministic on the gathered records: every rank fails alike or not at all
+        evaluation, summary = summarise(gathered, queries, config, reference_plan)
+    except Exception:
+        return EvaluationOutcome([], None, f"summary: {traceback.format_exc()}", time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return EvaluationOutcome(evaluation.records, summary, None, seconds, evaluation.cost)
 
 
 def _evaluate_with_engine(
     trainer, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, engine, base_model: bool, should_stop
-) -> tuple[list[dict], str | None]:
+) -> tuple[Evaluation, str | None]:
     """vLLM writes every text on the main process (which holds the engine) while the other ranks wait; then every
     rank scores an equal share with the model in training, as without vLLM. The weights go to the engine first:
-    under ZeRO-3 they are gathered on every rank (a collective), and the main process writes or links them."""
+    under ZeRO-3 they are gathered on every rank (a collective), and the main process writes or links them. The cost:
+    the main process's writing, then the ranks' scoring side by side."""
     from probdiff_callback.core.vllm_engine import load_evaluated_weights, scratch_folder, weight_sync
 
     accelerator = trainer.accelerator
     error: str | None = None
-    chains = None
+    chains, written = None, Cost()
     with model_for_evaluation(trainer, gather_params=True, base_model=base_model) as model:
         if accelerator.is_main_process:
             try:
@@ -167,25 +183,27 @@ def _evaluate_with_engine(
                     chains = make_chains(tokenizer, queries, config)
                     total = len(chains) * (1 + config.n_revisions)
                     with tqdm(total=total, desc="ProbDiff (vLLM)", unit="text", disable=not config.progress) as bar:
-                        generate_chains(chains, tokenizer, engine, config, bar=bar, should_stop=should_stop)
+                        written = generate_chains(chains, tokenizer, engine, config, bar=bar, should_stop=should_stop)
                     engine.sleep()
             except EvaluationAbandoned as err:
                 error = f"rank 0: {ABANDONED}: {err}"
             except Exception:
                 error = f"rank 0 (vLLM): {traceback.format_exc()}"
-        chains, error = broadcast(accelerator, (chains, error))
+        chains, written, error = broadcast(accelerator, (chains, written, error))
         if error is not None:
-            return [], error
+            return Evaluation([]), error
 
-        def score_share(share: list[Chain]) -> list[Chain]:
+        def score_share(share: list[Chain]) -> tuple[list[Chain], Cost]:
+            clock = stage_clock(model)
             with inference_mode(model):
+                started = clock()
                 score_chains(model, tokenizer, share, config)
-            return share
+                return share, Cost(scoring_seconds=clock() - started)
 
-        scored, error = evaluate_sharded(accelerator, chains, score_share)
+        scored, scoring, error = evaluate_sharded(accelerator, chains, score_share)
     if error is not None:
-        return [], error
-    return records_from_chains(scored, config), None
+        return Evaluation([]), error
+    return Evaluation(records_from_chains(scored, config), written + scoring), None
 
 
 def start_training_engine(trainer, tokenizer, config: ProbDiffConfig):

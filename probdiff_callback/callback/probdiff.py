@@ -46,7 +46,8 @@ from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import compare_to_base, is_finite
 from probdiff_callback.core.queries import queries_from
-from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, Record, RunFiles, read_records
+from probdiff_callback.core.records import Comparison, Record, Summary
+from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, RunFiles, read_records
 
 __all__ = ["EvaluationOutcome", "ProbDiffCallback", "select_queries"]
 
@@ -399,7 +400,7 @@ class ProbDiffCallback(TrainerCallback):
             self.state.baseline_due = False
             if outcome.error is None:
                 self.state.baseline_records = outcome.records
-            self._say_resolution(None if outcome.summary is None else outcome.summary["confidence"])
+            self._say_resolution(None if outcome.summary is None else outcome.summary.confidence)
         else:
             row.vs_base = compare_to_base(outcome.records, self.state.baseline_records, self.config.delta)
         outcome.metrics = self._metrics(outcome.summary, row.vs_base)
@@ -407,7 +408,7 @@ class ProbDiffCallback(TrainerCallback):
         if not is_finite(row.eval_loss):
             self.state.without_eval_loss.add(row.global_step)
         seconds = outcome.seconds + (example_losses.seconds if example_losses is not None else 0.0)
-        self._cost.evaluated(seconds, before_training=row.kind == "baseline")
+        self._cost.evaluated(seconds, outcome.cost, before_training=row.kind == "baseline")
         if outcome.error is not None:
             logger.error(f"ProbDiff evaluation at step {row.global_step} failed; training goes on:\n{outcome.error}")
         # Trainer.evaluate logs its metrics before on_evaluate, so ours need their own log call (W&B,
@@ -416,6 +417,7 @@ class ProbDiffCallback(TrainerCallback):
         if self._is_main():
             self._log_to_wandb(row.global_step, outcome.records)
             row.summary, row.error, row.seconds = outcome.summary, outcome.error, round(outcome.seconds, 3)
+            row.cost = outcome.cost
             self._files.add(
                 row,
                 outcome.records if outcome.error is None else None,
@@ -468,11 +470,11 @@ class ProbDiffCallback(TrainerCallback):
             except Exception:  # the scalars went through trainer.log; the extras are not worth the run
                 logger.exception(f"ProbDiff: logging the histogram and table of step {step} to W&B failed")
 
-    def _metrics(self, summary: dict | None, vs_base: dict | None) -> dict[str, float]:
+    def _metrics(self, summary: Summary | None, vs_base: Comparison | None) -> dict[str, float]:
         """Every metric of one evaluation for the Trainer: eval_probdiff_*, eval_ref_* (where the queries have
         reference metrics) and eval_probdiff_vs_base_* (when the baseline is evaluated)."""
         metrics = metrics_from_summary(summary, self.config.sweep, self.categories)
-        reference = None if summary is None else summary.get("reference")
+        reference = None if summary is None else summary.reference
         metrics.update(reference_metrics.trainer_metrics(reference, self.reference_plan))
         if self.config.baseline:
             metrics.update(vs_base_metrics(vs_base))

@@ -28,6 +28,7 @@ class GenerationRequest:
 class Generated:
     text: str  # special tokens stripped, whitespace trimmed
     capped: bool  # ended at max_new_tokens without a stop id, so it is scored cut short
+    n_tokens: int  # the tokens generated before the stop id: the text's ids (re-encoding the text need not give them)
 
 
 class Engine(Protocol):

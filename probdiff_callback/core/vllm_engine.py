@@ -79,9 +79,10 @@ def sampling_settings(request: GenerationRequest, max_new_tokens: int, stop_ids:
 
 
 def decoded(tokenizer, token_ids: Sequence[int], finish_reason: str | None, stop_ids: Sequence[int]) -> Generated:
-    """Our tokenizer's text of the ids before a stop id, and whether generation stopped at max_new_tokens."""
+    """Our tokenizer's text of the ids before a stop id, whether generation stopped at max_new_tokens, and how many
+    ids it generated before the stop id."""
     ids = cut_at_stop(list(token_ids), stop_ids)
-    return Generated(tokenizer.decode(ids, skip_special_tokens=True).strip(), finish_reason == "length")
+    return Generated(tokenizer.decode(ids, skip_special_tokens=True).strip(), finish_reason == "length", len(ids))
 
 
 def on_gpu() -> bool:

@@ -98,11 +98,13 @@ def reference(tiny_model_path):
     cache = {}
 
     def evaluate_weights(adapter: Path | None) -> list[dict]:
+        """The records as the ranks' files hold them (JSON)."""
         if adapter not in cache:
             model, tokenizer = load_tiny(tiny_model_path)
             if adapter is not None:
                 model = PeftModel.from_pretrained(model, str(adapter))
-            cache[adapter] = evaluate(model, tokenizer, queries, probdiff_config(), progress=False)
+            evaluation = evaluate(model, tokenizer, queries, probdiff_config(), progress=False)
+            cache[adapter] = [record.to_json() for record in evaluation.records]
         return cache[adapter]
 
     yield evaluate_weights
@@ -126,6 +128,9 @@ def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None
         assert len(first["records"]) == N_QUERIES  # the padding was dropped
         assert first["records"] == second["records"] and first["summary"] == second["summary"]
         assert_same_records(first["records"], reference(out / "run" / "checkpoint-2"))
+        # what it cost, merged over the ranks: the same on both, each stage timed, the tokens of both shares
+        assert first["cost"] == second["cost"] and first["cost"]["scoring_seconds"] > 0
+        assert first["cost"]["answer_tokens"] > 0 and first["cost"]["revision_tokens"] > 0
     # the metric handed to the Trainer was the same on both ranks at every evaluated step
     assert ranks[0]["history_metrics"] == ranks[1]["history_metrics"]
     assert sorted(ranks[0]["history_metrics"], key=int) == ["0", "2"]
@@ -137,6 +142,7 @@ def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None
         read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), reference(out / "run" / "checkpoint-2")
     )
     assert rows[1]["summary"]["confidence"] == ranks[0]["history_metrics"]["2"]["eval_probdiff_confidence"]
+    assert all(r["cost"]["answers_seconds"] > 0 for r in rows)
 
     # a failure on rank 1 reached both ranks, and neither hung
     for seen in ranks:
