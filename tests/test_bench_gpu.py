@@ -27,8 +27,8 @@ from probdiff_callback.core import vllm_engine  # noqa: E402
 from probdiff_callback.core.engines import GenerationRequest  # noqa: E402
 from probdiff_callback.models.tokenizer import load_qwen_tokenizer  # noqa: E402
 
-# A GPU machine may have only torch, transformers, peft and this package: the kit must run without these.
-NOT_NEEDED = ("trl", "wandb", "deepspeed", "datasets", "omegaconf", "scipy", "matplotlib", "bitsandbytes")
+# A GPU machine may have only torch, transformers, peft, omegaconf and this package: the kit must run without these.
+NOT_NEEDED = ("trl", "wandb", "deepspeed", "datasets", "scipy", "matplotlib", "bitsandbytes")
 HF_LABELS = [PATHS[name] for name in ("ours", "generate", "generate-static")]
 STAGES = ("evaluation", "answer decoding", "revision decoding", "scoring", "share of training time")
 EXPECTED_ROWS = [

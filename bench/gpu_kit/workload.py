@@ -70,7 +70,7 @@ class Bench:
 
 def read_recipe() -> dict:
     """recipes/blog.yaml over the defaults it leaves out (SFT_DEFAULTS, RecipeKeys with its ProbDiffConfig), read
-    without the recipe loader, which needs trl and omegaconf that a GPU machine may lack."""
+    without the recipe loader, which needs trl that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
     from train.recipe import SFT_DEFAULTS, RecipeKeys
