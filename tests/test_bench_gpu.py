@@ -25,7 +25,7 @@ from gpu_kit.vllm_path import LABEL as VLLM_LABEL  # noqa: E402
 from gpu_kit.vllm_path import SCRATCH_PREFIX, vllm_unavailable  # noqa: E402
 from gpu_kit.workload import build_model, model_config  # noqa: E402
 
-from probdiff_callback.core import vllm_engine  # noqa: E402
+from probdiff_callback.core.engines import vllm as vllm_engine  # noqa: E402
 
 # A GPU machine may have only torch, transformers, peft and this package: the kit must run without these.
 NOT_NEEDED = ("trl", "wandb", "deepspeed", "datasets", "omegaconf", "scipy", "matplotlib", "bitsandbytes")

@@ -15,6 +15,7 @@ import torch
 from probdiff_callback.core import evaluator
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.decoding import sample_continuations
+from probdiff_callback.core.engines import hf
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Record
 
@@ -106,11 +107,11 @@ def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device:
         return generated
 
     timed_generate_texts = timed_by_stage(
-        run, n_revisions, device, evaluator.generate_texts, lambda args, texts: last_call.pop()
+        run, n_revisions, device, hf.generate_texts, lambda args, texts: last_call.pop()
     )
     with (
-        patched(evaluator, "sample_continuations", recording_decode),
-        patched(evaluator, "generate_texts", timed_generate_texts),
+        patched(hf, "sample_continuations", recording_decode),
+        patched(hf, "generate_texts", timed_generate_texts),
         timed_scoring(run, device),
     ):
         yield
@@ -154,7 +155,7 @@ def warm_up(model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, 
     """One batch of one new token first: CUDA context, kernel selection and allocator growth stay out of the
     timings."""
     short = dataclasses.replace(config, max_new_tokens=1)
-    with patched(evaluator, "sample_continuations", decode):
+    with patched(hf, "sample_continuations", decode):
         evaluator.evaluate(model, tokenizer, queries[: config.batch_size], short, progress=False)
 
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from probdiff_callback.core import evaluator, vllm_engine
+from probdiff_callback.core import evaluator
 from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.engines import Generated, cut_at_stop
+from probdiff_callback.core.engines import vllm as vllm_engine
 from probdiff_callback.core.queries import Query
 
 from .decoding_paths import PATHS
