@@ -17,8 +17,7 @@ penalties, none of the model's generation_config defaults) with a per-request se
 query's text does not depend on its batch; the random stream is vLLM's, so the texts are not the HF engine's.
 Scoring does not go through vLLM: the model scores both texts itself, in fp32 (scoring.py).
 
-`VLLMGeneration` is what callers hold: the engine started for a model, handed the weights of each evaluation, asleep
-between them and closed at the end. `ServerEngine` speaks to the server; `start_colocated` starts one.
+Callers hold a `VLLMGeneration` (at the end); `ServerEngine` speaks to a server, `start_colocated` starts one.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.engines import Generated, GenerationRequest, cut_at_stop
 
 PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
@@ -465,30 +465,28 @@ class VLLMGeneration:
         folder), which a server you started must be able to read."""
         import torch
 
-        from probdiff_callback.core.chat_format import stop_token_ids
-
         sync = weight_sync(config)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         stop_ids = stop_token_ids(tokenizer, getattr(base, "generation_config", None))
-        if config.vllm_mode == "server":
-            engine = ServerEngine(config.vllm_server_base_url, tokenizer, stop_ids, timeout=config.vllm_server_timeout)
-            return cls(engine, sync, scratch_parent)
         if lora_rank is None:
             adapter = getattr(model, "peft_config", {}).get("default")
             lora_rank = int(adapter.r) if adapter is not None and sync == "lora" else 0
-        engine = start_colocated(
-            base.name_or_path,
-            tokenizer,
-            stop_ids,
-            max_model_len=config.max_prompt_tokens + config.max_new_tokens,
-            seed=config.seed,
-            dtype=dtype or str(next(base.parameters()).dtype).removeprefix("torch."),
-            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-            max_lora_rank=lora_rank,
-            threads=torch.get_num_threads(),
-            timeout=config.vllm_server_timeout,
-            log_dir=log_dir,
-        )
+        if config.vllm_mode == "server":
+            engine = ServerEngine(config.vllm_server_base_url, tokenizer, stop_ids, timeout=config.vllm_server_timeout)
+        else:
+            engine = start_colocated(
+                base.name_or_path,
+                tokenizer,
+                stop_ids,
+                max_model_len=config.max_prompt_tokens + config.max_new_tokens,
+                seed=config.seed,
+                dtype=dtype or str(next(base.parameters()).dtype).removeprefix("torch."),
+                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                max_lora_rank=lora_rank,
+                threads=torch.get_num_threads(),
+                timeout=config.vllm_server_timeout,
+                log_dir=log_dir,
+            )
         return cls(engine, sync, scratch_parent)
 
     @contextlib.contextmanager
