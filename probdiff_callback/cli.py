@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING
 
 from probdiff_callback.analysis.report import degenerate_note, format_comparison, format_summary
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
+from probdiff_callback.core.engines.vllm import EngineUnavailable
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
-from probdiff_callback.core.vllm_engine import EngineUnavailable
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from probdiff_callback.core.engines import Engine
     from probdiff_callback.core.evaluator import Evaluation
     from probdiff_callback.core.records import Summary
 
@@ -256,37 +259,18 @@ def _write_results(
     write_json(Path(out) / "summary.json", {**summary.to_json(), "config": applied, **extra, "cost": evaluation.cost})
 
 
-def _start_engine(args, config: ProbDiffConfig, model, tokenizer, scratch: Path):
+@contextlib.contextmanager
+def _vllm_engine(args, config: ProbDiffConfig, model, tokenizer) -> Iterator[Engine]:
     """The vLLM engine `config` asks for, holding the weights `probdiff eval` evaluates: the base model, or with
-    --adapter the adapter (by path) or the merged weights (written to `scratch`), as `vllm_weight_sync` says."""
-    import torch
+    --adapter the adapter (by path) or the merged weights, as `vllm_weight_sync` says; stopped at the end."""
+    from probdiff_callback.core.engines.vllm import VLLMGeneration
 
-    from probdiff_callback.core import vllm_engine
-    from probdiff_callback.core.chat_format import stop_token_ids
-    from probdiff_callback.models.loading import resolve_model_path
-
-    lora = args.adapter is not None and vllm_engine.weight_sync(config) == "lora"
     started = time.time()
-    engine = vllm_engine.start_engine(
-        config,
-        resolve_model_path(args.model),
-        tokenizer,
-        stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-        dtype=args.dtype,
-        max_lora_rank=vllm_engine.adapter_rank(args.adapter) if lora else 0,
-        threads=torch.get_num_threads(),
-        log_dir=args.out,
-    )
-    if args.adapter is None:
-        engine.use_base()
-    elif lora:
-        engine.use_adapter(str(Path(args.adapter).resolve()))
-    else:
-        vllm_engine.write_weights(model, scratch)
-        engine.use_weights(str(scratch))
-    where = config.vllm_server_base_url if config.vllm_mode == "server" else "in this job"
-    print(f"vLLM ({config.vllm_mode}, {where}) ready in {time.time() - started:.1f}s", file=sys.stderr)
-    return engine
+    with contextlib.closing(VLLMGeneration.start(config, model, tokenizer, dtype=args.dtype, log_dir=args.out)) as vllm:
+        with vllm.holding(model, base_model=args.adapter is None, adapter=args.adapter) as engine:
+            where = config.vllm_server_base_url if config.vllm_mode == "server" else "in this job"
+            print(f"vLLM ({config.vllm_mode}, {where}) ready in {time.time() - started:.1f}s", file=sys.stderr)
+            yield engine
 
 
 def cmd_eval(args) -> int:
@@ -305,13 +289,7 @@ def cmd_eval(args) -> int:
     _prepare_out(args.out, args.overwrite)
     model, tokenizer = _load(args)
     started = time.time()
-    with contextlib.ExitStack() as stack:
-        engine = None
-        if config.use_vllm:
-            from probdiff_callback.core.vllm_engine import scratch_folder
-
-            engine = _start_engine(args, config, model, tokenizer, stack.enter_context(scratch_folder()))
-            stack.callback(engine.close)
+    with _vllm_engine(args, config, model, tokenizer) if config.use_vllm else contextlib.nullcontext() as engine:
         evaluation, summary = summarise(
             evaluate(model, tokenizer, queries, config, engine=engine), queries, config, plan
         )

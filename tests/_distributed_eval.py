@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", action="store_true", help="generate through vLLM (colocate): train, evaluate, stop")
     args = parser.parse_args(argv)
 
-    import probdiff_callback.callback.distributed as evaluation_module
+    import probdiff_callback.callback.trainer_evaluation as evaluation_module
     from probdiff_callback.callback.eval_losses import per_example_eval_losses
     from probdiff_callback.callback.probdiff import ProbDiffCallback
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
@@ -17,11 +16,9 @@ from _faults import inject
 from _records import make_record
 from transformers import EarlyStoppingCallback
 
-import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
+import probdiff_callback.callback.trainer_evaluation as evaluation_module  # where the callback calls `evaluate`
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
-from probdiff_callback.callback import distributed
 from probdiff_callback.callback.cost import CostReport
-from probdiff_callback.callback.distributed import preserved_rng_state
 from probdiff_callback.callback.metrics import metrics_from_summary
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import select_queries
@@ -65,62 +62,6 @@ def assert_same_records(actual: list[Record], expected: list[Record]) -> None:
 
 
 # ---- helpers, no model ----
-
-
-class OneRankOf:
-    """What `evaluate_sharded` needs of an accelerator, for one of `n` ranks (accelerate's own split)."""
-
-    def __init__(self, rank: int, n: int) -> None:
-        self.process_index, self.num_processes = rank, n
-
-    def split_between_processes(self, inputs, apply_padding=False):
-        from contextlib import contextmanager
-
-        from accelerate import PartialState
-
-        return contextmanager(PartialState.split_between_processes.__wrapped__)(self, inputs, apply_padding)
-
-
-@pytest.mark.parametrize("n_items, n_ranks", [(5, 2), (7, 3), (2, 4), (4, 2), (1, 1)])
-def test_sharded_evaluation_makes_equal_calls_and_gathers_in_order(monkeypatch, n_items, n_ranks):
-    monkeypatch.setattr(distributed, "gather_object", lambda values: values)  # each rank's part; joined below
-    items = [f"q{i}" for i in range(n_items)]
-    shares, gathered = [], []
-
-    def evaluate_share(share):
-        shares.append(list(share))
-        return [s.upper() for s in share], Cost(scoring_seconds=1.5, answer_tokens=len(share))
-
-    for rank in range(n_ranks):
-        results, cost, error = distributed.evaluate_sharded(OneRankOf(rank, n_ranks), items, evaluate_share)
-        assert error is None
-        # the padding's cost was spent and counts (on one rank, gather_object gives this rank's cost alone)
-        assert cost == Cost(scoring_seconds=1.5, answer_tokens=len(shares[-1]))
-        gathered += results
-    assert len({len(share) for share in shares}) == 1  # the same number of calls on every rank (ZeRO-3)
-    assert gathered == [item.upper() for item in items]
-
-
-def test_the_ranks_costs_are_merged_as_stages_run_side_by_side(monkeypatch):
-    costs = [
-        Cost(answers_seconds=2.0, scoring_seconds=1.0, answer_tokens=30),
-        Cost(answers_seconds=3.0, answer_tokens=20),
-    ]
-    monkeypatch.setattr(
-        distributed, "gather_object", lambda values: costs if isinstance(values[0], Cost) else values * 2
-    )
-    results, cost, error = distributed.evaluate_sharded(OneRankOf(0, 2), ["a", "b"], lambda share: (share, costs[0]))
-    assert error is None and cost == Cost(answers_seconds=3.0, scoring_seconds=1.0, answer_tokens=50)
-
-
-def test_a_failure_on_one_rank_is_reported_with_its_traceback(monkeypatch):
-    monkeypatch.setattr(distributed, "gather_object", lambda values: values)
-
-    def fail(share):
-        raise RuntimeError("out of memory")
-
-    results, cost, error = distributed.evaluate_sharded(OneRankOf(1, 2), ["a", "b", "c"], fail)
-    assert results == [] and cost == Cost() and error.startswith("rank 1: Traceback") and "out of memory" in error
 
 
 def test_the_cost_lines_say_where_the_evaluations_time_went():
@@ -206,78 +147,6 @@ def test_the_best_metric_is_recorded_as_the_trainer_records_it(tmp_path, metric,
         state.global_step = step
         record_best_metric(state, args, {"eval_probdiff_confidence": value, "eval_loss": value})
     assert (state.best_metric, state.best_global_step) == best
-
-
-def test_preserved_rng_state_restores_every_stream():
-    torch.manual_seed(3), np.random.seed(3), random.seed(3)
-    expected = (torch.rand(2), np.random.rand(2), random.random())
-    torch.manual_seed(3), np.random.seed(3), random.seed(3)
-    with preserved_rng_state():
-        torch.rand(5), np.random.rand(5), random.random()
-    assert torch.equal(torch.rand(2), expected[0])
-    assert np.array_equal(np.random.rand(2), expected[1]) and random.random() == expected[2]
-
-
-class Zero3Accelerator:
-    """What the unwrapping reads of an accelerator under ZeRO-3 (the model is not really sharded)."""
-
-    state = type("State", (), {"deepspeed_plugin": type("Plugin", (), {"zero_stage": 3})(), "fsdp_plugin": None})()
-
-    def unwrap_model(self, model):
-        return model
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fails", [False, True])
-@pytest.mark.parametrize("gather_params", [True, False])
-def test_unwrapping_restores_zero3_hooks_and_the_runs_checkpointing_even_when_evaluation_fails(
-    tiny_model_path, monkeypatch, gather_params, fails
-):
-    """trl's unwrap gathers and lifts the optimizer's hooks; ours puts them back once, also after a failure (trl
-    would not), and re-enables checkpointing with the run's every_n_layers (trl's re-enable would drop it)."""
-    import sys
-    import types
-
-    from transformers import AutoModelForCausalLM, TrainingArguments
-    from trl.models import utils as trl_utils
-
-    from probdiff_callback.callback.distributed import set_activation_checkpointing, unwrapped_for_generation
-
-    events = []
-
-    @contextlib.contextmanager
-    def gathered(params):  # deepspeed's partitions again on any exit
-        events.append("gather")
-        try:
-            yield
-        finally:
-            events.append("partition")
-
-    fake_deepspeed = types.ModuleType("deepspeed")
-    fake_deepspeed.zero = types.SimpleNamespace(GatheredParameters=gathered)
-    monkeypatch.setitem(sys.modules, "deepspeed", fake_deepspeed)
-    monkeypatch.setattr(trl_utils, "remove_hooks", lambda m: events.append("remove hooks"))
-    monkeypatch.setattr(trl_utils, "add_hooks", lambda m: events.append("add hooks"))
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    args = TrainingArguments(
-        output_dir="unused", activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2}
-    )
-    set_activation_checkpointing(model, True, args)
-    layers_before = [getattr(m, "gradient_checkpointing", None) for m in model.modules()]
-    assert True in layers_before and False in layers_before  # every second layer only
-
-    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
-        with unwrapped_for_generation(model, Zero3Accelerator(), gather_params, args) as unwrapped:
-            assert unwrapped is model and not unwrapped.is_activation_checkpointing
-            if fails:
-                raise RuntimeError("evaluation failed")
-    expected = (  # the hooks back once: on a failure by us, after deepspeed partitioned; else by trl, inside
-        ["gather", "remove hooks", "partition", "add hooks"]
-        if fails
-        else ["gather", "remove hooks", "add hooks", "partition"]
-    )
-    assert events == (expected if gather_params else [])
-    assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == layers_before
 
 
 def test_options_are_validated():
@@ -704,6 +573,21 @@ def test_fail_on_error_reraises(tmp_path, tiny_model_path, monkeypatch):
         trainer.train()
     rows = history_rows(tmp_path / "run")
     assert [r["global_step"] for r in rows] == [0] and "injected evaluation failure" in rows[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_run_vllm_cannot_serve_stops_before_the_first_step(tmp_path, tiny_model_path):
+    """Full fine-tuning with a vLLM server you started (it takes adapters only): refused on every rank when training
+    begins, before a step or a server call."""
+    trainer = build_trainer(tiny_model_path, tmp_path / "run", plain_trainer=True, lora=False, max_steps=1,
+                            save_strategy="no")  # fmt: skip
+    config = probdiff_config(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:9")
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
+    with pytest.raises(
+        RuntimeError, match="^ProbDiff: use_vllm=true: ValueError: vllm_mode=server takes LoRA adapters"
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ import time
 import pytest
 from _records import make_record
 
-from probdiff_callback.core import evaluator
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.decoding import sample_continuations
+from probdiff_callback.core.engines import hf
 from probdiff_callback.core.evaluator import Evaluation, build_record, evaluate, score_pairs, stage_clock, summarise
 from probdiff_callback.core.metric import summary_of
 from probdiff_callback.core.prompts import (
@@ -41,7 +41,7 @@ def reference_evaluation(tiny_model, queries):
         return generated[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(evaluator, "sample_continuations", recording)
+        patch.setattr(hf, "sample_continuations", recording)
         evaluation = evaluate(
             model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=8), progress=False
         )

@@ -5,16 +5,15 @@ generate's options set (compiling off; a static cache; a static cache + torch.co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from probdiff_callback.core.chat_format import stop_token_ids
-from probdiff_callback.core.decoding import hit_cap, sample_continuations
-from probdiff_callback.core.engines import Engine, Generated, GenerationRequest
-from probdiff_callback.core.evaluator import HFEngine
+from probdiff_callback.core.engines import Engine, Generated
+from probdiff_callback.core.engines.hf import HFEngine
 
 from .report import Figure
 
@@ -32,43 +31,6 @@ OPTIONS = {
     "generate-static": {"cache_implementation": "static", "disable_compile": True},
     "generate-compile": {"cache_implementation": "static", "disable_compile": False},
 }
-
-
-class GenerateWithOptions:
-    """The HF engine's work (`sample_continuations`, the same sampler and arguments) with generate's `options` set."""
-
-    name = "hf"
-
-    def __init__(self, model, tokenizer, batch_size: int, options: Mapping[str, Any]) -> None:
-        self.model, self.tokenizer, self.batch_size, self.options = model, tokenizer, batch_size, options
-
-    def generate(
-        self,
-        requests: Sequence[GenerationRequest],
-        max_new_tokens: int,
-        should_stop: Callable[[], bool] | None = None,
-        progress: Callable[[int], object] | None = None,
-    ) -> list[Generated]:
-        rows = sample_continuations(
-            self.model,
-            [r.prompt_ids for r in requests],
-            [r.seed for r in requests],
-            [r.temperature for r in requests],
-            [r.top_p for r in requests],
-            max_new_tokens=max_new_tokens,
-            stop_ids=stop_token_ids(self.tokenizer, getattr(self.model, "generation_config", None)),
-            pad_token_id=self.tokenizer.pad_token_id,
-            n_valid_ids=len(self.tokenizer),
-            stop_early=should_stop,
-            generation_options=self.options,
-        )
-        if progress is not None:
-            progress(len(requests))
-        decode = self.tokenizer.decode
-        return [
-            Generated(decode(ids, skip_special_tokens=True).strip(), hit_cap(ids, max_new_tokens), len(ids))
-            for ids in rows
-        ]
 
 
 @dataclass(frozen=True)
@@ -113,8 +75,7 @@ def stage_calls(calls: Sequence[Call], n_revisions: int) -> dict[str, list[Call]
 # An HF path's engine for (model, tokenizer, batch size)
 MakeEngine = Callable[[Any, Any, int], Engine]
 HF_ENGINES: dict[str, MakeEngine] = {"ours": HFEngine} | {
-    name: (lambda model, tokenizer, batch, options=options: GenerateWithOptions(model, tokenizer, batch, options))
-    for name, options in OPTIONS.items()
+    name: functools.partial(HFEngine, generation_options=options) for name, options in OPTIONS.items()
 }
 
 

@@ -1,11 +1,11 @@
 """ProbDiffCallback: the model being trained evaluated with ProbDiff at every evaluation or checkpoint.
 
 The callback decides when to evaluate and hands the outcome on; the rest lives beside it: `schedule` (which queries,
-which steps), `distributed` (the model in training evaluated across ranks), `core.evaluator` (the evaluation),
-`runs.run_files` (the history, step records and checkpoint summaries), `metrics` (the Trainer's), `wandb_records`,
-`alerts` (the disagreement alarm), `cost` (what evaluating adds to the run's time) and `preemption` (a signal's stop,
-which abandons an evaluation in progress), `eval_losses` (each held-out conversation's eval loss, for the alarm's
-paired test). It says everything through `logger` or `trainer.log`.
+which steps), `trainer_evaluation` (the model in training evaluated across ranks, HF or vLLM writing the texts),
+`core.evaluator` (the evaluation), `runs.run_files` (the history, step records and checkpoint summaries), `metrics`
+(the Trainer's), `wandb_records`, `alerts` (the disagreement alarm), `cost` (what evaluating adds to the run's time)
+and `preemption` (a signal's stop, which abandons an evaluation in progress), `eval_losses` (each held-out
+conversation's eval loss, for the alarm's paired test). It says everything through `logger` or `trainer.log`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.cost import CostReport
-from probdiff_callback.callback.distributed import (
-    EvaluationOutcome,
-    broadcast,
-    evaluate_in_training,
-    start_training_engine,
-)
 from probdiff_callback.callback.eval_losses import ExampleLosses, PerExampleLossUnavailable, per_example_eval_losses
 from probdiff_callback.callback.metrics import metrics_from_summary, vs_base_metrics
+from probdiff_callback.callback.ranks import broadcast
 from probdiff_callback.callback.schedule import (
     EvaluationSchedule,
     check_selection_setup,
@@ -40,6 +35,7 @@ from probdiff_callback.callback.schedule import (
     place_before_early_stopping,
     select_queries,
 )
+from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome, evaluate_trainer_model, start_vllm
 from probdiff_callback.callback.wandb_records import WandbRecords
 from probdiff_callback.core import reference_metrics
 from probdiff_callback.core.config import ProbDiffConfig
@@ -132,7 +128,7 @@ class ProbDiffCallback(TrainerCallback):
         self._wandb = WandbRecords(self.config.wandb_table_rows)
         self._alerts = DisagreementAlerts()
         self._cost = CostReport()
-        self._engine = None  # vLLM (use_vllm), on the main process: started when training begins
+        self._vllm = None  # VLLMGeneration (use_vllm), on the main process: started when training begins
 
     @property
     def evaluated(self) -> dict[int, dict[str, float]]:
@@ -156,8 +152,8 @@ class ProbDiffCallback(TrainerCallback):
     ) -> None:
         place_before_early_stopping(self.trainer.callback_handler, self)
         check_selection_setup(args, self.config)
-        if self.config.use_vllm and self._engine is None:
-            self._engine = self._start_engine()
+        if self.config.use_vllm and self._vllm is None:
+            self._vllm = self._start_vllm()
         if (notice := self.reference_plan.notice()) and self._is_main():
             logger.info(f"ProbDiff: {notice}")
         kept, baseline_records = broadcast(self.trainer.accelerator, self._history_to_continue(state))
@@ -262,9 +258,9 @@ class ProbDiffCallback(TrainerCallback):
 
     def close_engine(self) -> None:
         """Stop the vLLM server this run started (none for a server you started, or without vLLM)."""
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()
+        vllm, self._vllm = self._vllm, None
+        if vllm is not None:
+            vllm.close()
 
     def _say_resolution(self, baseline_confidence: float | None) -> None:
         """Once, at the start of training: how small a change in confidence these queries can show."""
@@ -367,19 +363,19 @@ class ProbDiffCallback(TrainerCallback):
             )
         return kept, self._files.baseline_records()
 
-    def _start_engine(self):
-        """The vLLM engine of this run on the main process (None on the others); a failure to start stops training
-        on every rank with the same message, before the first step."""
-        engine, error = None, None
+    def _start_vllm(self):
+        """The vLLM of this run on the main process (None on the others); a failure to start stops training on every
+        rank with the same message, before the first step."""
+        vllm, error = None, None
         if self._is_main():
             try:
-                engine = start_training_engine(self.trainer, self.tokenizer, self.config)
+                vllm = start_vllm(self.trainer, self.tokenizer, self.config)
             except Exception as err:  # noqa: BLE001 - every rank raises it below
                 error = f"{type(err).__name__}: {err}"
         error = broadcast(self.trainer.accelerator, error)
         if error is not None:
             raise RuntimeError(f"ProbDiff: use_vllm=true: {error}")
-        return engine
+        return vllm
 
     # ---- one evaluation ----
     @staticmethod
@@ -450,7 +446,7 @@ class ProbDiffCallback(TrainerCallback):
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
         """Evaluate the current weights on the query subset, on all ranks; every rank returns the same records
         (in query order), summary, metrics and error."""
-        outcome = evaluate_in_training(
+        outcome = evaluate_trainer_model(
             self.trainer,
             self.tokenizer,
             self.queries,
@@ -458,7 +454,7 @@ class ProbDiffCallback(TrainerCallback):
             self.reference_plan,
             base_model,
             self._asked_to_stop if self.preemption is not None else None,
-            engine=self._engine,
+            vllm=self._vllm,
         )
         outcome.metrics = self._metrics(outcome.summary, None)
         return outcome

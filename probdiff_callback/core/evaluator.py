@@ -17,11 +17,10 @@ from typing import TypeVar
 
 from tqdm.auto import tqdm
 
-from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.decoding import hit_cap, sample_continuations
 from probdiff_callback.core.degenerate import answer_degenerate, merge_kinds, revision_degenerate
 from probdiff_callback.core.engines import Engine, Generated, GenerationRequest
+from probdiff_callback.core.engines.hf import HFEngine
 from probdiff_callback.core.metric import discrepancy, finite_mean, is_confident, summary_of
 from probdiff_callback.core.prompts import (
     REFINEMENT_PROMPTS,
@@ -68,40 +67,6 @@ def stage_clock(model) -> Callable[[], float]:
     return synchronized
 
 
-def generate_texts(
-    model,
-    tokenizer,
-    prompts: Sequence[Sequence[int]],
-    seeds: Sequence[int],
-    temperatures: Sequence[float],
-    top_ps: Sequence[float],
-    max_new_tokens: int,
-    synced_gpus: bool = False,
-    should_stop: Callable[[], bool] | None = None,
-) -> list[Generated]:
-    """One batch of sampled texts, special tokens stripped, with whether each hit `max_new_tokens` and its tokens;
-    raises `EvaluationAbandoned` when `should_stop()` turns true during the batch (generation stops at the next
-    token)."""
-    generated = sample_continuations(
-        model,
-        prompts,
-        seeds,
-        temperatures,
-        top_ps,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-        pad_token_id=tokenizer.pad_token_id,
-        n_valid_ids=len(tokenizer),
-        synced_gpus=synced_gpus,
-        stop_early=should_stop,
-    )
-    raise_if_asked_to_stop(should_stop)
-    return [
-        Generated(tokenizer.decode(ids, skip_special_tokens=True).strip(), hit_cap(ids, max_new_tokens), len(ids))
-        for ids in generated
-    ]
-
-
 def raise_if_asked_to_stop(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise EvaluationAbandoned("the run was asked to stop (preemption) during this evaluation")
@@ -126,39 +91,6 @@ def inference_mode(model):
 
 def _batches(items: list[T], size: int) -> list[list[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-class HFEngine:
-    """HF `generate` with our per-row sampler (`decoding.py`): the default engine. It runs on the model being
-    evaluated, `batch_size` requests at a time; with `synced_gpus` every rank of a sharded ZeRO-3 model runs the same
-    forward passes."""
-
-    name = "hf"
-
-    def __init__(self, model, tokenizer, batch_size: int, synced_gpus: bool = False) -> None:
-        self.model, self.tokenizer, self.batch_size, self.synced_gpus = model, tokenizer, batch_size, synced_gpus
-
-    def generate(
-        self,
-        requests: Sequence[GenerationRequest],
-        max_new_tokens: int,
-        should_stop: Callable[[], bool] | None = None,
-        progress: Callable[[int], object] | None = None,
-    ) -> list[Generated]:
-        generated = generate_texts(
-            self.model,
-            self.tokenizer,
-            [r.prompt_ids for r in requests],
-            [r.seed for r in requests],
-            [r.temperature for r in requests],
-            [r.top_p for r in requests],
-            max_new_tokens,
-            self.synced_gpus,
-            None if self.synced_gpus else should_stop,
-        )
-        if progress is not None:
-            progress(len(requests))
-        return generated
 
 
 def build_record(
