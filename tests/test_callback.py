@@ -33,14 +33,7 @@ from probdiff_callback.runs.run_files import read_records
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on 2 shared cores, multi-threaded torch ops (generate's torch.isin over
-    the 152k vocabulary) run 10-30x slower under contention than on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def history_rows(run_dir: Path) -> list[dict]:
@@ -379,41 +372,31 @@ def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, ti
 
 
 @pytest.mark.slow
-def test_every_second_evaluation_and_the_last_step_at_the_end(tmp_path, tiny_model_path):
+@pytest.mark.parametrize(
+    ("schedule", "settings", "expected"),
+    [
+        # evaluations at steps 1, 2, 3: the 2nd is evaluated, the 3rd because it is the last step
+        ({"max_steps": 3, "eval_strategy": "steps", "eval_steps": 1}, {"every": 2},
+         [(0, "baseline"), (2, "evaluate"), (3, "evaluate")]),
+        # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
+        ({"max_steps": 2, "eval_strategy": "epoch", "metric_for_best_model": "probdiff_confidence"},
+         {"baseline": False}, [(2, "end")]),
+    ],
+    ids=["every second evaluation and the last step", "the last step once at the end"],
+)  # fmt: skip
+def test_each_scheduled_step_is_evaluated_and_logged_once(schedule, settings, expected, tmp_path, tiny_model_path):
     run = tmp_path / "run"
-    trainer = build_trainer(tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="no")
-    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, every=2)))
-    trainer.train()
-    # evaluations at steps 1, 2, 3: the 2nd is evaluated, the 3rd because it is the last step
-    assert [(r["global_step"], r["kind"]) for r in history_rows(run)] == [
-        (0, "baseline"),
-        (2, "evaluate"),
-        (3, "evaluate"),
-    ]
-    assert sorted(probdiff_logs(trainer)) == [0, 2, 3]
-
-
-@pytest.mark.slow
-def test_the_last_step_is_evaluated_once_at_the_end(tmp_path, tiny_model_path):
-    run = tmp_path / "run"
-    # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
-    trainer = build_trainer(
-        tiny_model_path,
-        run,
-        max_steps=2,
-        eval_strategy="epoch",
-        save_strategy="no",
-        metric_for_best_model="probdiff_confidence",
-    )
-    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, baseline=False))
+    trainer = build_trainer(tiny_model_path, run, save_strategy="no", **schedule)
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, **settings))
     trainer.add_callback(callback)
     trainer.train()
     rows = history_rows(run)
-    assert [(r["global_step"], r["kind"]) for r in rows] == [(2, "end")]
-    assert sorted(probdiff_logs(trainer)) == [2]  # evaluated and logged once
-    # the Trainer's own evaluation at step 2 received the end-of-training result
-    assert trainer.state.best_metric == rows[0]["summary"]["confidence"]
-    assert sorted(callback.evaluated) == [2]
+    assert [(r["global_step"], r["kind"]) for r in rows] == expected
+    assert sorted(probdiff_logs(trainer)) == [step for step, _ in expected]
+    if "metric_for_best_model" in schedule:
+        # the Trainer's own evaluation at step 2 received the end-of-training result
+        assert trainer.state.best_metric == rows[0]["summary"]["confidence"]
+        assert sorted(callback.evaluated) == [2]
 
 
 @pytest.mark.slow

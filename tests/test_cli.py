@@ -160,19 +160,21 @@ def test_compare_prints_win_tie_lose(eval_dirs, capsys):
     assert "(win - lose)/n = " in out and "95% CI [" in out
 
 
-def test_bad_input_gives_a_clear_error(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (None, "{bad}:2: no query found"),
+        ("delta_typo=1", "unknown key 'delta_typo'"),
+        ("dleta=1", "unknown key 'dleta' (did you mean 'delta'?)"),
+        ("delta=abc", "command line: wrong type for ProbDiff setting 'delta': got 'abc', expected float"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(setting, message, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "fine"}\n{"promt": "wrong key"}\n')
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o")]) == 2
-    assert f"{bad}:2: no query found" in capsys.readouterr().err
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta_typo=1"]) == 2
-    assert "unknown key 'delta_typo'" in capsys.readouterr().err
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "dleta=1"]) == 2
-    assert "unknown key 'dleta' (did you mean 'delta'?)" in capsys.readouterr().err
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta=abc"]) == 2
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), *([setting] if setting else [])]) == 2
     err = capsys.readouterr().err
-    assert "command line: wrong type for ProbDiff setting 'delta': got 'abc', expected float" in err
-    assert "object_type" not in err
+    assert message.format(bad=bad) in err and "object_type" not in err
 
 
 EVAL_KEYS = [
@@ -318,15 +320,18 @@ def no_model(monkeypatch):
     monkeypatch.setattr(probdiff_callback.cli, "_load", load)
 
 
-def pairs_file(tmp_path: Path) -> str:
+def source_arguments(command: str, tmp_path: Path) -> list[str]:
+    """What `command` reads: eval the sample queries, score a one-pair file."""
+    if command == "eval":
+        return ["--queries", QUERIES]
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"id": "1", "query": "q", "response": "a", "revised": "b"}) + "\n")
-    return str(path)
+    return ["--pairs", str(path)]
 
 
 @pytest.mark.parametrize("command", ["eval", "score"])
 def test_out_that_is_a_file_stops_before_the_model_loads(command, tmp_path, capsys, no_model):
-    source = ["--queries", QUERIES] if command == "eval" else ["--pairs", pairs_file(tmp_path)]
+    source = source_arguments(command, tmp_path)
     a_file = tmp_path / "results"
     a_file.write_text("")
     assert main([command, *source, "--out", str(a_file)]) == 2
@@ -343,7 +348,7 @@ def test_out_that_is_a_file_stops_before_the_model_loads(command, tmp_path, caps
 
 @pytest.mark.parametrize("command", ["eval", "score"])
 def test_out_with_earlier_results_is_refused_without_overwrite(command, tmp_path, capsys, no_model):
-    source = ["--queries", QUERIES] if command == "eval" else ["--pairs", pairs_file(tmp_path)]
+    source = source_arguments(command, tmp_path)
     out = tmp_path / "earlier"
     out.mkdir()
     (out / "summary.json").write_text("{}")

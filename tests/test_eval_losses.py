@@ -38,12 +38,7 @@ def add_callback(trainer) -> None:
     trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=3)))
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- the loss of a row ----

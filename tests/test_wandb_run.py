@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from _distributed_eval import REPO, build_trainer, probdiff_config
 from _faults import inject
 from _launch import CHEAP, run_sft
@@ -44,12 +43,7 @@ from train.wandb_run import (
 TRANSLATION_QUERIES = REPO / "data" / "samples" / "translation" / "heldout.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def checkpoint(run: Path, step: int, record: StepRecord | None = None) -> Path:

@@ -30,7 +30,7 @@ def assert_no_stray_files(run: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model_path):
+def uninterrupted_with_oom_at_step_1(tmp_path_factory, tiny_model_path):
     """The uninterrupted run, with the same out-of-memory evaluation at step 1 as the interrupted ones."""
     cwd = tmp_path_factory.mktemp("reference")
     result = run_sft([*SETTINGS, "output_dir=run"], cwd, PROBDIFF_FAULT=OOM_AT_STEP_1)
@@ -43,7 +43,7 @@ def reference(tmp_path_factory, tiny_model_path):
     return cwd / "run", result.stdout
 
 
-def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
+def test_kill_9_and_preemption_at_named_places_then_resume(uninterrupted_with_oom_at_step_1, tmp_path):
     """One run through five faults, each followed by `resume=true`; it ends as the uninterrupted run."""
     args = [*SETTINGS, "output_dir=run"]
     run = tmp_path / "run"
@@ -92,8 +92,8 @@ def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
     assert "set run/checkpoint-4 aside as incomplete-checkpoint-4" in finished.stdout
     assert (run / "incomplete-checkpoint-4/adapter_model.safetensors").is_file()
 
-    assert_same_run(reference[0], run)
-    assert table(finished.stdout) == table(reference[1])
+    assert_same_run(uninterrupted_with_oom_at_step_1[0], run)
+    assert table(finished.stdout) == table(uninterrupted_with_oom_at_step_1[1])
     assert "failed evaluations (see `error` in the history): steps 1" in finished.stdout
     assert_no_stray_files(run)
 
