@@ -237,16 +237,13 @@ class Outcome:
 
 
 def evaluate_request(
-    session: Session, weights: Weights, vllm: VLLMGeneration | None, queue: Path, request: q.Request
+    session: Session, weights: Weights, vllm: VLLMGeneration | None, folder: Path | None, request: q.Request
 ) -> Outcome:
-    """The loop's evaluation of the request's weights; a failure is an outcome with its error (never raised)."""
+    """The loop's evaluation of the request's weights (`folder`; None: the base model); a failure is an outcome
+    with its error (never raised)."""
     from probdiff_callback.core.evaluator import evaluate, summarise
 
     started = time.perf_counter()
-    folder = weights_folder(queue, request)
-    gone = None if folder is None else weights_gone(folder, request.global_step)
-    if gone is not None:
-        return Outcome(error=gone, seconds=time.perf_counter() - started)
     config = session.config
     try:
         with weights.holding(folder, request.global_step) as model, contextlib.ExitStack() as engine_scope:
@@ -356,36 +353,73 @@ def _threads(device: str) -> None:
         print(f"{threads} CPU thread{'s' if threads > 1 else ''} ({why})", file=sys.stderr, flush=True)
 
 
+class Loaded:
+    """The base model and (use_vllm) the vLLM engine: loaded when the first request needs them, kept for the next
+    ones, loaded again only when a new training start's spec names another model or engine."""
+
+    def __init__(self, queue: Path, device: str) -> None:
+        self.queue, self.device = queue, device
+        self.weights: Weights | None = None
+        self.vllm: VLLMGeneration | None = None
+        self._vllm_spec: q.EvaluatorSpec | None = None
+
+    def for_session(self, session: Session) -> tuple[Weights, VLLMGeneration | None]:
+        spec = session.spec
+        if self.weights is None or self.weights.key != (spec.model, spec.dtype, spec.trust_remote_code):
+            self.close()
+            self.weights = None
+            gc.collect()
+            started = time.perf_counter()
+            self.weights = Weights(spec, self.device)
+            say(f"{spec.model} loaded in {time.perf_counter() - started:.1f}s on {self.device}")
+        if self._vllm_spec != spec:
+            self.close()
+        if session.config.use_vllm and self.vllm is None:
+            self.vllm, self._vllm_spec = self._start_vllm(session, self.weights), spec
+        return self.weights, self.vllm
+
+    def _start_vllm(self, session: Session, weights: Weights) -> VLLMGeneration:
+        from probdiff_callback.core.engines.vllm import VLLMGeneration
+
+        started = time.perf_counter()
+        vllm = VLLMGeneration.start(
+            session.config,
+            weights.base,
+            weights.tokenizer,
+            lora_rank=session.spec.lora_rank or 0,
+            log_dir=self.queue,
+            scratch_parent=self.queue,
+        )
+        say(f"vLLM ({session.config.vllm_mode}) ready in {time.perf_counter() - started:.1f}s")
+        return vllm
+
+    def close(self) -> None:
+        """Stop the vLLM server this process started, if any."""
+        vllm, self.vllm, self._vllm_spec = self.vllm, None, None
+        if vllm is not None:
+            vllm.close()
+
+
 def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
     from probdiff_callback.models import default_device
 
-    spec = q.read_spec(queue)
-    session = start_session(options.run_dir, options.subdir, queue, spec)
+    session = start_session(options.run_dir, options.subdir, queue, q.read_spec(queue))
     device = default_device()
     _threads(device)
-    started = time.perf_counter()
-    weights = Weights(spec, device)
-    say(f"{options.run_dir}: {spec.model} loaded in {time.perf_counter() - started:.1f}s on {device}")
-    with contextlib.ExitStack() as engine_scope:
-        vllm = _start_vllm(session, weights, queue, engine_scope)
+    loaded = Loaded(queue, device)
+    try:
         waiting = False
         while True:
             signals.raise_if_received()
             latest = q.read_spec(queue)
             if latest != session.spec:  # training was started again (resumed): its spec, its history
                 say(f"the run was started again from step {latest.started_at_step}: taking its queue over")
-                if (latest.model, latest.dtype, latest.trust_remote_code) != weights.key:
-                    weights = None  # type: ignore[assignment]
-                    gc.collect()
-                    weights = Weights(latest, device)
                 session = start_session(options.run_dir, options.subdir, queue, latest)
-                engine_scope.close()
-                vllm = _start_vllm(session, weights, queue, engine_scope)
             ended = q.training_ended(queue)  # read before the requests: the last request comes before it
             pending = q.pending(queue)
             if pending:
                 waiting = False
-                _evaluate_next(session, weights, vllm, queue, pending, signals)
+                _evaluate_next(session, loaded, queue, pending, signals)
                 continue
             if ended is not None:
                 say(f"nothing pending, and training has ended ({ended}): done")
@@ -400,36 +434,24 @@ def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
                 )
                 waiting = True
             time.sleep(options.poll_seconds)
+    finally:
+        loaded.close()
 
 
-def _start_vllm(session: Session, weights: Weights, queue: Path, scope: contextlib.ExitStack):
-    if not session.config.use_vllm:
-        return None
-    from probdiff_callback.core.engines.vllm import VLLMGeneration
-
-    started = time.perf_counter()
-    vllm = VLLMGeneration.start(
-        session.config,
-        weights.base,
-        weights.tokenizer,
-        lora_rank=session.spec.lora_rank or 0,
-        log_dir=queue,
-        scratch_parent=queue,
-    )
-    scope.callback(vllm.close)
-    say(f"vLLM ({session.config.vllm_mode}) ready in {time.perf_counter() - started:.1f}s")
-    return vllm
-
-
-def _evaluate_next(session, weights, vllm, queue: Path, pending: list[q.Request], signals: StopSignals) -> None:
+def _evaluate_next(session: Session, loaded: Loaded, queue: Path, pending: list[q.Request], signals) -> None:
     request = pending[0]
     folder = weights_folder(queue, request)
+    gone = None if folder is None else weights_gone(folder, request.global_step)
     later = f"; then steps {', '.join(str(r.global_step) for r in pending[1:])}" if len(pending) > 1 else ""
     say(
         f"step {request.global_step} ({request.kind}, {describe_weights(folder)}): evaluating "
         f"{len(session.queries)} queries{later}"
     )
-    outcome = evaluate_request(session, weights, vllm, queue, request)
+    if gone is not None:
+        outcome = Outcome(error=gone)
+    else:
+        weights, vllm = loaded.for_session(session)
+        outcome = evaluate_request(session, weights, vllm, folder, request)
     with signals.deferred():
         record(session, queue, request, outcome)
     say(progress_line(request, outcome))
