@@ -169,20 +169,36 @@ def weights_gone(folder: Path, step: int) -> str | None:
     return f"the weights of step {step} are gone ({why})"
 
 
+def model_key(spec: q.EvaluatorSpec) -> tuple:
+    """What the base model is loaded from: a new training start that changes it loads it again."""
+    return (spec.model, spec.dtype, spec.trust_remote_code)
+
+
 class Weights:
     """The base model, loaded once, and the weights of each request put on it: none (the base model, with the
     adapters disabled once an adapter was loaded), a PEFT adapter (loaded onto the base model, the previous one
     deleted), or whole weights (loaded for the request, freed after)."""
 
-    def __init__(self, spec: q.EvaluatorSpec, device: str) -> None:
-        from probdiff_callback.models import load_model_and_tokenizer
-
-        self.key = (spec.model, spec.dtype, spec.trust_remote_code)
-        self.device, self.dtype = device, spec.dtype or "auto"
-        extra = {"trust_remote_code": True} if spec.trust_remote_code else {}
-        self.base, self.tokenizer = load_model_and_tokenizer(spec.model, dtype=self.dtype, device=device, **extra)
+    def __init__(self, base, tokenizer, *, key: tuple, device: str, dtype: str) -> None:
+        self.base, self.tokenizer, self.key, self.device, self.dtype = base, tokenizer, key, device, dtype
         self.peft = None  # the PeftModel around `base`, once an adapter was loaded
         self.adapter: str | None = None
+
+    @classmethod
+    def load(cls, spec: q.EvaluatorSpec, device: str) -> Weights:
+        """The spec's base model (a folder or a preset), in its dtype, on `device`."""
+        from probdiff_callback.models import load_model_and_tokenizer
+
+        dtype = spec.dtype or "auto"
+        extra = {"trust_remote_code": True} if spec.trust_remote_code else {}
+        try:
+            base, tokenizer = load_model_and_tokenizer(spec.model, dtype=dtype, device=device, **extra)
+        except (FileNotFoundError, ValueError) as err:  # no such folder, not a model, not downloadable now
+            raise FileNotFoundError(
+                f"the base model {spec.model} ({q.SPEC_FILE}'s `model`): {err}. The evaluator loads the base model the "
+                "run was trained from: run it where that folder is at the same path"
+            ) from None
+        return cls(base, tokenizer, key=model_key(spec), device=device, dtype=dtype)
 
     @contextlib.contextmanager
     def holding(self, folder: Path | None, step: int) -> Iterator[object]:
@@ -365,12 +381,12 @@ class Loaded:
 
     def for_session(self, session: Session) -> tuple[Weights, VLLMGeneration | None]:
         spec = session.spec
-        if self.weights is None or self.weights.key != (spec.model, spec.dtype, spec.trust_remote_code):
+        if self.weights is None or self.weights.key != model_key(spec):
             self.close()
             self.weights = None
             gc.collect()
             started = time.perf_counter()
-            self.weights = Weights(spec, self.device)
+            self.weights = Weights.load(spec, self.device)
             say(f"{spec.model} loaded in {time.perf_counter() - started:.1f}s on {self.device}")
         if self._vllm_spec != spec:
             self.close()

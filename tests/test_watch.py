@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from probdiff_callback.core.queries import Query
 from probdiff_callback.runs import queue as q
 from probdiff_callback.runs.evaluator_lock import evaluator_holder, hold_evaluator
 from probdiff_callback.runs.run_files import HistoryRow, history_path, read_history, write_jsonl
-from probdiff_callback.watch import EXIT_ON_SIGNAL, Stopped, StopSignals, start_session
+from probdiff_callback.watch import EXIT_ON_SIGNAL, Stopped, StopSignals, Weights, start_session
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
@@ -122,6 +123,16 @@ def test_a_spec_of_another_version_names_the_file_and_key(tmp_path, capsys):
     assert f"{queue / q.SPEC_FILE}: config: unknown key 'no_such_setting'" in err
 
 
+def test_a_base_model_that_is_not_here_stops_the_watch_and_leaves_the_step_queued(tmp_path, capsys):
+    queue = queue_run(tmp_path / "run", few_queries(), probdiff_config(), model=str(tmp_path / "elsewhere" / "base"))
+    queue_baseline(queue)
+    assert main(["watch", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"the base model {tmp_path / 'elsewhere' / 'base'} (evaluator.json's `model`):" in err
+    assert "run it where that folder is at the same path" in err
+    assert [r.global_step for r in q.pending(queue)] == [0]
+
+
 def test_the_queries_come_back_as_training_wrote_them(tmp_path):
     queries = held_out_queries()
     queue = queue_run(tmp_path / "run", queries, probdiff_config())
@@ -194,6 +205,47 @@ def test_a_request_whose_weights_are_gone_is_failed_and_marked_done(tmp_path, ti
     assert "nothing pending: done (--no-follow)" in out
 
 
+def test_adapters_are_swapped_on_the_one_base_model_and_disabled_for_the_base(tmp_path, tiny_model):
+    """Each step's adapter goes onto the base model loaded once (the previous one deleted), the base model's request
+    disables them, and whole weights are loaded for their request: the logits are those of each model loaded alone."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model, tokenizer = tiny_model
+    ids = torch.tensor([tokenizer("Name three rivers of China")["input_ids"]])
+
+    def logits(m) -> torch.Tensor:
+        with torch.no_grad():
+            return m(input_ids=ids).logits
+
+    for seed, name in ((1, "a"), (2, "b")):
+        torch.manual_seed(seed)
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+        get_peft_model(copy.deepcopy(model), lora).save_pretrained(tmp_path / name)
+    whole = copy.deepcopy(model)
+    with torch.no_grad():
+        whole.model.norm.weight.mul_(1.5)
+    whole.save_pretrained(tmp_path / "whole")
+
+    weights = Weights(copy.deepcopy(model), tokenizer, key=(), device="cpu", dtype="float32")
+    seen = {}
+    for step, folder in ((0, None), (2, tmp_path / "a"), (4, tmp_path / "b"), (6, tmp_path / "whole"), (8, None)):
+        with weights.holding(folder, step) as held:
+            seen[step] = logits(held)
+    assert list(weights.peft.peft_config) == ["step4"]  # step 2's adapter was deleted when step 4's came
+    alone = {
+        2: PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / "a")),
+        4: PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / "b")),
+    }
+    for step, expected in alone.items():
+        assert torch.equal(seen[step], logits(expected.eval()))
+    assert torch.equal(seen[6], logits(whole.eval()))
+    assert torch.equal(seen[0], logits(model)) and torch.equal(seen[8], seen[0])
+    assert not torch.allclose(seen[2], seen[0]) and not torch.allclose(seen[4], seen[2])
+
+
 def assert_same_rows(watched: HistoryRow, loop: HistoryRow) -> None:
     """The same evaluation: everything but the clock's (seconds, cost) and where the checkpoint is."""
     assert watched.error is None and loop.error is None
@@ -218,40 +270,59 @@ smollm2_installed = pytest.mark.skipif(
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=smollm2_installed)])
 def test_the_evaluators_records_equal_the_loops(model, tmp_path, one_thread_for_watch, capsys):
-    """The loop evaluates the base model and the LoRA checkpoint of step 2; the evaluator, given the same spec and the
-    checkpoint's adapter by links, writes the same records files, summaries and comparisons with the baseline."""
+    """The loop evaluates the base model and the LoRA checkpoints of steps 2 and 4; the evaluator, given the same
+    spec, the checkpoints' adapters by links and the Trainer's eval losses in the requests, writes the same records
+    and eval losses files, summaries and comparisons with the baseline (step 4's adapter replaces step 2's on the
+    one base model)."""
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
     from probdiff_callback.models import resolve_model_path
+    from probdiff_callback.runs.run_files import read_eval_losses
 
     loop_run, watched = tmp_path / "loop", tmp_path / "watched"
     config = probdiff_config(n_queries=N_QUERIES)
-    from probdiff_callback.callback.probdiff import ProbDiffCallback
-
-    trainer = build_trainer(resolve_model_path(model), loop_run, max_steps=2, eval_strategy="no", save_steps=2)
+    trainer = build_trainer(
+        resolve_model_path(model), loop_run, max_steps=4, eval_strategy="steps", eval_steps=2, save_steps=2
+    )
     callback = ProbDiffCallback(trainer, held_out_queries(), config)
     trainer.add_callback(callback)
     trainer.train()
     loop_rows = read_history(history_path(loop_run))
-    assert [(r.global_step, r.kind) for r in loop_rows] == [(0, "baseline"), (2, "save")]
+    assert [(r.global_step, r.kind) for r in loop_rows] == [(0, "baseline"), (2, "evaluate"), (4, "evaluate")]
 
     queue = queue_run(watched, callback.queries, config, model=model)
     queue_baseline(queue)
-    (watched / "checkpoint-2").mkdir()  # where the row goes beside the weights
-    queue_checkpoint(
-        queue, 2, loop_run / "checkpoint-2", epoch=loop_rows[1].epoch, checkpoint=str(watched / "checkpoint-2")
-    )
+    for loop in loop_rows[1:]:
+        checkpoint = watched / f"checkpoint-{loop.global_step}"
+        checkpoint.mkdir()  # where the row goes beside the weights
+        queue_checkpoint(
+            queue,
+            loop.global_step,
+            loop_run / f"checkpoint-{loop.global_step}",
+            epoch=loop.epoch,
+            kind=loop.kind,
+            checkpoint=str(checkpoint),
+            eval_loss=loop.eval_loss,
+            eval_losses=read_eval_losses(loop_run / "probdiff" / loop.eval_losses),
+        )
     assert main(["watch", str(watched), "--no-follow"]) == 0
 
     rows = read_history(history_path(watched))
     for row, loop in zip(rows, loop_rows, strict=True):
         assert_same_rows(row, loop)
-        assert (watched / "probdiff" / row.records).read_text() == (loop_run / "probdiff" / loop.records).read_text()
+        for name in ("records", "eval_losses"):
+            mine, theirs = getattr(row, name), getattr(loop, name)
+            assert mine == theirs
+            if theirs is not None:
+                assert (watched / "probdiff" / mine).read_text() == (loop_run / "probdiff" / theirs).read_text()
+        assert row.to_json().get("eval_loss") == loop.to_json().get("eval_loss")
         assert q.done(queue, row.global_step).status == "evaluated"
-    assert json.loads((watched / "checkpoint-2" / "probdiff.json").read_text()) == rows[1].to_json()
-    assert not (q.step_dir(queue, 2) / q.WEIGHTS_DIR).exists()  # evaluated: the links are removed
+        if row.global_step > 0:
+            assert json.loads((Path(row.checkpoint) / "probdiff.json").read_text()) == row.to_json()
+            assert not (q.step_dir(queue, row.global_step) / q.WEIGHTS_DIR).exists()  # evaluated: links removed
     assert (loop_run / "checkpoint-2" / "adapter_model.safetensors").is_file()  # the checkpoint's own files stay
     out = capsys.readouterr().out
-    assert f"step 2 (save, its adapter): evaluating {N_QUERIES} queries" in out
-    assert f"step 2: {N_QUERIES} queries in" in out
+    assert f"step 2 (evaluate, its adapter): evaluating {N_QUERIES} queries; then steps 4" in out
+    assert f"step 4: {N_QUERIES} queries in" in out
 
 
 @pytest.mark.slow
@@ -284,3 +355,92 @@ def test_sigterm_mid_evaluation_leaves_the_step_pending_and_a_restart_evaluates_
     [row] = read_history(history_path(run))
     assert row.global_step == 0 and row.error is None and row.eval_loss == 2.5 and row.kind == "baseline"
     assert q.done(queue, 0).status == "evaluated" and q.pending(queue) == []
+
+
+TRAINING = (
+    "import os, pathlib, subprocess, sys, time\n"
+    "run, log = sys.argv[1], pathlib.Path(sys.argv[2])\n"
+    "with open(log, 'w') as sink:\n"
+    "    child = subprocess.Popen([sys.executable, '-m', 'probdiff_callback.cli', 'watch', run,\n"
+    "                              '--started-by-training', '--poll-seconds', '0.1'], stdout=sink, stderr=sink)\n"
+    "print(child.pid, flush=True)\n"
+    "deadline = time.time() + 300\n"
+    "while 'waiting for training' not in log.read_text() and time.time() < deadline:\n"
+    "    time.sleep(0.1)\n"
+    "os._exit(0)  # training's process ends without a word\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_evaluator_started_by_training_ends_with_it(tmp_path):
+    import psutil
+
+    run, log = tmp_path / "run", tmp_path / "evaluator.log"
+    queue_run(run, few_queries(), probdiff_config())
+    started = subprocess.run(
+        [sys.executable, "-c", TRAINING, str(run), str(log)], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+
+    def ended(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # ended, not reaped yet
+        except psutil.NoSuchProcess:
+            return True
+
+    child, deadline = int(started.stdout), time.time() + 30
+    while not ended(child) and time.time() < deadline:
+        time.sleep(0.05)
+    assert ended(child)
+    text = log.read_text()
+    assert "nothing pending; waiting for training to queue more" in text
+    assert "SIGTERM received: stopped" in text
+    assert evaluator_holder(q.queue_dir(run, "probdiff")) is None
+
+
+def _vllm_found() -> bool:
+    from probdiff_callback.core.engines import vllm
+
+    try:
+        vllm.vllm_python()
+    except vllm.EngineUnavailable:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _vllm_found() and not os.environ.get("CI"),
+    reason="vLLM is not installed (README's Setup: its own environment, $PROBDIFF_VLLM_PYTHON); CI installs it",
+)
+def test_through_vllm_the_evaluator_writes_what_probdiff_eval_writes(tmp_path, tiny_model_path, one_thread_for_watch):
+    """use_vllm=true: one engine for the run, handed the base model, then a LoRA adapter; the adapter's records are
+    those `probdiff eval --adapter` writes through vLLM on the same queries and settings."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
+    torch.manual_seed(0)
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    get_peft_model(model, lora).save_pretrained(tmp_path / "checkpoint-2")
+    blog = REPO / "data" / "samples" / "blog" / "heldout.jsonl"
+    settings = ["max_new_tokens=16", "use_vllm=true"]
+    assert main(["eval", "--model", "tiny", "--adapter", str(tmp_path / "checkpoint-2"), "--dtype", "float32",
+                 "--device", "cpu", "--queries", str(blog), "--limit", "4", "--out", str(tmp_path / "eval"),
+                 *settings]) == 0  # fmt: skip
+
+    run = tmp_path / "run"
+    from probdiff_callback.core.queries import load_queries
+
+    queue = queue_run(run, load_queries(blog)[:4], ProbDiffConfig().with_overrides(settings))
+    queue_baseline(queue)
+    queue_checkpoint(queue, 2, tmp_path / "checkpoint-2")
+    assert main(["watch", str(run), "--no-follow"]) == 0
+    base, adapted = read_history(history_path(run))
+    assert base.error is None and adapted.error is None
+    by_eval = (tmp_path / "eval" / "records.jsonl").read_text()
+    assert (run / "probdiff" / adapted.records).read_text() == by_eval
+    assert (run / "probdiff" / base.records).read_text() != by_eval
+    assert not list(q.queue_dir(run, "probdiff").glob("probdiff-vllm-*"))  # the engine's scratch folders are gone
