@@ -182,7 +182,8 @@ class Weights:
     def __init__(self, base, tokenizer, *, key: tuple, device: str, dtype: str) -> None:
         self.base, self.tokenizer, self.key, self.device, self.dtype = base, tokenizer, key, device, dtype
         self.peft = None  # the PeftModel around `base`, once an adapter was loaded
-        self.adapter: str | None = None
+        self.adapter: str | None = None  # the adapter on it now
+        self.loaded = 0  # adapters loaded so far
 
     @classmethod
     def load(cls, spec: q.EvaluatorSpec, device: str) -> Weights:
@@ -201,25 +202,22 @@ class Weights:
         return cls(base, tokenizer, key=model_key(spec), device=device, dtype=dtype)
 
     @contextlib.contextmanager
-    def holding(self, folder: Path | None, step: int) -> Iterator[object]:
+    def holding(self, folder: Path | None) -> Iterator[object]:
         if folder is None:
             with self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext():
                 yield self.peft if self.peft is not None else self.base
         elif (folder / ADAPTER_CONFIG).is_file():
-            yield self._with_adapter(folder, f"step{step}")
+            yield self._with_adapter(folder)
         else:
-            model = self._whole_weights(folder)
-            try:
-                yield model
-            finally:
-                del model
-                gc.collect()
+            yield self._whole_weights(folder)  # freed when the evaluation lets it go
 
-    def _with_adapter(self, folder: Path, name: str):
+    def _with_adapter(self, folder: Path):
         from peft import PeftModel
 
         from probdiff_callback.models import peft_without_deprecated_alias_warning
 
+        self.loaded += 1
+        name = f"queued{self.loaded}"  # a name of its own: a step queued again comes with new weights
         with peft_without_deprecated_alias_warning():
             if self.peft is None:
                 self.peft = PeftModel.from_pretrained(self.base, str(folder), adapter_name=name)
@@ -262,7 +260,7 @@ def evaluate_request(
     started = time.perf_counter()
     config = session.config
     try:
-        with weights.holding(folder, request.global_step) as model, contextlib.ExitStack() as engine_scope:
+        with weights.holding(folder) as model, contextlib.ExitStack() as engine_scope:
             engine = None
             if vllm is not None:
                 adapter = folder if folder is not None and (folder / ADAPTER_CONFIG).is_file() else None
@@ -298,15 +296,21 @@ def record(session: Session, queue: Path, request: q.Request, outcome: Outcome) 
     row.seconds = round(outcome.seconds, 3)
     losses = None if request.eval_losses is None else [math.nan if v is None else v for v in request.eval_losses]
     session.files.add(row, outcome.records if outcome.error is None else None, losses)
-    if (q.step_dir(queue, request.global_step) / q.REQUEST_FILE).is_file():  # not dropped by a restarted training
+    if still_queued(queue, request):
         status = "evaluated" if outcome.error is None else "failed"
-        q.mark_done(
-            queue,
-            q.Done(
-                global_step=request.global_step, status=status, error=outcome.error, seconds=round(outcome.seconds, 3)
-            ),
-        )
+        mark = q.Done(global_step=request.global_step, status=status, error=outcome.error, seconds=row.seconds)
+        q.mark_done(queue, mark)
     return row
+
+
+def still_queued(queue: Path, request: q.Request) -> bool:
+    """Whether `request` is still the step's: a training started again meanwhile drops it, and may queue the step anew
+    (its new weights are evaluated next, and the row of the old ones is dropped when the new start is taken over)."""
+    path = q.step_dir(queue, request.global_step) / q.REQUEST_FILE
+    try:
+        return q.read_json_file(q.Request, path).queued_at == request.queued_at
+    except ValueError:  # gone
+        return False
 
 
 def progress_line(request: q.Request, outcome: Outcome) -> str:
