@@ -16,6 +16,7 @@ import pytest
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from _faults import fault_env
 
+from probdiff_callback import watch
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query
@@ -161,6 +162,41 @@ def test_a_resumed_run_keeps_the_rows_up_to_the_step_it_started_from(tmp_path):
     write_jsonl(history_path(run), [HistoryRow(step, error="x").to_json() for step in (0, 2, 4)])
     session = start_session(run, "probdiff", queue, q.read_spec(queue))
     assert [row.global_step for row in session.files.rows()] == [0, 2]
+
+
+def test_a_training_started_again_while_the_evaluator_waits_is_taken_over(tmp_path, capsys):
+    """Following the run, the evaluator sees training start again from step 2 (a new spec; training dropped the later
+    requests): it takes the history over from there, and ends when the new start has ended."""
+    import threading
+
+    run = tmp_path / "run"
+    queue = queue_run(run, few_queries(), probdiff_config())
+    write_jsonl(history_path(run), [HistoryRow(step, error="x").to_json() for step in (0, 2, 4)])
+    for step in (0, 2, 4):
+        q.submit(queue, q.Request(global_step=step, epoch=None, kind="save", weights=None))
+        q.mark_done(queue, q.Done(global_step=step, status="failed", error="x"))
+
+    def start_again() -> None:
+        deadline = time.time() + 60
+        while "waiting for training" not in (tmp_path / "said").read_text() and time.time() < deadline:
+            time.sleep(0.02)
+        q.drop_after(queue, 2)
+        queue_run(run, few_queries(), probdiff_config(), started_at_step=2)
+        time.sleep(0.3)  # a few polls
+        (queue / q.ENDED_FILE).write_text("completed")
+
+    (tmp_path / "said").write_text("")
+    real_say = watch.say
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(watch, "say", lambda text: (real_say(text), (tmp_path / "said").write_text(text)))
+        training = threading.Thread(target=start_again)
+        training.start()
+        assert main(["watch", str(run), "--poll-seconds", "0.05"]) == 0
+        training.join()
+    out = capsys.readouterr().out
+    assert "the run was started again from step 2: taking its queue over" in out
+    assert "dropped 1 history rows of steps past 2" in out
+    assert [row.global_step for row in read_history(history_path(run))] == [0, 2]
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
@@ -430,7 +466,7 @@ def test_through_vllm_the_evaluator_writes_what_probdiff_eval_writes(tmp_path, t
     lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
     get_peft_model(model, lora).save_pretrained(tmp_path / "checkpoint-2")
     blog = REPO / "data" / "samples" / "blog" / "heldout.jsonl"
-    settings = ["max_new_tokens=16", "use_vllm=true"]
+    settings = ["max_new_tokens=16", "use_vllm=true", "vllm_server_timeout=900"]  # 2 shared cores start it slowly
     assert main(["eval", "--model", "tiny", "--adapter", str(tmp_path / "checkpoint-2"), "--dtype", "float32",
                  "--device", "cpu", "--queries", str(blog), "--limit", "4", "--out", str(tmp_path / "eval"),
                  *settings]) == 0  # fmt: skip
