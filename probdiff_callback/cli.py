@@ -157,7 +157,57 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=int, default=None, help="the step the verdicts judge (pairwise: A) [the last evaluated step]"
     )
     check.add_argument("--against", type=int, default=None, help="pairwise verdicts: step B [the baseline]")
+
+    watch = commands.add_parser(
+        "watch",
+        help="the evaluator of a run trained with probdiff.async_eval=true: evaluates its queued checkpoints",
+        description=WATCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    watch.add_argument(
+        "run_dir", help="the training output directory (holds probdiff/queue/evaluator.json, which training wrote)"
+    )
+    watch.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
+    watch.add_argument(
+        "--follow",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wait for more requests until training writes queue/training-ended (--follow, the default); "
+        "--no-follow evaluates what is queued now and stops",
+    )
+    watch.add_argument(
+        "--started-by-training",
+        action="store_true",
+        help="set by the training command that starts its evaluator: ends when training's process does",
+    )
+    watch.add_argument(
+        "--poll-seconds",
+        type=_positive_seconds,
+        default=2.0,
+        help="how often to look for new requests while following [2]",
+    )
     return parser
+
+
+WATCH_DESCRIPTION = """\
+Evaluate the checkpoints a training run queued (probdiff.async_eval=true), in step order, each as the training loop
+would have: the run's ProbDiff settings, held-out queries and engine (HF, or vLLM with use_vllm=true), the same
+records. Each step's row and records go into RUN_DIR/probdiff (history.jsonl, step-N/records.jsonl, and the
+checkpoint's probdiff.json), then its done mark into RUN_DIR/probdiff/queue/step-N/done.json.
+
+What it needs on disk: the run directory and the base model's folder (or preset) the run was trained from; each
+step's weights are in the queue. Devices: CUDA_VISIBLE_DEVICES picks the GPUs (none: the CPU), OMP_NUM_THREADS the CPU
+threads. One evaluator per run: a second one is refused, naming the first. SIGTERM stops it (exit 0), Ctrl-C too
+(exit 130); the step in progress stays queued and is evaluated next time. A failed evaluation is a failed row, and
+the command goes on. Exit 2: no queue in RUN_DIR, another evaluator, or a spec it cannot read.
+"""
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
 
 
 def _reuse_freed_memory() -> None:
@@ -419,6 +469,19 @@ def cmd_crosscheck(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    from probdiff_callback.watch import Watch, run_watch
+
+    if args.started_by_training and not args.follow:
+        raise ValueError("--started-by-training follows the run until training ends: leave out --no-follow")
+    if _own_process:
+        import torch
+
+        if not torch.cuda.is_available():
+            _reuse_freed_memory()
+    return run_watch(Watch(Path(args.run_dir), args.subdir, args.follow, args.started_by_training, args.poll_seconds))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; for programmatic use and tests (no process-wide settings change)."""
     return _dispatch(build_parser().parse_args(argv))
@@ -454,6 +517,7 @@ def _dispatch(args) -> int:
         "select": cmd_select,
         "plot": cmd_plot,
         "crosscheck": cmd_crosscheck,
+        "watch": cmd_watch,
     }[args.command]
     try:
         return handler(args)

@@ -14,7 +14,10 @@ Everything lives under `OUTPUT_DIR/<subdir>/queue/`:
   checkpoint is saved at that step. No folder for the base model (`base_model`).
 - `step-<N>/request.json`: `Request`, written last and atomically: its presence means the weights are complete.
 - `step-<N>/done.json`: `Done`, written by the evaluator after the step's row: evaluated, or failed with the reason.
-- `evaluator.lock`: held by the one evaluator of the run (`filelock`); its text names the holder.
+- `evaluator.lock`: held by the one evaluator of the run (`filelock`, `runs/evaluator_lock.py`); its text names the
+  holder.
+- `training-ended`: written by training when it stops queueing (its text: `completed`, or `stopped` for a preemption's
+  stop); an evaluator that follows the run exits once it exists and nothing is pending. A training start removes it.
 
 A request is pending while it has no `done.json`. Requests of steps past the step a resumed run starts from belong
 to the interrupted run: `drop_after` removes them, as `RunFiles.continue_from` drops their rows.
@@ -31,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from probdiff_callback.core.queries import Query, load_queries
 from probdiff_callback.runs.run_files import EvaluationKind, probdiff_dir, write_json
 
 QUEUE_DIR = "queue"
@@ -40,6 +44,7 @@ REQUEST_FILE = "request.json"
 DONE_FILE = "done.json"
 WEIGHTS_DIR = "weights"
 LOCK_FILE = "evaluator.lock"
+ENDED_FILE = "training-ended"
 
 
 def queue_dir(output_dir: str | os.PathLike, subdir: str) -> Path:
@@ -61,6 +66,7 @@ class EvaluatorSpec:
     queries: str = QUERIES_FILE  # relative to the queue folder
     output_dir: str = ""  # the run directory, as training named it
     started_at_step: int = 0  # the step this training start resumed from (0: a fresh run)
+    lora_rank: int | None = None  # the adapters' LoRA rank (vLLM's LoRA slots); None: all weights are trained
     training_pid: int | None = None  # the training command that started the evaluator (None: started by you)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -116,12 +122,19 @@ def read_json_file(kind, path: Path):
         ) from err
 
 
+def query_row(query: Query) -> dict[str, Any]:
+    """A query as `queries.jsonl` holds it: a row `load_queries` reads back as the same `Query`."""
+    return {"id": query.id, "query": query.text, "category": query.category, "reference": query.reference}
+
+
 # ---- training's side ----
-def write_spec(queue: Path, spec: EvaluatorSpec, queries: Iterable[Mapping[str, Any]]) -> None:
+def write_spec(queue: Path, spec: EvaluatorSpec, queries: Iterable[Query | Mapping[str, Any]]) -> None:
+    """The spec and its queries (`Query`s, or rows as a query file holds them), the queries first."""
     from probdiff_callback.runs.run_files import write_jsonl
 
     queue.mkdir(parents=True, exist_ok=True)
-    write_jsonl(queue / spec.queries, list(queries))
+    rows = [query_row(q) if isinstance(q, Query) else dict(q) for q in queries]
+    write_jsonl(queue / spec.queries, rows)
     write_json(queue / SPEC_FILE, _to_json(spec))
 
 
@@ -170,6 +183,19 @@ def drop_after(queue: Path, step: int) -> list[int]:
 # ---- the evaluator's side (and training's, reading what is done) ----
 def read_spec(queue: Path) -> EvaluatorSpec:
     return read_json_file(EvaluatorSpec, queue / SPEC_FILE)
+
+
+def read_queries(queue: Path, spec: EvaluatorSpec) -> list[Query]:
+    """The held-out queries of the spec, in the loop's order."""
+    return load_queries(queue / spec.queries)
+
+
+def training_ended(queue: Path) -> str | None:
+    """How training ended (`completed` or `stopped`), or None while it has not."""
+    try:
+        return (queue / ENDED_FILE).read_text(encoding="utf-8").strip() or "completed"
+    except FileNotFoundError:
+        return None
 
 
 def requests(queue: Path) -> list[Request]:
