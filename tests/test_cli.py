@@ -181,8 +181,8 @@ EVAL_KEYS = [
     *("delta", "sweep", "n_revisions", "refinement_prompt", "system_prompt"),
     *("answer_temperature", "answer_top_p", "answer_temperature_by_category", "revision_temperature"),
     *("revision_top_p", "n_samples", "seed", "max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens"),
-    *("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_timeout", "vllm_gpu_memory_utilization"),
-    "vllm_weight_sync",
+    *("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_timeout", "vllm_stall_timeout"),
+    *("vllm_gpu_memory_utilization", "vllm_weight_sync"),
 ]
 SCORE_KEYS = ["delta", "sweep", "system_prompt", "max_prompt_tokens", "batch_size", "score_chunk_tokens"]
 CALLBACK_ONLY = [
