@@ -151,8 +151,8 @@ class ProbDiffConfig:
     )
     vllm_stall_timeout: float = _setting(
         240.0,
-        help="a server's answers are waited for as long as it makes progress: it fails as stalled after this many "
-        "seconds without a token generated or a prompt processed (its /metrics)",
+        help="a server's texts are waited for as long as it makes progress; it counts as stalled after this many "
+        "seconds without a token generated or a prompt processed (its /metrics; docs/vllm.md)",
         group=ENGINE,
         read_by=_GENERATING,
     )
