@@ -216,7 +216,7 @@ class ServerEngine:
         self.process, self.log, self.model_path, self.gpu = process, log, model_path, gpu
         self.owned = process is not None
         self.name = "vllm-colocate" if self.owned else "vllm-server"
-        self.watch = ServerWatch(self._metrics, stall_seconds=stall_timeout, answer_seconds=timeout, process=process)
+        self.watch = ServerWatch(self.metrics, stall_seconds=stall_timeout, answer_seconds=timeout, process=process)
         self._sleeping = False
         self._reloaded = False  # whole weights replace the model's own
         self.base_model = self._call("GET", "/v1/models")["data"][0]["id"]
@@ -256,7 +256,7 @@ class ServerEngine:
         except json.JSONDecodeError:  # the LoRA and reset endpoints answer in plain text
             return {"text": text}
 
-    def _metrics(self, timeout: float) -> str:
+    def metrics(self, timeout: float) -> str:
         """The server's Prometheus metrics (empty where it serves none), for the watch."""
         status, text = self._send("GET", "/metrics", None, timeout)
         return text if status < 400 else ""
