@@ -509,6 +509,11 @@ def cmd_compare(args) -> int:
 
     records = []
     for directory in (args.dir_a, args.dir_b):
+        if (Path(directory) / UNFINISHED_FILE).is_file():  # its records are some of its queries'
+            raise ValueError(
+                f"{directory} holds an unfinished evaluation ({_count_lines(Path(directory) / 'records.jsonl')} "
+                "queries' records, no summary.json): finish it first with the same `probdiff eval` and --resume"
+            )
         path = Path(directory) / "records.jsonl"
         if not path.is_file():
             raise FileNotFoundError(
@@ -517,15 +522,7 @@ def cmd_compare(args) -> int:
         records.append(read_records(path))
     delta = args.delta
     if delta is None:
-        summary_path = Path(args.dir_a) / "summary.json"
-        if not summary_path.is_file():
-            unfinished = (Path(args.dir_a) / UNFINISHED_FILE).is_file()
-            raise FileNotFoundError(
-                f"{summary_path}: not found"
-                + ("; the evaluation there is unfinished: finish it with `probdiff eval ... --resume`" * unfinished)
-                + ", or give --delta"
-            )
-        delta = Summary.from_json(json.loads(summary_path.read_text())).delta
+        delta = Summary.from_json(json.loads((Path(args.dir_a) / "summary.json").read_text())).delta
     result = compare(records[0], records[1], delta)
     print(format_comparison(result, args.dir_a, args.dir_b))
     if result.n_only_a or result.n_only_b:

@@ -454,8 +454,8 @@ def test_an_eval_that_fails_keeps_the_batches_it_finished_and_resume_finishes_it
 def test_an_eval_whose_vllm_server_stalls_keeps_what_it_finished(tiny_model_path, tmp_path, capsys):
     """A server you started (vllm_mode=server) answers the 4 answers and 2 of the revisions, then stalls: exit 2 with
     the stall, and the 2 queries it finished are kept. The same command again is refused, and so is --resume with
-    other settings than the texts were made with; once the server is back, --resume finishes with an uninterrupted
-    run's records."""
+    other settings than the texts were made with, and `compare`; once the server is back, --resume finishes with an
+    uninterrupted run's records."""
     from _fake_vllm import Behaviour, FakeVLLM
 
     command = ["eval", "--queries", QUERIES, "--limit", "4", "use_vllm=true", "vllm_mode=server", "max_new_tokens=4"]
@@ -478,6 +478,11 @@ def test_an_eval_whose_vllm_server_stalls_keeps_what_it_finished(tiny_model_path
         "--resume to finish it with `probdiff eval`, or --overwrite to replace it",
         f"probdiff eval: error: --resume: the evaluation in {out} was started otherwise (max_new_tokens=4 then, 5 "
         "now): give what it was started with, or start afresh with --overwrite",
+    ]
+    assert main(["compare", str(out), str(out)]) == 2  # some of its queries only
+    assert error_lines(capsys.readouterr().err) == [
+        f"probdiff compare: error: {out} holds an unfinished evaluation (2 queries' records, no summary.json): finish "
+        "it first with the same `probdiff eval` and --resume"
     ]
     with FakeVLLM() as back:
         server = f"vllm_server_base_url={back.url}"  # restarted elsewhere: how it runs, not what it writes
