@@ -4,7 +4,8 @@ with vLLM's metric names. Its counters advance while requests run, unless it sta
 
 In a test's thread: `FakeVLLM(...)` as a context manager. As a process of its own (a server "this job started"):
 `python tests/_fake_vllm.py PORT --exit-on-completion N` exits with status 3 at its N+1-th completion request, after a
-line in its log.
+line in its log; `--start-after S --log-every E` starts listening after S seconds, writing a line to its log every E
+seconds until then (E=0: one line, then silence), as vLLM logs the stages of its start.
 """
 
 from __future__ import annotations
@@ -137,7 +138,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("port", type=int)
     parser.add_argument("--exit-on-completion", type=int, default=None)
+    parser.add_argument("--start-after", type=float, default=0.0)
+    parser.add_argument("--log-every", type=float, default=0.0)
     args = parser.parse_args()
+    start = time.monotonic()
+    stage = 0
+    while time.monotonic() - start < args.start_after:
+        if stage == 0 or args.log_every > 0:
+            print(f"fake engine: starting, stage {stage}", flush=True)
+            stage += 1
+        time.sleep(args.log_every if args.log_every > 0 else args.start_after)
     fake = FakeVLLM(Behaviour(exit_on_completion=args.exit_on_completion), port=args.port)
     print(f"fake engine: listening on {fake.url}", flush=True)
     fake.server.serve_forever()

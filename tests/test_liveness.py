@@ -14,7 +14,7 @@ import pytest
 from _fake_vllm import Behaviour, FakeVLLM, token_ids
 
 from probdiff_callback.core.engines import GenerationRequest, vllm
-from probdiff_callback.core.engines.liveness import Progress, ServerWatch, metric_sums
+from probdiff_callback.core.engines.liveness import Progress, ServerWatch, StartWatch, metric_sums
 
 FAKE = str(Path(__file__).with_name("_fake_vllm.py"))
 
@@ -235,3 +235,89 @@ def test_a_server_this_job_started_that_exits_fails_at_once_with_its_log(tmp_pat
     assert message.startswith(f"the vLLM server this job started exited (exit code 3); the end of its log ({log}):")
     assert message.endswith("fake engine: the worker ran out of memory")
     assert caught.value.finished == {}
+
+
+# ---- a server this job started, while it starts ----
+
+
+def start_fake(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, Path, str]:
+    """The stand-in server as a process of its own, its output in a log, as `start_colocated` starts vLLM's."""
+    port = vllm._free_port()
+    log = tmp_path / "vllm-server.log"
+    with open(log, "w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, FAKE, str(port), *options], stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return process, log, f"http://127.0.0.1:{port}"
+
+
+def connecting(url: str, process: subprocess.Popen, log: Path, timeout: float, stall_timeout: float):
+    return lambda: vllm.ServerEngine(
+        url, Words(), [0], timeout=timeout, stall_timeout=stall_timeout, process=process, log=log
+    )
+
+
+def test_a_start_that_keeps_logging_is_waited_for_past_the_answer_window(tmp_path):
+    """Under load a start took 234 s of the 240 s answer window: a start is waited for while its log grows."""
+    process, log, url = start_fake(tmp_path, "--start-after", "4", "--log-every", "0.3")
+    try:
+        started = time.monotonic()
+        watch = StartWatch(process, log, stall_seconds=1.5)
+        engine = vllm.wait_for_start(connecting(url, process, log, 1.0, 1.5), watch, poll_seconds=0.1)
+        assert time.monotonic() - started >= 4.0  # past both windows
+        assert [t.text for t in engine.generate(requests(2), 8)] == [expected_text(i) for i in range(2)]
+    finally:
+        vllm._stop(process)
+    assert "fake engine: starting, stage 5" in log.read_text()
+
+
+def test_a_start_whose_log_goes_silent_is_stalled_after_the_window_naming_its_last_line(tmp_path):
+    process, log, url = start_fake(tmp_path, "--start-after", "120")  # one line, then nothing: a hung start
+    try:
+        started = time.monotonic()
+        watch = StartWatch(process, log, stall_seconds=1.5)
+        with pytest.raises(vllm.EngineUnavailable) as caught:
+            vllm.wait_for_start(connecting(url, process, log, 60.0, 1.5), watch, poll_seconds=0.1)
+        assert 1.5 <= time.monotonic() - started < 10.0  # the stall window, not the answer window or the start
+        assert process.poll() is None, "the watch only says so; start_colocated stops the server"
+    finally:
+        vllm._stop(process)
+    assert str(caught.value) == (
+        f"stalled while starting: its log ({log}) did not grow for 1.5 s (vllm_stall_timeout=1.5: raise it where one "
+        "stage of a start takes longer); its last line: fake engine: starting, stage 0"
+    )
+
+
+def test_a_start_whose_process_exits_fails_at_once_with_its_log(tmp_path):
+    process, log, url = start_fake(tmp_path, "--start-after", "not-a-number")
+    try:
+        started = time.monotonic()
+        watch = StartWatch(process, log, stall_seconds=60.0)
+        with pytest.raises(vllm.EngineUnavailable) as caught:
+            vllm.wait_for_start(connecting(url, process, log, 60.0, 60.0), watch, poll_seconds=0.1)
+        assert time.monotonic() - started < 10.0  # not the window of 60 s
+    finally:
+        vllm._stop(process)
+    message = str(caught.value)
+    assert message.startswith(f"exited (exit code 2); the end of its log ({log}):")
+    assert message.endswith("error: argument --start-after: invalid float value: 'not-a-number'")
+
+
+def test_the_start_watch_counts_the_stall_window_from_the_logs_last_growth(tmp_path):
+    log = tmp_path / "vllm-server.log"
+    clock, alive = Clock(), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = StartWatch(alive, log, stall_seconds=10.0, clock=clock)  # no log yet: an empty one
+        clock.now = 9.0
+        assert watch.problem() is None
+        log.write_text("INFO Loading weights took 80 s\n\r Loading shards: 50%\r")
+        clock.now = 18.0
+        assert watch.problem() is None  # grew at 18 s: the window runs from there
+        clock.now = 27.9
+        assert watch.problem() is None
+        clock.now = 28.0
+        assert watch.problem().endswith("its last line: Loading shards: 50%")
+    finally:
+        alive.kill()
+        alive.wait()
+    assert watch.problem() == "exited (exit code -9)"

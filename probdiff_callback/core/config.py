@@ -144,15 +144,16 @@ class ProbDiffConfig:
     )
     vllm_server_timeout: float = _setting(
         240.0,
-        help="seconds to wait for a server to start, or to answer at all; also bounds a request that generates nothing "
-        "(loading weights)",
+        help="seconds a server must answer within: a server you started (`server` mode) that does not answer at all, "
+        "its metrics, and a request that generates nothing (the model list, loading weights, sleep)",
         group=ENGINE,
         read_by=_GENERATING,
     )
     vllm_stall_timeout: float = _setting(
         240.0,
         help="a server's texts are waited for as long as it makes progress; it counts as stalled after this many "
-        "seconds without a token generated or a prompt processed (its /metrics; docs/vllm.md)",
+        "seconds without a token generated or a prompt processed (its /metrics; docs/vllm.md); a server this job "
+        "starts, after this many seconds without a line added to its log",
         group=ENGINE,
         read_by=_GENERATING,
     )

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.engines import Generated, GenerationError, GenerationRequest, cut_at_stop
-from probdiff_callback.core.engines.liveness import ServerWatch
+from probdiff_callback.core.engines.liveness import ServerWatch, StartWatch
 
 PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
 INSTALL_CPU = (
@@ -424,9 +424,10 @@ def start_colocated(
 ) -> ServerEngine:
     """A vLLM server on 127.0.0.1 for this job, on `model_path` (the base model), ready to answer.
 
-    Its log goes to `log_dir`/vllm-server.log (a temporary folder by default); a server that does not come up within
-    `timeout` seconds, or exits, is stopped and its log's end is in the error. Once up, its texts are waited for as
-    `ServerEngine` says (`stall_timeout`: its stall window).
+    Its log goes to `log_dir`/vllm-server.log (a temporary folder by default). Its start is waited for as long as its
+    process lives and its log grows (`liveness.StartWatch`): one that exits (its log's end in the error) or whose log
+    does not grow for `stall_timeout` seconds (its last line in the error) is stopped. Once up, its texts are waited
+    for as `ServerEngine` says (`stall_timeout`: its stall window; `timeout`: its answer window).
     """
     python = vllm_python()
     gpu = on_gpu()
@@ -455,37 +456,50 @@ def start_colocated(
             command, stdout=sink, stderr=subprocess.STDOUT, env=environment, preexec_fn=_die_with_parent
         )
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
+
+    def connect() -> ServerEngine:
+        return ServerEngine(
+            base_url,
+            tokenizer,
+            stop_ids,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
+            process=process,
+            log=log,
+            model_path=model_path,
+            gpu=gpu,
+        )
+
+    try:
+        engine = wait_for_start(connect, StartWatch(process, log, stall_seconds=stall_timeout))
+    except EngineUnavailable as err:
+        _stop(process)
+        raise EngineUnavailable(f"the vLLM server ({python}) {err}") from None
+    weakref.finalize(engine, _stop, process)  # also when the job ends without closing it
+    return engine
+
+
+def wait_for_start(connect: Callable[[], ServerEngine], watch: StartWatch, poll_seconds: float = 1.0) -> ServerEngine:
+    """`connect()` once it answers, tried every `poll_seconds` while the server starts; an `EngineUnavailable` saying
+    why once `watch` finds its process exited (with its log's end) or its log stalled."""
     while True:
         try:
-            engine = ServerEngine(
-                base_url,
-                tokenizer,
-                stop_ids,
-                timeout=timeout,
-                stall_timeout=stall_timeout,
-                process=process,
-                log=log,
-                model_path=model_path,
-                gpu=gpu,
-            )
-            weakref.finalize(engine, _stop, process)  # also when the job ends without closing it
-            return engine
+            return connect()
         except EngineUnavailable:
-            if process.poll() is None and time.monotonic() < deadline:
-                time.sleep(1.0)
+            problem = watch.problem()
+            if problem is None:
+                time.sleep(poll_seconds)
                 continue
-            why = "exited" if process.poll() is not None else f"did not answer within {timeout:.0f}s"
-            _stop(process)
-            raise EngineUnavailable(f"the vLLM server ({python}) {why}{_log_tail(log)}") from None
+            tail = _log_tail(watch.log) if problem.startswith("exited") else ""
+            raise EngineUnavailable(f"{problem}{tail}") from None
 
 
 def _server_environment(threads: int | None, gpu: bool) -> dict[str, str]:
-    """The server's environment: defaults for a CPU (each only where you have not set it), vLLM's logging at
-    warnings, the development endpoints (weights reload, sleep) and runtime LoRA loading, and none of the launcher's
-    variables."""
+    """The server's environment: defaults for a CPU (each only where you have not set it), vLLM's logging at INFO
+    (the stages of its start, which show it progressing: `liveness.StartWatch`), the development endpoints (weights
+    reload, sleep) and runtime LoRA loading, and none of the launcher's variables."""
     environment = dict(os.environ)
-    defaults = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    defaults = {"VLLM_LOGGING_LEVEL": "INFO"}  # at WARNING a start is silent for minutes on a busy CPU
     if not gpu:
         # KV cache in GiB; nobind: the cores are shared with training and other jobs
         defaults |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
