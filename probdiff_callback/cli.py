@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     watch = commands.add_parser(
         "watch",
-        help="the evaluator of a run's queued checkpoints (RUN_DIR/probdiff/queue/)",
+        help="the evaluator of a run trained with probdiff.async_eval=true: evaluates its queued checkpoints",
         description=WATCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 WATCH_DESCRIPTION = """\
-Evaluate the checkpoints a training run queued (RUN_DIR/probdiff/queue/), in step order, each as the training loop
+Evaluate the checkpoints a training run queued (probdiff.async_eval=true), in step order, each as the training loop
 would have: the run's ProbDiff settings, held-out queries and engine (HF, or vLLM with use_vllm=true), the same
 records. Each step's row and records go into RUN_DIR/probdiff (history.jsonl, step-N/records.jsonl, and the
 checkpoint's probdiff.json), then its done mark into RUN_DIR/probdiff/queue/step-N/done.json.

@@ -1,4 +1,4 @@
-"""`probdiff watch RUN_DIR`: the evaluator of the checkpoints a training run queued in its run directory.
+"""`probdiff watch RUN_DIR`: the evaluator of a run trained with `probdiff.async_eval=true`.
 
 Training queues a request for every step the loop would evaluate (`runs/queue.py`); this process takes them in step
 order and evaluates each as the loop would have: the same `ProbDiffConfig` (the spec's), the same queries in the same
@@ -51,7 +51,7 @@ MODEL_CONFIG = "config.json"
 
 
 class NotQueued(FileNotFoundError):
-    """The run has no evaluator spec: nothing queued its evaluations."""
+    """The run has no evaluator spec: it was not trained with async_eval."""
 
 
 class Stopped(BaseException):  # noqa: N818 - not an error: a signal asked the watch to stop
@@ -109,8 +109,8 @@ def queue_of(run_dir: Path, subdir: str) -> Path:
     queue = q.queue_dir(existing_run_dir(run_dir), subdir)
     if not (queue / q.SPEC_FILE).is_file():
         raise NotQueued(
-            f"{queue / q.SPEC_FILE}: not found: {run_dir} has no evaluation queue (a run "
-            "evaluated in its training loop has none: its history is written by the loop). "
+            f"{queue / q.SPEC_FILE}: not found: {run_dir} was not started with probdiff.async_eval=true (only such a "
+            "run queues its evaluations for `probdiff watch`; its history is written by the training loop). "
             f"`probdiff eval --adapter {run_dir}/checkpoint-N` evaluates one checkpoint"
         )
     return queue

@@ -1,4 +1,4 @@
-"""`probdiff watch RUN_DIR`: the evaluator of a run's queue takes the queued steps and evaluates each as the
+"""`probdiff watch RUN_DIR`: the evaluator of an async_eval run takes the queued steps and evaluates each as the
 training loop does (CPU, offline). The queue is written here as training writes it (`runs/queue.py`)."""
 
 from __future__ import annotations
@@ -76,18 +76,18 @@ def test_help_says_what_watch_needs_and_does(capsys):
         main(["watch", "--help"])
     assert exited.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "RUN_DIR/probdiff/queue/" in text
+    assert "probdiff.async_eval=true" in text
     assert "the run directory and the base model's folder" in text
     assert "One evaluator per run" in text and "--no-follow" in text and "--started-by-training" in text
     assert "SIGTERM stops it (exit 0)" in text and "the step in progress stays queued" in text
 
 
-def test_a_run_without_a_queue_is_refused(tmp_path, capsys):
+def test_a_run_not_trained_with_async_eval_is_refused(tmp_path, capsys):
     (tmp_path / "run" / "probdiff").mkdir(parents=True)
     assert main(["watch", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "probdiff watch: error:" in err and "evaluator.json: not found" in err
-    assert "has no evaluation queue" in err
+    assert "was not started with probdiff.async_eval=true" in err
     assert main(["watch", str(tmp_path / "nope")]) == 2
     assert f"{tmp_path / 'nope'}: no such run directory" in capsys.readouterr().err
 

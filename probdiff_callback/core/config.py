@@ -28,8 +28,8 @@ _EVERYWHERE = frozenset({EVAL, SCORE, CALLBACK})
 _GENERATING = frozenset({EVAL, CALLBACK})  # score is given its texts: nothing is sampled, revised or capped
 _TRAINING = frozenset({CALLBACK})
 
-METRIC, SAMPLING, LENGTHS, ENGINE, SCHEDULE = (
-    "metric", "sampling", "lengths and batching", "generation engine", "training schedule"
+METRIC, SAMPLING, LENGTHS, ENGINE, SCHEDULE, BESIDE = (
+    "metric", "sampling", "lengths and batching", "generation engine", "training schedule", "evaluation beside training"
 )  # fmt: skip
 DEFAULT_SUBDIR = "probdiff"  # a run's ProbDiff files: <output_dir>/probdiff/
 
@@ -231,6 +231,42 @@ class ProbDiffConfig:
         cli="the progress bar is always shown",
     )
 
+    # --- the evaluation beside training (docs/async.md): checkpoints queued in the run directory, one evaluator ---
+    async_eval: bool = _setting(
+        False,
+        help="evaluate in a process of its own beside training (`probdiff watch`): training saves and queues the "
+        "weights of each scheduled step and never waits for an evaluation, except for what is left at the end",
+        group=BESIDE,
+        read_by=_TRAINING,
+        cli="`probdiff watch RUN_DIR` is that process",
+    )
+    evaluator: Literal["local", "external"] = _setting(
+        "local",
+        help="async_eval: `local`, the training command starts the evaluator on this node and stops it at its end; "
+        "`external`, you start `probdiff watch RUN_DIR` (another node, a SLURM job step)",
+        group=BESIDE,
+        read_by=_TRAINING,
+    )
+    evaluator_gpus: str | None = _setting(
+        None,
+        help="async_eval, local: the GPUs the evaluator sees (CUDA_VISIBLE_DEVICES, e.g. `7` or `6,7`); null: the CPU",
+        group=BESIDE,
+        read_by=_TRAINING,
+    )
+    evaluator_threads: int | None = _setting(
+        None,
+        help="async_eval, local: the evaluator's CPU threads; null: as many as each training process",
+        group=BESIDE,
+        read_by=_TRAINING,
+    )
+    end_wait_seconds: float | None = _setting(
+        None,
+        help="async_eval: how long the command waits at its end for evaluations still queued (null: until all are "
+        "done); what is left is said, and `probdiff watch RUN_DIR` finishes it",
+        group=BESIDE,
+        read_by=_TRAINING,
+    )
+
     def __post_init__(self) -> None:
         """The one check, however the settings came: types and choices by OmegaConf (an int where a float is expected
         becomes a float; the first wrong one stops), then the ranges, every problem in one error."""
@@ -261,6 +297,10 @@ class ProbDiffConfig:
         for name in ("vllm_server_timeout", "vllm_stall_timeout"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)}: must be positive")
+        if self.evaluator_threads is not None and self.evaluator_threads < 1:
+            problems.append(f"evaluator_threads={self.evaluator_threads}: must be positive (or null)")
+        if self.end_wait_seconds is not None and self.end_wait_seconds < 0:
+            problems.append(f"end_wait_seconds={self.end_wait_seconds}: must be >= 0 (or null: until all are done)")
         if self.wandb_table_rows < 0:
             problems.append(f"wandb_table_rows={self.wandb_table_rows}: must be >= 0")
         if self.refinement_prompt not in REFINEMENT_PROMPTS and not (

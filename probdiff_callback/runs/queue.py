@@ -1,4 +1,4 @@
-"""The evaluations queued beside training: requests in the run directory, one evaluator taking them.
+"""The evaluations queued beside training (`async_eval`): requests in the run directory, one evaluator taking them.
 
 Training writes requests and never waits for them; the evaluator (`probdiff watch RUN_DIR`, started by training or by
 you) takes them in step order, evaluates each with the loop's code, seeds and settings, writes the step's row and
