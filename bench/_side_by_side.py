@@ -2,6 +2,7 @@
 pipeline doing the same work, each timed as a whole process (imports and model load included), run alternately
 `pairs` times, since the machine's speed drifts; their ratio is then taken of the medians."""
 
+import os
 import statistics
 import subprocess
 import sys
@@ -10,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The paper's data (never committed: ../shared/data/probdiff-reference beside the checkout, or where
+# PROBDIFF_REFERENCE_DATA says, e.g. for a git worktree elsewhere)
+REFERENCE_DATA = Path(os.environ.get("PROBDIFF_REFERENCE_DATA", ROOT.parent / "shared" / "data" / "probdiff-reference"))
 
 
 def timed(command: list[str]) -> tuple[float, str]:

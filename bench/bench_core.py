@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _side_by_side import ROOT, alternately, probdiff_eval, timed
+from _side_by_side import REFERENCE_DATA, ROOT, alternately, probdiff_eval, timed
 
-REAL_BLOG = ROOT.parent / "shared" / "data" / "probdiff-reference" / "redbook" / "test.json"
+REAL_BLOG = REFERENCE_DATA / "redbook" / "test.json"
 N_QUERIES, MAX_NEW_TOKENS = 32, 64
 
 

@@ -22,7 +22,7 @@ def prompts(tiny_model):
     return [chat_prompt_ids(tokenizer, "You are a helpful assistant.", q) for q in QUESTIONS]
 
 
-def decode(tiny_model, prompts, temperature, max_new_tokens=24, seed=0, **kwargs):
+def decode(tiny_model, prompts, temperature, max_new_tokens=24, seed=0, top_p=0.8, **kwargs):
     model, tokenizer = tiny_model
     n = len(prompts)
     return sample_continuations(
@@ -30,7 +30,7 @@ def decode(tiny_model, prompts, temperature, max_new_tokens=24, seed=0, **kwargs
         prompts,
         [row_seed(seed, i) for i in range(n)] if "seeds" not in kwargs else kwargs.pop("seeds"),
         [temperature] * n,
-        [0.8] * n,
+        [top_p] * n,
         max_new_tokens=max_new_tokens,
         stop_ids=stop_token_ids(tokenizer, model.generation_config),
         pad_token_id=tokenizer.pad_token_id,
@@ -69,6 +69,17 @@ def test_rows_do_not_depend_on_the_batch(tiny_model, prompts):
     assert together == alone
     reversed_ = decode(tiny_model, prompts[::-1], 0.7, seeds=seeds[::-1])
     assert reversed_[::-1] == together
+
+
+def test_rows_do_not_depend_on_the_batch_at_top_p_one(tiny_model, prompts):
+    """The default settings (top_p 1) draw by the race: a row's ids are the same alone, in pairs and all together."""
+    seeds = [row_seed(4, i) for i in range(len(prompts))]
+    together = decode(tiny_model, prompts, 0.7, seeds=seeds, top_p=1.0)
+    alone = [decode(tiny_model, [p], 0.7, seeds=[s], top_p=1.0)[0] for p, s in zip(prompts, seeds)]
+    assert together == alone
+    pairs = [decode(tiny_model, prompts[i : i + 2], 0.7, seeds=seeds[i : i + 2], top_p=1.0) for i in (0, 2, 4)]
+    assert [row for pair in pairs for row in pair] == together
+    assert len({tuple(row) for row in together}) == len(prompts)
 
 
 def test_ids_without_text_are_never_sampled(tiny_model, prompts):

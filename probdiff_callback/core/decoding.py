@@ -69,14 +69,19 @@ class RowSampler(LogitsProcessor):
         chosen = torch.full((scores.shape[0],), self.pad_token_id, dtype=torch.long, device=scores.device)
         live = (~self.finished).nonzero().squeeze(-1)
         if live.numel():
-            logits = scores[live] if self.n_valid_ids is None else scores[live, : self.n_valid_ids]
-            self.saw_nan |= torch.isnan(logits).any()  # on the device: read once, after generate (no sync per step)
+            # sample_tokens overwrites its input: generate hands us a float32 copy of the logits it does not reuse, so
+            # with every row live it works on `scores` itself, else on a copy of the live rows
+            logits = scores.float() if live.numel() == scores.shape[0] else scores[live].float()
+            valid = logits if self.n_valid_ids is None else logits[:, : self.n_valid_ids]
+            # NaN anywhere makes a row's maximum NaN: one cheap reduction, kept on the device and read once, after
+            # generate (no sync per step)
+            self.saw_nan |= torch.isnan(valid.amax(dim=-1)).any()
             uniforms = counter_uniforms([self.seeds[i] for i in live.tolist()], step).to(scores.device)
-            # sample_tokens overwrites its input: a float32 copy of the live rows (generate does not reuse scores)
             chosen[live] = sample_tokens(
-                scores[live].float(), self.temperatures[live], self.top_ps[live], uniforms, n_valid_ids=self.n_valid_ids
+                logits, self.temperatures[live], self.top_ps[live], uniforms, n_valid_ids=self.n_valid_ids
             )
-        return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
+        # -inf everywhere but at the chosen id, written over the scores (no new [rows, vocabulary] tensor)
+        return scores.fill_(float("-inf")).scatter_(1, chosen[:, None], 0.0)
 
 
 class StopWhenAsked(StoppingCriteria):
