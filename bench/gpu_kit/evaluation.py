@@ -36,7 +36,7 @@ class EvaluationRun:
     seconds: dict[str, float] = field(default_factory=lambda: {"answer": 0.0, "revision": 0.0, "scoring": 0.0})
     total_seconds: float = 0.0
     decode_calls: dict[str, list[DecodeCall]] = field(default_factory=lambda: {"answer": [], "revision": []})
-    scored: list[tuple[int, str]] = field(default_factory=list)  # (prompt length, text) of every scored text
+    scored: list[tuple[int, list[str]]] = field(default_factory=list)  # (prompt length, its texts) as scored
     memory_detail: str = ""
     memory_numbers: dict[str, float] = field(default_factory=dict)
 
@@ -85,7 +85,7 @@ def timed_scoring(run: EvaluationRun, device: torch.device) -> Iterator[None]:
         started = clock(device)
         scores = original_score_texts(model, tokenizer, prompts, texts, *args, **kwargs)
         run.seconds["scoring"] += clock(device) - started
-        run.scored.extend((len(p), t) for p, t in zip(prompts, texts))
+        run.scored.extend((len(p), list(t)) for p, t in zip(prompts, texts))
         return scores
 
     with patched(evaluator, "score_texts", timed_score_texts):
@@ -173,7 +173,9 @@ def evaluation_floors(run: EvaluationRun, tokenizer, cost: ModelCost, hardware: 
             decode_floor(cost, hardware, c.prompt_lengths, steps_per_row(c.generated_lengths, cap)).total for c in calls
         )
 
-    response_lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for _, text in run.scored]
+    response_lengths = [
+        [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts] for _, texts in run.scored
+    ]
     prompt_lengths = [length for length, _ in run.scored]
     return Floors(
         stage(run.decode_calls["answer"]),
@@ -253,10 +255,11 @@ def stage_figure(label: str, stage: str, run: EvaluationRun, floor: float, cap: 
 
 def scoring_figure(label: str, run: EvaluationRun, floors: Floors) -> Figure:
     took = run.seconds["scoring"]
+    n_texts = sum(len(texts) for _, texts in run.scored)
     return Figure(
         f"{label}: scoring",
         seconds(took),
-        f"{len(run.scored)} texts; compute floor {seconds(floors.scoring)}, {took / floors.scoring:.2f}x the floor",
+        f"{n_texts} texts; compute floor {seconds(floors.scoring)}, {took / floors.scoring:.2f}x the floor",
         {"seconds_s": took, "floor_s": floors.scoring, "ratio_to_floor": took / floors.scoring},
     )
 

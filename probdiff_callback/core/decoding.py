@@ -20,17 +20,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from probdiff_callback.core.sampling import counter_uniforms, sample_tokens
-from probdiff_callback.core.scoring import NonFiniteLogits, split_model
-
-
-def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[i, width - len(prompt) :] = 1
-    return input_ids, attention_mask
+from probdiff_callback.core.scoring import NonFiniteLogits, left_padded, split_model
 
 
 class RowSampler(LogitsProcessor):
