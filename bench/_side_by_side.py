@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DATA = Path(os.environ.get("PROBDIFF_REFERENCE_DATA", ROOT.parent / "shared" / "data" / "probdiff-reference"))
 
 
-def timed(command: list[str]) -> tuple[float, str]:
-    """(wall seconds, stdout) of `command` run from the checkout; exits with its stderr's tail if it fails."""
+def timed(command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[float, str]:
+    """(wall seconds, stdout) of `command` run from `cwd` (this checkout) in `env` (this process's environment);
+    exits with its stderr's tail if it fails."""
     started = time.time()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.exit(f"failed: {' '.join(command)}\n{result.stderr[-3000:]}")
     return time.time() - started, result.stdout

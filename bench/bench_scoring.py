@@ -7,7 +7,11 @@ them as `evaluate` does, once with `score_prompt_once=true` (the prompt's KV cac
 with `false` (each text after its prompt as a whole sequence), alternately `--pairs` times at one torch thread, in
 float32 on the CPU; the medians are compared and the largest difference between the two paths' scores is printed.
 
-Run: python bench/bench_scoring.py [--models smollm2 tiny] [--pairs 3] [--documents 16]
+`--precision` measures instead how far each path's scores and d (second text minus first) are from the float32 whole
+sequences when the model runs in bfloat16 (`--device cuda` on a GPU): both paths in bf16, and the whole sequences
+one at a time, whose rounding differs from a batch's.
+
+Run: python bench/bench_scoring.py [--models smollm2 tiny] [--pairs 3] [--documents 16] [--precision [--device cuda]]
 """
 
 import argparse
@@ -63,19 +67,60 @@ def workload(tokenizer, n: int) -> tuple[list[list[int]], list[list[str]]]:
     return prompts, texts
 
 
+def precision(name: str, n_documents: int, device: str) -> None:
+    """Each path's distance in bf16 from the fp32 whole sequences: mean |error| and the largest, of a text's mean
+    log-prob and of d."""
+    from probdiff_callback.core.scoring import score_batch, score_shared_prompts
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    scores = {}
+    for dtype in ("float32", "bfloat16"):
+        model, tokenizer = load_model_and_tokenizer(name, dtype=dtype, device=device)
+        prompts, texts = workload(tokenizer, n_documents)
+        ids = [[tokenizer(t, add_special_tokens=False)["input_ids"] for t in row] for row in texts]
+        pad, n = tokenizer.pad_token_id, len(prompts)
+        flat = [row[j] for j in range(2) for row in ids]
+        with torch.no_grad():
+            whole = score_batch(model.eval(), prompts * 2, flat, pad)
+            alone = score_batch(model, prompts * 2, flat, pad, rows_per_forward=1)
+            shared = score_shared_prompts(model, prompts, ids, pad)
+        scores[dtype] = {
+            "whole sequences, 16 a forward": [[whole[i][0], whole[n + i][0]] for i in range(n)],
+            "whole sequences, one at a time": [[alone[i][0], alone[n + i][0]] for i in range(n)],
+            "one pass": [[s[0] for s in row] for row in shared],
+        }
+        del model
+    reference = scores["float32"]["whole sequences, 16 a forward"]
+    print(f"{name}, {n_documents} prompts, bfloat16 on {device}, against float32 whole sequences:")
+    for path, rows in scores["bfloat16"].items():
+        logp = [abs(a - b) for row, ref in zip(rows, reference) for a, b in zip(row, ref)]
+        d = [abs((row[1] - row[0]) - (ref[1] - ref[0])) for row, ref in zip(rows, reference)]
+        print(
+            f"  {path:32s} mean log-prob off by {statistics.mean(logp):.1e} on average (at most {max(logp):.1e}), "
+            f"d by {statistics.mean(d):.1e} (at most {max(d):.1e})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["smollm2", "tiny"], help="presets [smollm2 tiny]")
     parser.add_argument("--pairs", type=int, default=3, help="alternating runs of each path [3]")
     parser.add_argument("--documents", type=int, default=16, help="queries, one scoring batch [16]")
+    parser.add_argument("--precision", action="store_true", help="bf16 against fp32 instead of the timing")
+    parser.add_argument("--device", default="cpu", help="--precision: where the model runs [cpu]")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(f"documents: {documents()[1]}; load average {os.getloadavg()[0]:.2f} at the start")
+    if args.precision:
+        for name in args.models:
+            precision(name, args.documents, args.device)
+        return
 
     from probdiff_callback.core.config import ProbDiffConfig
     from probdiff_callback.core.evaluator import inference_mode, score_texts
     from probdiff_callback.models import load_model_and_tokenizer
 
-    print(f"documents: {documents()[1]}; float32, 1 thread; load average {os.getloadavg()[0]:.2f} at the start")
+    print("float32, 1 thread")
     for name in args.models:
         model, tokenizer = load_model_and_tokenizer(name, dtype="float32", device="cpu")
         prompts, texts = workload(tokenizer, args.documents)
