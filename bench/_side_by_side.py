@@ -1,60 +1,91 @@
-"""What the side-by-side benchmarks (`bench_core.py`, `bench_eval_smollm2.py`) share: `probdiff eval` and a plain
-pipeline doing the same work, each timed as a whole process (imports and model load included), run alternately
-`pairs` times, since the machine's speed drifts; their ratio is then taken of the medians."""
+"""What the side-by-side benchmarks share (`bench_eval.py`, `bench_checkouts.py`, `bench_vllm.py`): commands run as
+whole processes from the checkout (imports and model load included), each side once per pair, `pairs` times in
+alternating order, since the machine's speed drifts; the sides are compared by the ratio of their medians."""
 
+from __future__ import annotations
+
+import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
-# The paper's data (never committed: ../shared/data/probdiff-reference beside the checkout, or where
-# PROBDIFF_REFERENCE_DATA says, e.g. for a git worktree elsewhere)
-REFERENCE_DATA = Path(os.environ.get("PROBDIFF_REFERENCE_DATA", ROOT.parent / "shared" / "data" / "probdiff-reference"))
+# The paper's data, where present (never committed): ../shared/data/probdiff-reference beside the checkout, or where
+# PROBDIFF_REFERENCE_DATA says (a git worktree elsewhere)
+PAPER_DATA = Path(os.environ.get("PROBDIFF_REFERENCE_DATA", ROOT.parent / "shared" / "data" / "probdiff-reference"))
+MT_BENCH = PAPER_DATA / "mtbench" / "question.jsonl"
+SUMMARIZATION_SAMPLES = ROOT / "data" / "samples" / "summarization" / "heldout.jsonl"
+T = TypeVar("T")
 
 
-def timed(command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[float, str]:
-    """(wall seconds, stdout) of `command` run from `cwd` (this checkout) in `env` (this process's environment);
-    exits with its stderr's tail if it fails."""
+@dataclass(frozen=True)
+class Done:
+    seconds: float  # wall time
+    cpu_seconds: float  # of the whole process tree (a vLLM server's included)
+    stdout: str
+    stderr: str
+
+    @property
+    def last_line(self) -> str:
+        """What a measuring process prints last on stdout: its figure."""
+        return self.stdout.strip().splitlines()[-1]
+
+
+def run(command: list[str], env: Mapping[str, str] | None = None, cwd: Path = ROOT) -> Done:
+    """`command` run to its end; exits with the end of its output if it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
+    result = subprocess.run(command, cwd=cwd, env=None if env is None else dict(env), capture_output=True, text=True)
+    seconds, after = time.time() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
-        sys.exit(f"failed: {' '.join(command)}\n{result.stderr[-3000:]}")
-    return time.time() - started, result.stdout
+        sys.exit(f"failed: {' '.join(command)}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return Done(seconds, cpu, result.stdout, result.stderr)
 
 
-def probdiff_eval(model: str, queries: Path, limit: int, out: Path, max_new_tokens: int, batch_size: int) -> list[str]:
-    """`probdiff eval` on the CPU in float32, its records and summary written to `out` (each run of the alternation
-    replaces the last one's)."""
-    return [
-        "probdiff", "eval", "--model", model, "--device", "cpu", "--dtype", "float32", "--queries", str(queries),
-        "--limit", str(limit), "--out", str(out), "--overwrite", f"max_new_tokens={max_new_tokens}",
-        f"batch_size={batch_size}",
-    ]  # fmt: skip
+def prepare_model(model: str) -> None:
+    """The preset built (or found) in the cache once, outside the timings."""
+    run(
+        [
+            sys.executable,
+            "-c",
+            f"from probdiff_callback.models import resolve_model_path; resolve_model_path({model!r})",
+        ]
+    )
 
 
-@dataclass
-class Runs:
-    """The seconds of each run of ours and of the plain side, in the order they ran."""
-
-    ours: list[float]
-    plain: list[float]
-
-    def medians(self) -> tuple[float, float]:
-        return statistics.median(self.ours), statistics.median(self.plain)
-
-    def note(self) -> str:
-        ours, plain = (", ".join(f"{t:.1f}" for t in runs) for runs in (self.ours, self.plain))
-        return f"(medians of {len(self.ours)}; ours {ours} s, plain {plain} s)"
+def alternately(pairs: int, sides: Mapping[str, Callable[[int], T]]) -> dict[str, list[T]]:
+    """Each side called with the pair's number, `pairs` times; the order turns around at every pair, so that no side
+    always runs first."""
+    results: dict[str, list[T]] = {name: [] for name in sides}
+    for pair in range(pairs):
+        for name in list(sides) if pair % 2 == 0 else reversed(list(sides)):
+            results[name].append(sides[name](pair))
+    return results
 
 
-def alternately(pairs: int, ours: list[str], plain: list[str]) -> Runs:
-    """`pairs` runs of each command, ours first in each pair."""
-    runs = Runs([], [])
-    for _ in range(pairs):
-        runs.ours.append(timed(ours)[0])
-        runs.plain.append(timed(plain)[0])
-    return runs
+def medians(seconds: Mapping[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def runs_note(seconds: Mapping[str, list[float]]) -> str:
+    """Every run's seconds, for the reader to see the spread behind the medians."""
+    sides = "; ".join(f"{name} " + ", ".join(f"{t:.1f}" for t in values) for name, values in seconds.items())
+    return f"(medians of {len(next(iter(seconds.values())))}; {sides} s)"
+
+
+def load_average() -> str:
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def read_run(out: Path) -> tuple[list[dict], dict]:
+    """The records and the summary `probdiff eval --out out` wrote."""
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    return records, json.loads((out / "summary.json").read_text())

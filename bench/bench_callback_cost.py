@@ -5,7 +5,7 @@ no callback), then evaluates the trained weights as the callback does (its
 `evaluate_model`, on the held-out blog queries) and prints:
 
   - seconds per training step and for the whole demo run,
-  - seconds per evaluation (the first one, with warm-up, and a warm one),
+  - seconds per evaluation (the first one, with warm-up, and a warm one) and of each of its stages,
   - the evaluation's cost in training steps, and the share of the run's time that
     evaluating every N steps (plus the baseline) adds.
 
@@ -29,6 +29,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
+STAGES = ("answers", "revisions", "scoring", "reference")  # the evaluator's own timing of each (Evaluation.cost)
 
 
 def main() -> int:
@@ -98,12 +99,10 @@ def main() -> int:
         print(first.error or warm.error, file=sys.stderr)
         return 1
 
-    n_queries = len(callback.queries)
+    n_queries, cost = len(callback.queries), warm.cost
     generations = n_queries * config.n_samples * (1 + config.n_revisions)
     chains = n_queries * config.n_samples
-    batches = math.ceil(chains / config.batch_size)
-    batch_sizes = [min(config.batch_size, chains - i * config.batch_size) for i in range(batches)]
-    tokens = sum(r["n_tokens_response"] + r["n_tokens_revised"] for r in warm.records)
+    batch_sizes = [min(config.batch_size, chains - start) for start in range(0, chains, config.batch_size)]
     per_step = train_seconds / args.steps
     evaluations = args.steps // args.every + 1  # every N steps, plus the baseline
     share = evaluations * warm.seconds / (train_seconds + evaluations * warm.seconds)
@@ -117,27 +116,28 @@ def main() -> int:
         "n_queries": n_queries,
         "max_new_tokens": config.max_new_tokens,
         "generations_per_evaluation": generations,
-        "decoding_loops": batches * (1 + config.n_revisions),
+        "decoding_loops": len(batch_sizes) * (1 + config.n_revisions),
         # two decoder calls (the prompts, then both texts from their cache) per group of SCORE_ROWS_PER_FORWARD / 2
         "scoring_forwards": sum(2 * math.ceil(2 * size / SCORE_ROWS_PER_FORWARD) for size in batch_sizes),
-        "generated_tokens": tokens,
+        "generated_tokens": cost.generated_tokens,
         "evaluation_seconds_first": round(first.seconds, 2),
         "evaluation_seconds": round(warm.seconds, 2),
+        "stage_seconds": {stage: round(getattr(cost, f"{stage}_seconds"), 2) for stage in STAGES},
         "evaluation_in_training_steps": round(warm.seconds / per_step, 1),
         "every": args.every,
         "evaluations_in_run": evaluations,
         "share_of_run": round(share, 3),
     }
+    stages = ", ".join(f"{stage} {seconds:.1f}s" for stage, seconds in figures["stage_seconds"].items())
     print(
         f"demo run: {args.steps} LoRA steps (batch {args.batch_size} x {args.max_length} tokens) "
         f"in {train_seconds:.1f}s, {per_step:.2f}s/step\n"
         f"one evaluation: {n_queries} queries -> {generations} generations of <= {config.max_new_tokens} tokens "
-        f"({tokens} generated) in {figures['decoding_loops']} decoding loops "
-        f"+ {figures['scoring_forwards']} scoring forwards: {warm.seconds:.1f}s warm ({first.seconds:.1f}s the first "
-        f"time) = {figures['evaluation_in_training_steps']} training steps\n"
+        f"({cost.generated_tokens} generated) in {figures['decoding_loops']} decoding loops "
+        f"+ {figures['scoring_forwards']} scoring forwards: {warm.seconds:.1f}s warm ({stages}; {first.seconds:.1f}s "
+        f"the first time) = {figures['evaluation_in_training_steps']} training steps\n"
         f"evaluating every {args.every} steps plus the baseline ({evaluations} evaluations): "
-        f"{evaluations * warm.seconds:.0f}s, "
-        f"{100 * share:.1f}% of the run's time"
+        f"{evaluations * warm.seconds:.0f}s, {100 * share:.1f}% of the run's time"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

@@ -1,60 +1,45 @@
 """`probdiff eval` from two checkouts of the project (before and after a change), side by side in one run.
 
-Each checkout runs as a whole process (imports and model load included) through `python -m probdiff_callback.cli`
-with its own source first on PYTHONPATH, alternately `--pairs` times per model, on the same queries and settings.
-Prints the median seconds of each, the ratio, and whether the two wrote the same records (texts and d), which is what
-a refactoring must keep.
+Each checkout runs as a whole process through `python -m probdiff_callback.cli` with its own source first on
+PYTHONPATH, on the same queries and settings, alternately `--pairs` times per model (bench/_side_by_side.py). Prints
+the median seconds of each, the ratio, and whether the two wrote the same records (texts and d), which is what a
+refactoring must keep.
 
 Run: python bench/bench_checkouts.py BEFORE_DIR AFTER_DIR [--models tiny smollm2] [--pairs 2] [--limit 8]
   e.g. git worktree add /tmp/before <commit>; python bench/bench_checkouts.py /tmp/before .
 """
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-MT_BENCH = ROOT.parent / "shared" / "data" / "probdiff-reference" / "mtbench" / "question.jsonl"
+import _side_by_side as harness
+
 QUERIES = {  # the data each preset is made for; MT-Bench for smollm2 where the paper's data is present
-    "tiny": ROOT / "data" / "samples" / "blog" / "heldout.jsonl",
-    "smollm2": MT_BENCH if MT_BENCH.is_file() else ROOT / "data" / "samples" / "summarization" / "heldout.jsonl",
+    "tiny": harness.ROOT / "data" / "samples" / "blog" / "heldout.jsonl",
+    "smollm2": harness.MT_BENCH if harness.MT_BENCH.is_file() else harness.SUMMARIZATION_SAMPLES,
 }
 SETTINGS = {"tiny": ["max_new_tokens=32", "batch_size=12"], "smollm2": ["max_new_tokens=128", "batch_size=8"]}
 
 
 def run_eval(checkout: Path, model: str, limit: int, out: Path) -> float:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
     command = [sys.executable, "-m", "probdiff_callback.cli", "eval", "--model", model, "--device", "cpu"]
     command += ["--queries", str(QUERIES[model]), "--limit", str(limit), "--out", str(out), *SETTINGS[model]]
-    started = time.time()
-    result = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"failed in {checkout}: {' '.join(command)}\n{result.stderr[-3000:]}")
-    return time.time() - started
+    return harness.run(command, env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout).seconds
 
 
-def source_of(checkout: Path) -> str:
-    """Where `probdiff_callback` is imported from with the checkout on PYTHONPATH (not the installed copy)."""
-    code = "import probdiff_callback; print(probdiff_callback.__file__)"
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    return subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True).stdout
+def side(checkout: Path, model: str, limit: int, folder: Path) -> Callable[[int], float]:
+    """One checkout's evaluation, into a folder of its own for each pair: `probdiff eval` keeps earlier results."""
+    return lambda pair: run_eval(checkout, model, limit, folder / str(pair))
 
 
 def same_records(a: Path, b: Path) -> str:
-    def rows(path: Path) -> list[tuple]:
-        records = [json.loads(line) for line in (path / "records.jsonl").read_text().splitlines()]
-        return [(r["id"], r["response"], r["revisions"], r["d"]) for r in records]
-
-    left, right = rows(a), rows(b)
-    same = sum(x == y for x, y in zip(left, right))
+    left, right = ([(r["id"], r["response"], r["revisions"], r["d"]) for r in harness.read_run(p)[0]] for p in (a, b))
     counts = "" if len(left) == len(right) else f", counts differ ({len(left)} vs {len(right)})"
-    return f"{same}/{len(left)} records identical (texts and d){counts}"
+    return f"{sum(x == y for x, y in zip(left, right))}/{len(left)} records identical (texts and d){counts}"
 
 
 def main() -> None:
@@ -66,26 +51,24 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="queries [8]")
     args = parser.parse_args()
     checkouts = {"before": args.before.resolve(), "after": args.after.resolve()}
-    for name, checkout in checkouts.items():
-        found = source_of(checkout).strip()
+    for name, checkout in checkouts.items():  # not the installed copy
+        code = [sys.executable, "-c", "import probdiff_callback; print(probdiff_callback.__file__)"]
+        found = harness.run(code, env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout).last_line
         if not found.startswith(str(checkout)):
             sys.exit(f"{name}: probdiff_callback comes from {found}, not from {checkout}")
-    print(f"load average {os.getloadavg()[0]:.2f}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+    print(f"load average {harness.load_average()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     with tempfile.TemporaryDirectory() as tmp_dir:
         for model in args.models:
-            run_eval(checkouts["after"], model, 1, Path(tmp_dir) / "warm")  # builds the preset's cache once
-            times: dict[str, list[float]] = {"before": [], "after": []}
-            for pair in range(args.pairs):
-                for name, checkout in checkouts.items():  # an --out of its own: `probdiff eval` keeps earlier results
-                    times[name].append(run_eval(checkout, model, args.limit, Path(tmp_dir) / model / f"{name}-{pair}"))
-            before, after = statistics.median(times["before"]), statistics.median(times["after"])
-            runs = "; ".join(f"{name} " + ", ".join(f"{t:.1f}" for t in values) for name, values in times.items())
-            print(
-                f"{model:8s} {args.limit} queries ({' '.join(SETTINGS[model])}): before {before:6.1f} s  "
-                f"after {after:6.1f} s  ratio (before / after) {before / after:4.2f}x  (runs: {runs})"
-                f"; {same_records(Path(tmp_dir) / model / 'before', Path(tmp_dir) / model / 'after')}"
-            )
-    print(f"load average now {os.getloadavg()[0]:.2f}")
+            run_eval(checkouts["after"], model, 1, Path(tmp_dir) / model / "warm")  # builds the preset's cache once
+            folders = {name: Path(tmp_dir) / model / name for name in checkouts}
+            sides = {name: side(checkouts[name], model, args.limit, folders[name]) for name in checkouts}
+            seconds = harness.alternately(args.pairs, sides)
+            before, after = harness.medians(seconds).values()
+            records = same_records(folders["before"] / "0", folders["after"] / "0")
+            print(f"{model:8s} {args.limit} queries ({' '.join(SETTINGS[model])}): before {before:6.1f} s  "
+                  f"after {after:6.1f} s  ratio (before / after) {before / after:4.2f}x  {harness.runs_note(seconds)}; "
+                  f"{records}")  # fmt: skip
+    print(f"load average now {harness.load_average()}")
 
 
 if __name__ == "__main__":

@@ -60,23 +60,11 @@ print(json.dumps({"growth_bytes": growth, "baseline_bytes": before * 1024, "seco
 
 def v1_config(hidden: int, heads: int, layers: int, ffn: int) -> dict:
     return {
-        "architectures": ["QWenLMHeadModel"],
-        "model_type": "qwen",
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_hidden_layers": layers,
-        "intermediate_size": 2 * ffn,
-        "kv_channels": hidden // heads,
-        "layer_norm_epsilon": 1e-6,
-        "rotary_emb_base": 10000,
-        "rotary_pct": 1.0,
-        "seq_length": 2048,
-        "vocab_size": VOCAB,
-        "use_dynamic_ntk": True,
-        "use_logn_attn": True,
-        "no_bias": True,
-        "torch_dtype": "bfloat16",
-    }
+        "architectures": ["QWenLMHeadModel"], "model_type": "qwen", "hidden_size": hidden, "num_attention_heads": heads,
+        "num_hidden_layers": layers, "intermediate_size": 2 * ffn, "kv_channels": hidden // heads,
+        "layer_norm_epsilon": 1e-6, "rotary_emb_base": 10000, "rotary_pct": 1.0, "seq_length": 2048,
+        "vocab_size": VOCAB, "use_dynamic_ntk": True, "use_logn_attn": True, "no_bias": True, "torch_dtype": "bfloat16",
+    }  # fmt: skip
 
 
 def v1_tensor_shapes(hidden: int, layers: int, ffn: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import torch
-from _side_by_side import REFERENCE_DATA, ROOT
+from _side_by_side import PAPER_DATA, ROOT
 
-REAL_BLOG = REFERENCE_DATA / "redbook" / "test.json"
+REAL_BLOG = PAPER_DATA / "redbook" / "test.json"
 SAMPLER_FILES = ("probdiff_callback/core/sampling.py", "probdiff_callback/core/decoding.py")
 N_ROWS, NEW_TOKENS = 16, 64
 

@@ -23,9 +23,9 @@ import sys
 import time
 
 import torch
-from _side_by_side import REFERENCE_DATA, ROOT
+from _side_by_side import PAPER_DATA, ROOT
 
-XSUM = REFERENCE_DATA / "xsum" / "test.json"
+XSUM = PAPER_DATA / "xsum" / "test.json"
 PROMPT_TOKENS = (400, 600)
 TEXT_TOKENS = (30, 60)
 sys.path.insert(0, str(ROOT))  # data/, for the summarization prompt, when run as a script from a checkout

@@ -10,9 +10,9 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import _side_by_side as harness
+
 STEP = """
 import sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
@@ -32,9 +32,10 @@ PICK = (
 )
 
 
-def run(code: list[str]) -> str:
+def run(code: str, *arguments: str) -> str:
+    """The last line `code` prints, in a process of its own that picks its threads by the rule (no OMP_NUM_THREADS)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    return subprocess.run(code, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    return harness.run([sys.executable, "-c", code, *arguments], env).last_line
 
 
 def main() -> None:
@@ -43,18 +44,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="decoding time per measurement [10]")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
-    run(
-        [sys.executable, "-c", "from probdiff_callback.models import resolve_model_path; resolve_model_path('smollm2')"]
-    )
-    print(f"{cores} cores; load average before {os.getloadavg()[0]:.2f}")
+    harness.prepare_model("smollm2")
+    print(f"{cores} cores; load average before {harness.load_average()}")
     print("busy processes | s/step at 1 thread | s/step at all cores | all / 1 | threads picked")
     for busy in [int(b) for b in args.busy.split(",")]:
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
             time.sleep(1.0 if busy else 0.0)
-            picked = run([sys.executable, "-c", PICK]).splitlines()[-1]
-            one = float(run([sys.executable, "-c", STEP, "1", str(args.seconds)]).splitlines()[-1])
-            every = float(run([sys.executable, "-c", STEP, str(cores), str(args.seconds)]).splitlines()[-1])
+            picked = run(PICK)
+            one, every = (float(run(STEP, str(threads), str(args.seconds))) for threads in (1, cores))
         finally:
             for spinner in spinners:
                 spinner.kill()

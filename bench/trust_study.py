@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from probdiff_callback.core.metric import compare
+from probdiff_callback.runs.run_files import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = ROOT.parent / "shared" / "data" / "probdiff-reference"
@@ -235,26 +236,26 @@ def cross_model(work: Path, source: Path, heldout: Path, clean: Path, broken: Pa
         loss = -by_set["reference"]["logp_response_mean"]
         lines.append(f"| {label} | {' | '.join(cells)} | {pct(xsum['confidence'])} | {number(rouge, '.1f')} | "
                      f"{number(loss, '.3f')} |")  # fmt: skip
-    # The figures of `probdiff compare A B`, one line per pair.
+    return "\n".join(lines) + "\n\n" + comparison_table(work, list(models))
+
+
+def comparison_table(work: Path, labels: list[str]) -> str:
+    """The figures of `probdiff compare A B` on each query set, one line per pair of models."""
     table = [
         "| queries | A vs B | confidence A | confidence B | win / tie / lose | sign p | Wilcoxon p |",
         "|---|---|---|---|---|---|---|",
     ]
-    labels = list(models)
     for name in ("MT-Bench", "AlpacaEval", "XSum"):
         for a, b in ((labels[2], labels[1]), (labels[3], labels[1]), (labels[2], labels[3]), (labels[1], labels[0])):
-            pair = [records(work / "models" / slug_of(label) / name / "records.jsonl") for label in (a, b)]
-            result = compare(
-                pair[0],
-                pair[1],
-                json.loads((work / "models" / slug_of(a) / name / "summary.json").read_text())["delta"],
-            )
+            folders = [work / "models" / slug_of(label) / name for label in (a, b)]
+            delta = json.loads((folders[0] / "summary.json").read_text())["delta"]
+            result = compare(*(read_records(folder / "records.jsonl") for folder in folders), delta)
             table.append(
-                f"| {name} | {a} vs {b} | {pct(result['confidence_a'])} | {pct(result['confidence_b'])} | "
-                f"{result['win']} / {result['tie']} / {result['lose']} | {number(result['sign_p'], '.3g')} | "
-                f"{number(result['wilcoxon_p'], '.3g')} |"
+                f"| {name} | {a} vs {b} | {pct(result.confidence_a)} | {pct(result.confidence_b)} | "
+                f"{result.win} / {result.tie} / {result.lose} | {number(result.sign_p, '.3g')} | "
+                f"{number(result.wilcoxon_p, '.3g')} |"
             )
-    return "\n".join(lines) + "\n\n" + "\n".join(table)
+    return "\n".join(table)
 
 
 def cap_check(work: Path, source: Path, heldout: Path) -> str:

@@ -9,11 +9,19 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from probdiff_callback.analysis.report import degenerate_note, format_comparison, format_summary
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
+from probdiff_callback.core.engines.vllm import EngineUnavailable
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
-from probdiff_callback.core.vllm_engine import EngineUnavailable
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from probdiff_callback.core.engines import Engine
+    from probdiff_callback.core.evaluator import Evaluation
+    from probdiff_callback.core.records import Summary
 
 
 def _settings_epilog(command: str) -> str:
@@ -238,52 +246,35 @@ def _prepare_out(out: str, overwrite: bool) -> None:
         raise OutputDirError(f"--out {out}: cannot create the directory ({err.strerror}: {err.filename})") from None
 
 
-def _write_results(command: str, out: str, records: list[dict], summary: dict, config: ProbDiffConfig, extra: dict):
+def _write_results(
+    command: str, out: str, evaluation: Evaluation, summary: Summary, config: ProbDiffConfig, extra: dict
+) -> None:
+    """records.jsonl and summary.json: the summary, then the settings that applied, `extra` (what was evaluated,
+    the seconds) and what each stage cost."""
     from probdiff_callback.runs.run_files import write_json, write_jsonl
 
     reads = ProbDiffConfig.keys_read_by(command)
-    summary["config"] = {key: value for key, value in config.to_dict().items() if key in reads}  # what applied
-    summary.update(extra)
-    write_jsonl(Path(out) / "records.jsonl", records)
-    write_json(Path(out) / "summary.json", summary)
-    return summary
+    applied = {key: value for key, value in config.to_dict().items() if key in reads}
+    write_jsonl(Path(out) / "records.jsonl", evaluation.records)
+    write_json(Path(out) / "summary.json", {**summary.to_json(), "config": applied, **extra, "cost": evaluation.cost})
 
 
-def _start_engine(args, config: ProbDiffConfig, model, tokenizer, scratch: Path):
+@contextlib.contextmanager
+def _vllm_engine(args, config: ProbDiffConfig, model, tokenizer) -> Iterator[Engine]:
     """The vLLM engine `config` asks for, holding the weights `probdiff eval` evaluates: the base model, or with
-    --adapter the adapter (by path) or the merged weights (written to `scratch`), as `vllm_weight_sync` says."""
-    import torch
+    --adapter the adapter (by path) or the merged weights, as `vllm_weight_sync` says; stopped at the end."""
+    from probdiff_callback.core.engines.vllm import VLLMGeneration
 
-    from probdiff_callback.core import vllm_engine
-    from probdiff_callback.core.chat_format import stop_token_ids
-    from probdiff_callback.models.loading import resolve_model_path
-
-    lora = args.adapter is not None and vllm_engine.weight_sync(config) == "lora"
     started = time.time()
-    engine = vllm_engine.start_engine(
-        config,
-        resolve_model_path(args.model),
-        tokenizer,
-        stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-        dtype=args.dtype,
-        max_lora_rank=vllm_engine.adapter_rank(args.adapter) if lora else 0,
-        threads=torch.get_num_threads(),
-        log_dir=args.out,
-    )
-    if args.adapter is None:
-        engine.use_base()
-    elif lora:
-        engine.use_adapter(str(Path(args.adapter).resolve()))
-    else:
-        vllm_engine.write_weights(model, scratch)
-        engine.use_weights(str(scratch))
-    where = config.vllm_server_base_url if config.vllm_mode == "server" else "in this job"
-    print(f"vLLM ({config.vllm_mode}, {where}) ready in {time.time() - started:.1f}s", file=sys.stderr)
-    return engine
+    with contextlib.closing(VLLMGeneration.start(config, model, tokenizer, dtype=args.dtype, log_dir=args.out)) as vllm:
+        with vllm.holding(model, base_model=args.adapter is None, adapter=args.adapter) as engine:
+            where = config.vllm_server_base_url if config.vllm_mode == "server" else "in this job"
+            print(f"vLLM ({config.vllm_mode}, {where}) ready in {time.time() - started:.1f}s", file=sys.stderr)
+            yield engine
 
 
 def cmd_eval(args) -> int:
-    from probdiff_callback.core.evaluator import evaluate_and_summarise
+    from probdiff_callback.core.evaluator import evaluate, summarise
     from probdiff_callback.core.queries import load_queries
     from probdiff_callback.core.reference_metrics import plan_references
 
@@ -298,47 +289,33 @@ def cmd_eval(args) -> int:
     _prepare_out(args.out, args.overwrite)
     model, tokenizer = _load(args)
     started = time.time()
-    with contextlib.ExitStack() as stack:
-        engine = None
-        if config.use_vllm:
-            from probdiff_callback.core.vllm_engine import scratch_folder
-
-            engine = _start_engine(args, config, model, tokenizer, stack.enter_context(scratch_folder()))
-            stack.callback(engine.close)
-        records, summary = evaluate_and_summarise(model, tokenizer, queries, config, engine=engine)
-    summary = _write_results(
-        EVAL,
-        args.out,
-        records,
-        summary,
-        config,
-        {
-            "model": args.model,
-            "adapter": args.adapter,
-            "queries": args.queries,
-            "seconds": round(time.time() - started, 2),
-        },
-    )
+    with _vllm_engine(args, config, model, tokenizer) if config.use_vllm else contextlib.nullcontext() as engine:
+        evaluation, summary = summarise(
+            evaluate(model, tokenizer, queries, config, engine=engine), queries, config, plan
+        )
+    seconds = round(time.time() - started, 2)
+    extra = {"model": args.model, "adapter": args.adapter, "queries": args.queries, "seconds": seconds}
+    _write_results(EVAL, args.out, evaluation, summary, config, extra)
     print(format_summary(summary))
-    if summary["n_truncated"]:
+    if summary.n_truncated:
         print(
-            f"note: {summary['n_truncated']} queries were longer than max_prompt_tokens={config.max_prompt_tokens} "
+            f"note: {summary.n_truncated} queries were longer than max_prompt_tokens={config.max_prompt_tokens} "
             "and were cut in the middle (see `truncated` in records.jsonl)"
         )
-    if summary["n_revision_truncated"]:
+    if summary.n_revision_truncated:
         print(
-            f"note: {summary['n_revision_truncated']} refinement requests (query + answer + prompt) were longer than "
+            f"note: {summary.n_revision_truncated} refinement requests (query + answer + prompt) were longer than "
             f"max_prompt_tokens={config.max_prompt_tokens} and were cut in the middle "
             "(see `revision_truncated` in records.jsonl)"
         )
-    if summary["n_capped"] or summary["n_revision_capped"]:
+    if summary.n_capped or summary.n_revision_capped:
         print(
-            f"note: {summary['n_capped']} answers and {summary['n_revision_capped']} revisions ended at "
+            f"note: {summary.n_capped} answers and {summary.n_revision_capped} revisions ended at "
             f"max_new_tokens={config.max_new_tokens} without an end-of-turn token and were scored cut short "
             "(see `response_capped` and `revision_capped` in records.jsonl); "
             "the reference code allowed 2,048 tokens (1,024 on AlignBench)"
         )
-    if summary["n_revision_degenerate"]:
+    if summary.n_revision_degenerate:
         print(degenerate_note(summary))
     print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
     return 0
@@ -347,23 +324,21 @@ def cmd_eval(args) -> int:
 def cmd_score(args) -> int:
     from probdiff_callback.core.evaluator import score_pairs, summarise
     from probdiff_callback.core.queries import load_pairs
+    from probdiff_callback.core.reference_metrics import plan_references
 
     config = config_for_command(SCORE, args.overrides)
     pairs = load_pairs(args.pairs)
+    queries = [query for query, _, _ in pairs]
+    plan = plan_references(queries)
     _prepare_out(args.out, args.overwrite)
     model, tokenizer = _load(args)
     started = time.time()
-    records, summary = summarise(score_pairs(model, tokenizer, pairs, config), [q for q, _, _ in pairs], config)
-    summary = _write_results(
-        SCORE,
-        args.out,
-        records,
-        summary,
-        config,
-        {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": round(time.time() - started, 2)},
-    )
+    evaluation, summary = summarise(score_pairs(model, tokenizer, pairs, config), queries, config, plan)
+    seconds = round(time.time() - started, 2)
+    extra = {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": seconds}
+    _write_results(SCORE, args.out, evaluation, summary, config, extra)
     print(format_summary(summary))
-    if summary["n_revision_degenerate"]:
+    if summary.n_revision_degenerate:
         print(degenerate_note(summary))
     print(f"wrote {Path(args.out) / 'records.jsonl'} and {Path(args.out) / 'summary.json'}")
     return 0
@@ -371,7 +346,8 @@ def cmd_score(args) -> int:
 
 def cmd_compare(args) -> int:
     from probdiff_callback.core.metric import compare
-    from probdiff_callback.core.queries import read_jsonl
+    from probdiff_callback.core.records import Summary
+    from probdiff_callback.runs.run_files import read_records
 
     records = []
     for directory in (args.dir_a, args.dir_b):
@@ -380,14 +356,14 @@ def cmd_compare(args) -> int:
             raise FileNotFoundError(
                 f"{path}: not found; give directories written by `probdiff eval` or `probdiff score`"
             )
-        records.append(read_jsonl(path))
+        records.append(read_records(path))
     delta = args.delta
     if delta is None:
-        delta = json.loads((Path(args.dir_a) / "summary.json").read_text())["delta"]
+        delta = Summary.from_json(json.loads((Path(args.dir_a) / "summary.json").read_text())).delta
     result = compare(records[0], records[1], delta)
     print(format_comparison(result, args.dir_a, args.dir_b))
-    if result["n_only_a"] or result["n_only_b"]:
-        print(f"not compared: {result['n_only_a']} queries only in A, {result['n_only_b']} only in B")
+    if result.n_only_a or result.n_only_b:
+        print(f"not compared: {result.n_only_a} queries only in A, {result.n_only_b} only in B")
     return 0
 
 

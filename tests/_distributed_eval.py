@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", action="store_true", help="generate through vLLM (colocate): train, evaluate, stop")
     args = parser.parse_args(argv)
 
-    import probdiff_callback.callback.distributed as evaluation_module
+    import probdiff_callback.callback.trainer_evaluation as evaluation_module
     from probdiff_callback.callback.eval_losses import per_example_eval_losses
     from probdiff_callback.callback.probdiff import ProbDiffCallback
 
@@ -163,15 +163,30 @@ def main(argv: list[str] | None = None) -> int:
     seen: dict = {"rank": rank, "world_size": trainer.accelerator.num_processes, "history_metrics": callback.evaluated}
     if args.vllm:  # the run's engine is stopped at the end of training: what the callback logged is the result
         outcome = callback.state.last_outcome
-        seen["last"] = {"records": outcome.records, "summary": outcome.summary, "error": outcome.error}
+        seen["last"] = {
+            "records": outcome.records,
+            "summary": outcome.summary,
+            "error": outcome.error,
+            "cost": outcome.cost,
+        }
         return _write_seen(args.out, rank, seen, trainer)
     callback.config.gather_params = True
     gathered = callback.evaluate_model()
-    seen["gathered"] = {"records": gathered.records, "summary": gathered.summary, "error": gathered.error}
+    seen["gathered"] = {
+        "records": gathered.records,
+        "summary": gathered.summary,
+        "error": gathered.error,
+        "cost": gathered.cost,
+    }
     if args.mode == "zero3":
         callback.config.gather_params = False
         sharded = callback.evaluate_model()
-        seen["sharded"] = {"records": sharded.records, "summary": sharded.summary, "error": sharded.error}
+        seen["sharded"] = {
+            "records": sharded.records,
+            "summary": sharded.summary,
+            "error": sharded.error,
+            "cost": sharded.cost,
+        }
         callback.config.gather_params = True
 
     real_evaluate = evaluation_module.evaluate

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _faults import FAULT_ENV, fault_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "train" / "sft.py"
 # A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
@@ -42,7 +44,10 @@ def sft_command(launcher: str = "python", processes: int = 1, launcher_args: tup
 
 
 def sft_env(**extra: str) -> dict[str, str]:
+    """The environment of a started process; `PROBDIFF_FAULT=<plan>` among `extra` arms the fault seam in it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **extra}
+    if extra.get(FAULT_ENV):
+        env.update(fault_env(extra[FAULT_ENV]))
     env.pop("OMP_NUM_THREADS", None)
     return env
 
@@ -77,6 +82,10 @@ def table(stdout: str) -> list[str]:
     return lines[:2] + rows
 
 
+def tokens(cost: dict | None) -> dict:
+    return {key: value for key, value in (cost or {}).items() if not key.endswith("_seconds")}
+
+
 def assert_same_run(reference: Path, run: Path) -> None:
     """The history, every step's records and the Trainer's log equal the uninterrupted run's."""
     expected, got = history_rows(reference), history_rows(run)
@@ -88,6 +97,8 @@ def assert_same_run(reference: Path, run: Path) -> None:
                 continue
             if key == "checkpoint":
                 assert (want[key] and Path(want[key]).name) == (have[key] and Path(have[key]).name)
+            elif key == "cost":  # its seconds are the clock's; the tokens generated are the run's
+                assert tokens(want[key]) == tokens(have[key]), (want["global_step"], key)
             else:
                 assert want.get(key) == have.get(key), (want["global_step"], key)
         if want["records"]:
@@ -95,10 +106,18 @@ def assert_same_run(reference: Path, run: Path) -> None:
                 reference / "probdiff" / want["records"]
             ).read_text()
 
+    def state(directory: Path) -> dict:
+        return json.loads((directory / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+
     def log(directory: Path) -> list[dict]:
-        state = json.loads((directory / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
         return [
-            {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k} for e in state["log_history"]
+            {k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
+            for e in state(directory)["log_history"]
         ]
 
+    def best(directory: Path) -> tuple:
+        kept = state(directory)
+        return kept["best_metric"], kept["best_global_step"], Path(kept["best_model_checkpoint"] or "").name
+
     assert log(run) == log(reference), "each step logged once, with the uninterrupted run's numbers"
+    assert best(run) == best(reference), "the Trainer's best model is the uninterrupted run's"

@@ -3,13 +3,13 @@ hand for the tests of `select`, `plot` and the disagreement alarm."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from probdiff_callback.core.metric import compare_to_base, summarize
+from probdiff_callback.core.metric import compare_to_base, is_confident, summary_of
+from probdiff_callback.core.records import Record
 from probdiff_callback.runs.run_files import (
     HistoryRow,
     history_path,
@@ -22,20 +22,22 @@ from probdiff_callback.runs.run_files import (
 DELTA = -0.05
 
 
-def records_for(ds: list[float], categories: tuple[str, ...] = ("writing", "math")) -> list[dict]:
+def records_for(ds: list[float], categories: tuple[str, ...] = ("writing", "math")) -> list[Record]:
     return [
-        {
-            "id": f"q{i}",
-            "category": categories[i % len(categories)],
-            "d": d,
-            "logp_response": -2.0,
-            "logp_revised": -2.0 + d,
-            "n_tokens_response": 10,
-            "n_tokens_revised": 10,
-            "truncated": False,
-            "response": "a",
-            "revisions": ["b"],
-        }
+        Record(
+            id=f"q{i}",
+            category=categories[i % len(categories)],
+            query=f"query {i}",
+            response="a",
+            revisions=["b"],
+            logp_response=-2.0,
+            logp_revised=-2.0 + d,
+            d=d,
+            n_tokens_response=10,
+            n_tokens_revised=10,
+            confident=is_confident(d, DELTA),
+            truncated=False,
+        )
         for i, d in enumerate(ds)
     ]
 
@@ -71,11 +73,11 @@ def write_run(
             records = records_for(ds)
             write_jsonl(step_records_path(run, step), records)
             row["records"] = f"step-{step}/records.jsonl"
-            row["summary"] = json.loads(json.dumps(summarize(records, DELTA, [0.0, -0.1])))
+            row["summary"] = summary_of(records, DELTA, [0.0, -0.1]).to_json()
             base = rows.get(0)
             if kind != "baseline" and base is not None and base.records:
                 base_records = read_records(run / "probdiff" / base.records)
-                row["vs_base"] = json.loads(json.dumps(compare_to_base(records, base_records, DELTA)))
+                row["vs_base"] = compare_to_base(records, base_records, DELTA).to_json()
         rows[step] = HistoryRow.from_json(row)
     write_jsonl(history_path(run), [rows[step].to_json() for step in sorted(rows)])
 

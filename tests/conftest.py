@@ -44,6 +44,18 @@ def tiny_model(tiny_model_path):
 
 
 @pytest.fixture
+def one_torch_thread():
+    """One intra-op thread while the test runs: on 2 shared cores, multi-threaded torch ops (generate's torch.isin
+    over the 152k vocabulary) run 10-30x slower under contention than on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def sft_in_this_process(monkeypatch):
     """For tests that call train/sft.py's `main` here: its effects on this process undone afterwards (W&B's
     environment, torch's threads, and the console handlers it gives the library's log, which stops propagating)."""

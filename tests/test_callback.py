@@ -2,44 +2,38 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
-from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
+from _faults import inject
+from _records import make_record
 from transformers import EarlyStoppingCallback
 
-import probdiff_callback.callback.distributed as evaluation_module  # where the callback calls `evaluate`
+import probdiff_callback.callback.trainer_evaluation as evaluation_module  # where the callback calls `evaluate`
 from probdiff_callback.analysis.select import format_selection, point_best, select_checkpoints
-from probdiff_callback.callback import distributed
-from probdiff_callback.callback.distributed import preserved_rng_state
+from probdiff_callback.callback.cost import CostReport
 from probdiff_callback.callback.metrics import metrics_from_summary
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import select_queries
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import evaluate
-from probdiff_callback.core.metric import compare, summarize
-from probdiff_callback.core.queries import DataFileError, Query, read_jsonl
+from probdiff_callback.core.metric import compare, summary_of
+from probdiff_callback.core.queries import DataFileError, Query
+from probdiff_callback.core.records import Cost, Record
 from probdiff_callback.runs import run_files
-from probdiff_callback.runtime import faults
+from probdiff_callback.runs.run_files import read_records
 
 SWEEP_KEYS = ["0", "-0.02", "-0.05", "-0.1"]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on 2 shared cores, multi-threaded torch ops (generate's torch.isin over
-    the 152k vocabulary) run 10-30x slower under contention than on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def history_rows(run_dir: Path) -> list[dict]:
@@ -51,55 +45,38 @@ def probdiff_logs(trainer) -> dict[int, dict]:
     return {entry["step"]: entry for entry in trainer.state.log_history if "eval_probdiff_confidence" in entry}
 
 
-def assert_same_records(actual: list[dict], expected: list[dict]) -> None:
-    assert [r["id"] for r in actual] == [r["id"] for r in expected]
+def assert_same_records(actual: list[Record], expected: list[Record]) -> None:
+    assert [r.id for r in actual] == [r.id for r in expected]
     for a, e in zip(actual, expected):
-        assert a["response"] == e["response"]
-        assert a["revisions"] == e["revisions"]
-        assert abs(a["logp_response"] - e["logp_response"]) < 1e-4
-        assert abs(a["logp_revised"] - e["logp_revised"]) < 1e-4
+        assert a.response == e.response
+        assert a.revisions == e.revisions
+        assert abs(a.logp_response - e.logp_response) < 1e-4
+        assert abs(a.logp_revised - e.logp_revised) < 1e-4
 
 
 # ---- helpers, no model ----
 
 
-class OneRankOf:
-    """What `evaluate_sharded` needs of an accelerator, for one of `n` ranks (accelerate's own split)."""
-
-    def __init__(self, rank: int, n: int) -> None:
-        self.process_index, self.num_processes = rank, n
-
-    def split_between_processes(self, inputs, apply_padding=False):
-        from contextlib import contextmanager
-
-        from accelerate import PartialState
-
-        return contextmanager(PartialState.split_between_processes.__wrapped__)(self, inputs, apply_padding)
-
-
-@pytest.mark.parametrize("n_items, n_ranks", [(5, 2), (7, 3), (2, 4), (4, 2), (1, 1)])
-def test_sharded_evaluation_makes_equal_calls_and_gathers_in_order(monkeypatch, n_items, n_ranks):
-    monkeypatch.setattr(distributed, "gather_object", lambda values: values)  # each rank's part; joined below
-    items = [f"q{i}" for i in range(n_items)]
-    shares, gathered = [], []
-    for rank in range(n_ranks):
-        results, error = distributed.evaluate_sharded(
-            OneRankOf(rank, n_ranks), items, lambda share: shares.append(list(share)) or [s.upper() for s in share]
-        )
-        assert error is None
-        gathered += results
-    assert len({len(share) for share in shares}) == 1  # the same number of calls on every rank (ZeRO-3)
-    assert gathered == [item.upper() for item in items]
-
-
-def test_a_failure_on_one_rank_is_reported_with_its_traceback(monkeypatch):
-    monkeypatch.setattr(distributed, "gather_object", lambda values: values)
-
-    def fail(share):
-        raise RuntimeError("out of memory")
-
-    results, error = distributed.evaluate_sharded(OneRankOf(1, 2), ["a", "b", "c"], fail)
-    assert results == [] and error.startswith("rank 1: Traceback") and "out of memory" in error
+def test_the_cost_lines_say_where_the_evaluations_time_went():
+    report = CostReport()
+    report.training_started(0)
+    report.evaluated(9.0, Cost(answers_seconds=3.0, scoring_seconds=1.0), before_training=True)  # the base model's
+    stages = Cost(
+        answers_seconds=4.0, revisions_seconds=3.0, scoring_seconds=1.0, answer_tokens=1300, revision_tokens=42
+    )
+    report.evaluated(10.0, stages)
+    report.evaluated(12.0, None)  # a failed evaluation: its time counts, no stages
+    args, state = SimpleNamespace(eval_strategy="steps"), SimpleNamespace(eval_steps=4, global_step=4)
+    message = report.message(args, state, every=1)
+    assert message.startswith("ProbDiff: one evaluation takes 10.0s (the base model's took 9.0s, once)")
+    assert message.endswith("; that evaluation: answers 4.0s, revisions 3.0s, scoring 1.0s; 1,342 tokens generated")
+    totals = report.totals()
+    assert totals.startswith("ProbDiff cost: 2 evaluations during training took 0.4 min")
+    assert totals.endswith(
+        "in the evaluations during training: answers 4.0s, revisions 3.0s, scoring 1.0s; 1,342 tokens generated"
+    )
+    stages.reference_seconds = 0.3
+    assert "scoring 1.0s, reference metrics 0.3s; 1,342" in report.totals()
 
 
 def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_global_rng():
@@ -118,20 +95,8 @@ def test_select_queries_is_a_fixed_subset_in_file_order_without_touching_the_glo
 
 
 def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
-    records = [
-        {
-            "id": str(i),
-            "category": c,
-            "d": d,
-            "logp_response": -2.0,
-            "logp_revised": -2.0 + d,
-            "n_tokens_response": 5,
-            "n_tokens_revised": 5,
-            "truncated": False,
-        }
-        for i, (c, d) in enumerate([("a b", 0.1), ("a b", -0.2), ("c/d", 0.3)])
-    ]
-    summary = summarize(records, -0.05, [0.0, -0.1])
+    records = [make_record(i, d, category=c) for i, (c, d) in enumerate([("a b", 0.1), ("a b", -0.2), ("c/d", 0.3)])]
+    summary = summary_of(records, -0.05, [0.0, -0.1])
     metrics = metrics_from_summary(summary, [0.0, -0.1], ["a b", "c/d"])
     assert metrics["eval_probdiff_confidence"] == pytest.approx(2 / 3)
     assert metrics["eval_probdiff_confidence_a_b"] == 0.5 and metrics["eval_probdiff_confidence_c_d"] == 1.0
@@ -150,76 +115,31 @@ def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
     assert all(math.isnan(v) for v in failed.values())
 
 
-def test_preserved_rng_state_restores_every_stream():
-    torch.manual_seed(3), np.random.seed(3), random.seed(3)
-    expected = (torch.rand(2), np.random.rand(2), random.random())
-    torch.manual_seed(3), np.random.seed(3), random.seed(3)
-    with preserved_rng_state():
-        torch.rand(5), np.random.rand(5), random.random()
-    assert torch.equal(torch.rand(2), expected[0])
-    assert np.array_equal(np.random.rand(2), expected[1]) and random.random() == expected[2]
+@pytest.mark.parametrize(
+    ("metric", "save_strategy", "values", "best"),
+    [
+        # NaN is never best; a tie keeps the first step
+        ("probdiff_confidence", "steps", [0.5, math.nan, 0.75, 0.75, 0.5], (0.75, 3)),
+        ("eval_loss", "steps", [2.0, 1.5, 1.5, 1.75], (1.5, 2)),  # greater_is_better False for a loss
+        ("probdiff_confidence", "no", [0.5, 0.75], (0.75, None)),  # no checkpoints: no best step
+        (None, "steps", [0.5], (None, None)),
+    ],
+)
+def test_the_best_metric_is_recorded_as_the_trainer_records_it(tmp_path, metric, save_strategy, values, best):
+    """What a resumed run sets for a step evaluated again (`record_best_metric`) follows the Trainer's own rule."""
+    from transformers import TrainerState, TrainingArguments
 
+    from probdiff_callback.callback.probdiff import record_best_metric
 
-class Zero3Accelerator:
-    """What the unwrapping reads of an accelerator under ZeRO-3 (the model is not really sharded)."""
-
-    state = type("State", (), {"deepspeed_plugin": type("Plugin", (), {"zero_stage": 3})(), "fsdp_plugin": None})()
-
-    def unwrap_model(self, model):
-        return model
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fails", [False, True])
-@pytest.mark.parametrize("gather_params", [True, False])
-def test_unwrapping_restores_zero3_hooks_and_the_runs_checkpointing_even_when_evaluation_fails(
-    tiny_model_path, monkeypatch, gather_params, fails
-):
-    """trl's unwrap gathers and lifts the optimizer's hooks; ours puts them back once, also after a failure (trl
-    would not), and re-enables checkpointing with the run's every_n_layers (trl's re-enable would drop it)."""
-    import sys
-    import types
-
-    from transformers import AutoModelForCausalLM, TrainingArguments
-    from trl.models import utils as trl_utils
-
-    from probdiff_callback.callback.distributed import set_activation_checkpointing, unwrapped_for_generation
-
-    events = []
-
-    @contextlib.contextmanager
-    def gathered(params):  # deepspeed's partitions again on any exit
-        events.append("gather")
-        try:
-            yield
-        finally:
-            events.append("partition")
-
-    fake_deepspeed = types.ModuleType("deepspeed")
-    fake_deepspeed.zero = types.SimpleNamespace(GatheredParameters=gathered)
-    monkeypatch.setitem(sys.modules, "deepspeed", fake_deepspeed)
-    monkeypatch.setattr(trl_utils, "remove_hooks", lambda m: events.append("remove hooks"))
-    monkeypatch.setattr(trl_utils, "add_hooks", lambda m: events.append("add hooks"))
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     args = TrainingArguments(
-        output_dir="unused", activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2}
-    )
-    set_activation_checkpointing(model, True, args)
-    layers_before = [getattr(m, "gradient_checkpointing", None) for m in model.modules()]
-    assert True in layers_before and False in layers_before  # every second layer only
-
-    with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
-        with unwrapped_for_generation(model, Zero3Accelerator(), gather_params, args) as unwrapped:
-            assert unwrapped is model and not unwrapped.is_activation_checkpointing
-            if fails:
-                raise RuntimeError("evaluation failed")
-    expected = (  # the hooks back once: on a failure by us, after deepspeed partitioned; else by trl, inside
-        ["gather", "remove hooks", "partition", "add hooks"]
-        if fails
-        else ["gather", "remove hooks", "add hooks", "partition"]
-    )
-    assert events == (expected if gather_params else [])
-    assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == layers_before
+        output_dir=str(tmp_path), metric_for_best_model=metric, eval_strategy="steps", save_strategy=save_strategy,
+        use_cpu=True, report_to=[],
+    )  # fmt: skip
+    state = TrainerState()
+    for step, value in enumerate(values, start=1):
+        state.global_step = step
+        record_best_metric(state, args, {"eval_probdiff_confidence": value, "eval_loss": value})
+    assert (state.best_metric, state.best_global_step) == best
 
 
 def test_options_are_validated():
@@ -254,7 +174,7 @@ def test_queries_come_from_strings_chats_datasets_or_the_trainers_eval_dataset(t
     default = ProbDiffCallback(trainer, config=config)
     assert len(default.queries) == len(trainer.eval_dataset) and all(q.reference for q in default.queries)
     outcome = from_strings.evaluate_model()
-    assert outcome.error is None and [r["id"] for r in outcome.records] == ["0", "1"]
+    assert outcome.error is None and [r.id for r in outcome.records] == ["0", "1"]
     with pytest.raises(DataFileError, match=r"queries\[1\]: got int"):
         ProbDiffCallback(trainer, ["fine", 3], config)
     with pytest.raises(DataFileError, match="no query found"):
@@ -302,28 +222,32 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     assert [r["kind"] for r in rows] == ["baseline", "evaluate", "evaluate"]
     assert [r["base_model"] for r in rows] == [True, False, False]
     assert all(r["error"] is None and r["seconds"] > 0 for r in rows)
+    # what each stage cost, beside the seconds: every stage took time, and the texts were generated
+    costs = [Cost.from_json(r["cost"]) for r in rows]
+    assert all(c.answers_seconds > 0 and c.revisions_seconds > 0 and c.scoring_seconds > 0 for c in costs)
+    assert all(c.answer_tokens > 0 and c.seconds <= r["seconds"] for c, r in zip(costs, rows))
     subset = [q.id for q in select_queries(queries, N_QUERIES, probdiff_config().seed)]
     config = probdiff_config()
     for row in rows:
-        records = read_jsonl(run / "probdiff" / row["records"])
-        assert [r["id"] for r in records] == subset
-        assert row["summary"] == json.loads(json.dumps(summarize(records, config.delta, config.sweep)))
+        records = read_records(run / "probdiff" / row["records"])
+        assert [r.id for r in records] == subset
+        assert row["summary"] == summary_of(records, config.delta, config.sweep).to_json()
     for row in rows[1:]:
         assert row["checkpoint"] == str(run / f"checkpoint-{row['global_step']}")
         assert json.loads((run / f"checkpoint-{row['global_step']}" / "probdiff.json").read_text()) == row
     assert rows[0]["checkpoint"] is None
     assert [r["vs_base"] is None for r in rows] == [True, False, False]
-    base_records = read_jsonl(run / "probdiff" / rows[0]["records"])
+    base_records = read_records(run / "probdiff" / rows[0]["records"])
     for row in rows[1:]:
-        expected = compare(read_jsonl(run / "probdiff" / row["records"]), base_records, config.delta)
-        assert row["vs_base"] == json.loads(json.dumps(expected))
+        expected = compare(read_records(run / "probdiff" / row["records"]), base_records, config.delta)
+        assert row["vs_base"] == expected.to_json()
         step_logs = [e for e in trainer.state.log_history if e.get("step") == row["global_step"]]
         assert [row["eval_loss"]] == [e["eval_loss"] for e in step_logs if "eval_loss" in e]
 
     # The baseline is the base model: the adapters were disabled.
     model, tokenizer = tiny_model
-    base_records = evaluate(model, tokenizer, select_queries(queries, N_QUERIES, config.seed), config, progress=False)
-    assert_same_records(read_jsonl(run / "probdiff" / rows[0]["records"]), base_records)
+    base = evaluate(model, tokenizer, select_queries(queries, N_QUERIES, config.seed), config, progress=False)
+    assert_same_records(read_records(run / "probdiff" / rows[0]["records"]), base.records)
 
     logged = probdiff_logs(trainer)
     assert sorted(logged) == [0, 2, 4]
@@ -448,41 +372,31 @@ def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, ti
 
 
 @pytest.mark.slow
-def test_every_second_evaluation_and_the_last_step_at_the_end(tmp_path, tiny_model_path):
+@pytest.mark.parametrize(
+    ("schedule", "settings", "expected"),
+    [
+        # evaluations at steps 1, 2, 3: the 2nd is evaluated, the 3rd because it is the last step
+        ({"max_steps": 3, "eval_strategy": "steps", "eval_steps": 1}, {"every": 2},
+         [(0, "baseline"), (2, "evaluate"), (3, "evaluate")]),
+        # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
+        ({"max_steps": 2, "eval_strategy": "epoch", "metric_for_best_model": "probdiff_confidence"},
+         {"baseline": False}, [(2, "end")]),
+    ],
+    ids=["every second evaluation and the last step", "the last step once at the end"],
+)  # fmt: skip
+def test_each_scheduled_step_is_evaluated_and_logged_once(schedule, settings, expected, tmp_path, tiny_model_path):
     run = tmp_path / "run"
-    trainer = build_trainer(tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="no")
-    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, every=2)))
-    trainer.train()
-    # evaluations at steps 1, 2, 3: the 2nd is evaluated, the 3rd because it is the last step
-    assert [(r["global_step"], r["kind"]) for r in history_rows(run)] == [
-        (0, "baseline"),
-        (2, "evaluate"),
-        (3, "evaluate"),
-    ]
-    assert sorted(probdiff_logs(trainer)) == [0, 2, 3]
-
-
-@pytest.mark.slow
-def test_the_last_step_is_evaluated_once_at_the_end(tmp_path, tiny_model_path):
-    run = tmp_path / "run"
-    # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
-    trainer = build_trainer(
-        tiny_model_path,
-        run,
-        max_steps=2,
-        eval_strategy="epoch",
-        save_strategy="no",
-        metric_for_best_model="probdiff_confidence",
-    )
-    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, baseline=False))
+    trainer = build_trainer(tiny_model_path, run, save_strategy="no", **schedule)
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, **settings))
     trainer.add_callback(callback)
     trainer.train()
     rows = history_rows(run)
-    assert [(r["global_step"], r["kind"]) for r in rows] == [(2, "end")]
-    assert sorted(probdiff_logs(trainer)) == [2]  # evaluated and logged once
-    # the Trainer's own evaluation at step 2 received the end-of-training result
-    assert trainer.state.best_metric == rows[0]["summary"]["confidence"]
-    assert sorted(callback.evaluated) == [2]
+    assert [(r["global_step"], r["kind"]) for r in rows] == expected
+    assert sorted(probdiff_logs(trainer)) == [step for step, _ in expected]
+    if "metric_for_best_model" in schedule:
+        # the Trainer's own evaluation at step 2 received the end-of-training result
+        assert trainer.state.best_metric == rows[0]["summary"]["confidence"]
+        assert sorted(callback.evaluated) == [2]
 
 
 @pytest.mark.slow
@@ -514,8 +428,7 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
 
     def observing_evaluate(m, *args, **kwargs):
         seen["checkpointing"] = m.is_activation_checkpointing
-        records = evaluate(m, *args, **kwargs)
-        return records
+        return evaluate(m, *args, **kwargs)
 
     monkeypatch.setattr(evaluation_module, "evaluate", observing_evaluate)
     torch_state, numpy_state = torch.random.get_rng_state(), np.random.get_state()
@@ -596,8 +509,7 @@ def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on
                             save_strategy="no", metric_for_best_model="probdiff_confidence")  # fmt: skip
     failing = [2]
     if fault == "out of memory":
-        monkeypatch.setattr(faults, "_reached", Counter())
-        monkeypatch.setenv(faults.FAULT_ENV, "answers-done:3=OOM")  # one batch per evaluation: visit 1 is the baseline
+        inject("answers-done:3=OOM", monkeypatch.setattr)  # one batch per evaluation: visit 1 is the baseline
     elif fault == "NaN logits":
 
         def nan_in_evaluation(module, inputs, output):
@@ -644,6 +556,21 @@ def test_fail_on_error_reraises(tmp_path, tiny_model_path, monkeypatch):
         trainer.train()
     rows = history_rows(tmp_path / "run")
     assert [r["global_step"] for r in rows] == [0] and "injected evaluation failure" in rows[0]["error"]
+
+
+@pytest.mark.slow
+def test_a_run_vllm_cannot_serve_stops_before_the_first_step(tmp_path, tiny_model_path):
+    """Full fine-tuning with a vLLM server you started (it takes adapters only): refused on every rank when training
+    begins, before a step or a server call."""
+    trainer = build_trainer(tiny_model_path, tmp_path / "run", plain_trainer=True, lora=False, max_steps=1,
+                            save_strategy="no")  # fmt: skip
+    config = probdiff_config(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:9")
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
+    with pytest.raises(
+        RuntimeError, match="^ProbDiff: use_vllm=true: ValueError: vllm_mode=server takes LoRA adapters"
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 @pytest.mark.slow

@@ -3,12 +3,13 @@
 import math
 
 import pytest
+from _records import make_record
 
 from probdiff_callback.callback.metrics import metric_name, metrics_from_summary
 from probdiff_callback.cli import main
 from probdiff_callback.core.categories import ALIGNBENCH, canonical_category, unmatched_keys
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.metric import summarize
+from probdiff_callback.core.metric import summary_of
 from probdiff_callback.core.queries import Query
 
 RELEASE_ORDER = ["专业能力", "数学计算", "基本任务", "逻辑推理", "文本写作", "中文理解", "角色扮演", "综合问答"]
@@ -57,23 +58,14 @@ def test_cli_stops_on_an_unmatched_key_before_loading_the_model(tmp_path, capsys
 
 
 def record(category, d):
-    return {
-        "id": f"{category}-{d}",
-        "category": category,
-        "d": d,
-        "logp_response": -1.0,
-        "logp_revised": -1.0 + d,
-        "n_tokens_response": 5,
-        "n_tokens_revised": 5,
-        "truncated": False,
-    }
+    return make_record(f"{category}-{d}", d, category=category)
 
 
 def test_summary_and_metric_keys_merge_both_names():
     records = [record("文本写作", 0.0), record("Writing", -1.0), record("Mathematics", 0.0)]
-    summary = summarize(records, -0.05, [-0.05])
-    assert set(summary["by_category"]) == {"Writing", "Mathematics"}
-    assert summary["by_category"]["Writing"]["n"] == 2 and summary["by_category"]["Writing"]["confidence"] == 0.5
+    summary = summary_of(records, -0.05, [-0.05])
+    assert set(summary.by_category) == {"Writing", "Mathematics"}
+    assert summary.by_category["Writing"].n == 2 and summary.by_category["Writing"].confidence == 0.5
     metrics = metrics_from_summary(summary, [-0.05], ["Writing", "Mathematics"])
     assert metrics[metric_name("confidence_Writing")] == 0.5 and metrics[metric_name("confidence_Mathematics")] == 1.0
     assert metric_name("confidence_Open-ended") == "eval_probdiff_confidence_Open-ended"

@@ -130,9 +130,9 @@ def test_probdiff_evaluates_each_family_and_stops_at_its_end_of_turn(family):
     model = build_model(tokenizer, name)
     queries = [Query(id=str(i), text=t) for i, t in enumerate(["Write about autumn.", "Hello!", "Translate: Hund"])]
     config = ProbDiffConfig(max_new_tokens=6, batch_size=2, system_prompt="Be brief." if name == "gemma" else None)
-    records = evaluate(model, tokenizer, queries, config, progress=False)
-    assert [r["id"] for r in records] == ["0", "1", "2"]
-    assert all(r["n_tokens_response"] > 0 and torch.isfinite(torch.tensor(r["logp_response"])) for r in records)
+    records = evaluate(model, tokenizer, queries, config, progress=False).records
+    assert [r.id for r in records] == ["0", "1", "2"]
+    assert all(r.n_tokens_response > 0 and torch.isfinite(torch.tensor(r.logp_response)) for r in records)
     # a model that always emits the end-of-turn token: with only the template to tell (no generation config),
     # every answer stops at once instead of running to the cap
     eot_id = end_of_turn(tokenizer)[1]
@@ -143,8 +143,8 @@ def test_probdiff_evaluates_each_family_and_stops_at_its_end_of_turn(family):
         head.bias[eot_id] = 10.0
     model.lm_head = head
     model.generation_config.eos_token_id = None
-    records = evaluate(model, tokenizer, queries, config, progress=False)
-    assert all(r["response"] == "" and r["response_capped"] is False for r in records)
+    records = evaluate(model, tokenizer, queries, config, progress=False).records
+    assert all(r.response == "" and r.response_capped is False for r in records)
 
 
 def test_trl_builds_labels_from_our_masks(family, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 
 from probdiff_callback.analysis.report import format_summary
 from probdiff_callback.cli import main
+from probdiff_callback.core.records import Cost, Summary
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 
@@ -60,7 +61,7 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     assert set(summary["by_category"]) == {r["category"] for r in records}
     assert summary["n_capped"] == sum(r["response_capped"] for r in records)
     assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in records)
-    printed = format_summary(summary)
+    printed = format_summary(Summary.from_json(summary))
     assert f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}" in printed
     assert "95% CI [" in printed and "(Wilson)" in printed
     for key in (
@@ -82,6 +83,11 @@ def test_eval_writes_records_and_summary(eval_dirs, capsys):
     ):
         assert key in summary
     assert "reference" not in summary and all("ref" not in r for r in records)  # AlignBench has no reference metric
+    # after what was evaluated and its seconds: what each stage cost
+    assert list(summary)[-2:] == ["seconds", "cost"]
+    cost = Cost.from_json(summary["cost"])
+    assert cost.answers_seconds > 0 and cost.revisions_seconds > 0 and cost.scoring_seconds > 0
+    assert cost.reference_seconds == 0 and 0 < cost.answer_tokens <= 6 * 12 and 0 < cost.revision_tokens <= 6 * 12
 
 
 def test_eval_scores_the_answers_against_the_references_when_the_queries_have_them(tiny_model_path, tmp_path, capsys):
@@ -118,6 +124,7 @@ def test_eval_scores_the_answers_against_the_references_when_the_queries_have_th
     expected = sacrebleu.corpus_bleu([r["response"] for r in cs_en], [[r["reference"] for r in cs_en]]).score
     assert by_category["cs-en"]["bleu"] == pytest.approx(expected)
     assert "reference metrics  BLEU" in printed and "chrF" in printed
+    assert summary["cost"]["reference_seconds"] > 0
 
 
 def test_score_reproduces_eval_scores(eval_dirs, tmp_path):
@@ -153,19 +160,21 @@ def test_compare_prints_win_tie_lose(eval_dirs, capsys):
     assert "(win - lose)/n = " in out and "95% CI [" in out
 
 
-def test_bad_input_gives_a_clear_error(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (None, "{bad}:2: no query found"),
+        ("delta_typo=1", "unknown key 'delta_typo'"),
+        ("dleta=1", "unknown key 'dleta' (did you mean 'delta'?)"),
+        ("delta=abc", "command line: wrong type for ProbDiff setting 'delta': got 'abc', expected float"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(setting, message, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "fine"}\n{"promt": "wrong key"}\n')
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o")]) == 2
-    assert f"{bad}:2: no query found" in capsys.readouterr().err
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta_typo=1"]) == 2
-    assert "unknown key 'delta_typo'" in capsys.readouterr().err
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "dleta=1"]) == 2
-    assert "unknown key 'dleta' (did you mean 'delta'?)" in capsys.readouterr().err
-    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), "delta=abc"]) == 2
+    assert main(["eval", "--queries", str(bad), "--out", str(tmp_path / "o"), *([setting] if setting else [])]) == 2
     err = capsys.readouterr().err
-    assert "command line: wrong type for ProbDiff setting 'delta': got 'abc', expected float" in err
-    assert "object_type" not in err
+    assert message.format(bad=bad) in err and "object_type" not in err
 
 
 EVAL_KEYS = [
@@ -314,15 +323,18 @@ def no_model(monkeypatch):
     monkeypatch.setattr(probdiff_callback.cli, "_load", load)
 
 
-def pairs_file(tmp_path: Path) -> str:
+def source_arguments(command: str, tmp_path: Path) -> list[str]:
+    """What `command` reads: eval the sample queries, score a one-pair file."""
+    if command == "eval":
+        return ["--queries", QUERIES]
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"id": "1", "query": "q", "response": "a", "revised": "b"}) + "\n")
-    return str(path)
+    return ["--pairs", str(path)]
 
 
 @pytest.mark.parametrize("command", ["eval", "score"])
 def test_out_that_is_a_file_stops_before_the_model_loads(command, tmp_path, capsys, no_model):
-    source = ["--queries", QUERIES] if command == "eval" else ["--pairs", pairs_file(tmp_path)]
+    source = source_arguments(command, tmp_path)
     a_file = tmp_path / "results"
     a_file.write_text("")
     assert main([command, *source, "--out", str(a_file)]) == 2
@@ -339,7 +351,7 @@ def test_out_that_is_a_file_stops_before_the_model_loads(command, tmp_path, caps
 
 @pytest.mark.parametrize("command", ["eval", "score"])
 def test_out_with_earlier_results_is_refused_without_overwrite(command, tmp_path, capsys, no_model):
-    source = ["--queries", QUERIES] if command == "eval" else ["--pairs", pairs_file(tmp_path)]
+    source = source_arguments(command, tmp_path)
     out = tmp_path / "earlier"
     out.mkdir()
     (out / "summary.json").write_text("{}")

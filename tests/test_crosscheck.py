@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from _records import make_record
 
 from probdiff_callback.analysis.crosscheck import (
     across_steps,
@@ -30,27 +31,16 @@ from probdiff_callback.callback.metrics import vs_base_metrics
 from probdiff_callback.cli import main
 from probdiff_callback.core.metric import compare_to_base
 from probdiff_callback.core.queries import DataFileError
+from probdiff_callback.core.records import Record
 from probdiff_callback.runs.run_files import history_path, read_run, step_records_path, write_jsonl
 from train.report import one_line
 
 DELTA = -0.05
 
 
-def rec(id_: str, d: float | None, chrf: float | None = None, category: str = "zh-en") -> dict:
-    record = {
-        "id": id_,
-        "category": category,
-        "d": d,
-        "response": "x",
-        "logp_response": -1.0,
-        "logp_revised": None if d is None else -1.0 + d,
-        "n_tokens_response": 5,
-        "n_tokens_revised": 5,
-        "truncated": False,
-    }
-    if chrf is not None:
-        record.update(reference="y", ref={"bleu": chrf / 2, "chrf": chrf})
-    return record
+def rec(id_: str, d: float | None, chrf: float | None = None, category: str = "zh-en") -> Record:
+    scored = {} if chrf is None else {"reference": "y", "ref": {"bleu": chrf / 2, "chrf": chrf}}
+    return make_record(id_, d, category=category, response="x", **scored)
 
 
 def history_row(
@@ -68,7 +58,7 @@ def history_row(
         "d_mean": d_mean,
         "delta": DELTA,
         "n": 3,
-        "by_category": {"zh-en": {"confidence": confidence}},
+        "by_category": {"zh-en": {"n": 3, "confidence": confidence, "d_mean": d_mean}},
     }
     if bleu is not None:
         summary["reference"] = {
@@ -173,7 +163,7 @@ def test_versus_base_is_metric_compare_against_the_baseline():
     base = [rec("a", -0.2), rec("b", 0.1), rec("c", -0.3), rec("d", 0.0)]
     step = [rec("a", 0.1), rec("b", -0.2), rec("c", 0.0), rec("d", 0.2)]
     result = compare_to_base(step, base, DELTA)
-    assert (result["win"], result["tie"], result["lose"]) == (2, 1, 1)  # a, c won; b lost; d tied
+    assert (result.win, result.tie, result.lose) == (2, 1, 1)  # a, c won; b lost; d tied
     assert format_win_tie_lose(result) == "2/1/1"
     assert vs_base_metrics(result)["eval_probdiff_vs_base_win"] == 2.0
     assert compare_to_base(step, None, DELTA) is None and format_win_tie_lose(None) == "-"
@@ -241,7 +231,7 @@ def test_pairwise_agreement_and_confusion_table_by_hand(tmp_path):
         "B": {"A": 1, "tie": 0, "B": 1},
     }
     assert result["judge"] == {"A": 2, "tie": 2, "B": 2}
-    assert (result["compare"]["win"], result["compare"]["tie"], result["compare"]["lose"]) == (2, 2, 2)
+    assert (result["compare"].win, result["compare"].tie, result["compare"].lose) == (2, 2, 2)
     assert (result["n_only_verdicts"], result["only_verdicts"]) == (1, ["q9"])
     assert (result["n_only_records"], result["only_records"]) == (1, ["q7"])
     text = format_pairwise(result, "step 20", "step 0 (base model)")

@@ -19,9 +19,10 @@ from probdiff_callback.core.degenerate import (
     words,
 )
 from probdiff_callback.core.evaluator import build_record
-from probdiff_callback.core.metric import summarize
+from probdiff_callback.core.metric import summary_of
 from probdiff_callback.core.prompts import REFINEMENT_PROMPTS, REWRITER, SIMPLE, PreparedQuery
 from probdiff_callback.core.queries import Query
+from probdiff_callback.core.records import Record, Summary
 
 ALL_TEMPLATES = tuple(REFINEMENT_PROMPTS.values())
 LOOP = "Paris is a culinary delight " + "that is a culinary delight " * 30
@@ -90,27 +91,27 @@ def test_revision_degenerate_names_each_kind():
     assert revision_degenerate(ANSWER, [REWRITER], "q", ANSWER) == []
 
 
-def _record(response: str, revision: str, d: float, **kwargs) -> dict:
+def _record(response: str, revision: str, d: float, **kwargs) -> Record:
     prepared = PreparedQuery(Query("q1", "Describe Paris."), "Describe Paris.", False, [1, 2])
     return build_record(prepared, [response], [[revision]], [(-2.0, 40)], [(-2.0 + d, 40)], -0.05, **kwargs)
 
 
 def test_records_carry_the_flags():
-    assert _record(ANSWER, LOOP, 1.3)["revision_degenerate"] == ["repetition"]
-    assert _record(LOOP, ANSWER, -1.0)["response_degenerate"] == ["repetition"]
+    assert _record(ANSWER, LOOP, 1.3).revision_degenerate == ["repetition"]
+    assert _record(LOOP, ANSWER, -1.0).response_degenerate == ["repetition"]
     clean = _record(ANSWER, ANSWER, 0.0)
-    assert clean["response_degenerate"] == [] and clean["revision_degenerate"] == []
+    assert clean.response_degenerate == [] and clean.revision_degenerate == []
     # the template the revisions were made with decides what an echo is
-    assert _record(ANSWER, "#RESPONSE#: Paris.", 0.5)["revision_degenerate"] == ["echo"]  # default: every template
+    assert _record(ANSWER, "#RESPONSE#: Paris.", 0.5).revision_degenerate == ["echo"]  # default: every template
     only_rewriter = _record(ANSWER, "#RESPONSE#: Paris.", 0.5, refinement_templates=(REWRITER,))
-    assert only_rewriter["revision_degenerate"] == []
+    assert only_rewriter.revision_degenerate == []
 
 
 def test_a_query_is_degenerate_when_any_sample_is():
     prepared = PreparedQuery(Query("q1", "Describe Paris."), "Describe Paris.", False, [1, 2])
     scores = [(-2.0, 40), (-2.0, 40)]
     record = build_record(prepared, [ANSWER, ANSWER], [[ANSWER], [ECHO, LOOP]], scores, scores, -0.05)
-    assert record["revision_degenerate"] == ["repetition"]  # the last revision of the second sample
+    assert record.revision_degenerate == ["repetition"]  # the last revision of the second sample
 
 
 def test_the_summary_counts_them_and_keeps_the_papers_confidence():
@@ -120,13 +121,14 @@ def test_the_summary_counts_them_and_keeps_the_papers_confidence():
         _record(ANSWER, ANSWER, 0.2),
         _record(LOOP, ANSWER, -1.0),
     ]
-    records.append({k: v for k, v in _record(ANSWER, ANSWER, 0.1).items() if "degenerate" not in k})  # older file
-    summary = summarize(records, -0.05, [-0.05])
-    assert summary["confidence"] == pytest.approx(4 / 5)  # the paper's rule: degenerate revisions count
-    assert summary["n_degenerate"] == 1 and summary["n_revision_degenerate"] == 2
-    assert summary["revision_degenerate_kinds"] == {"repetition": 1, "echo": 1}
-    assert summary["confidence_non_degenerate"] == pytest.approx(2 / 5)
-    low, high = summary["confidence_non_degenerate_ci"]
+    older = {k: v for k, v in _record(ANSWER, ANSWER, 0.1).to_json().items() if "degenerate" not in k}
+    records.append(Record.from_json(older))  # read from a file written before the check
+    summary = summary_of(records, -0.05, [-0.05])
+    assert summary.confidence == pytest.approx(4 / 5)  # the paper's rule: degenerate revisions count
+    assert summary.n_degenerate == 1 and summary.n_revision_degenerate == 2
+    assert summary.revision_degenerate_kinds == {"repetition": 1, "echo": 1}
+    assert summary.confidence_non_degenerate == pytest.approx(2 / 5)
+    low, high = summary.confidence_non_degenerate_ci
     assert low < 2 / 5 < high
     printed = format_summary(summary)
     assert "degenerate         answers 1, revisions 2 (repetition 1, echo 1)" in printed
@@ -140,20 +142,25 @@ def test_the_summary_counts_them_and_keeps_the_papers_confidence():
 
 
 def test_the_note_says_what_the_confidence_means_when_most_are_degenerate():
-    some = summarize(
+    some = summary_of(
         [_record(ANSWER, LOOP, 1.29), _record(ANSWER, ANSWER, 0.2), _record(ANSWER, ANSWER, 0.1)], -0.05, []
     )
     note = degenerate_note(some)
     assert "1 of 3 revisions are degenerate (repetition 1;" in note and "gives 66.7% instead of 100.0%" in note
     assert "most revisions degenerate" not in note
-    most = summarize([_record(ANSWER, LOOP, 1.29), _record(ANSWER, ECHO, 0.9), _record(ANSWER, ANSWER, 0.1)], -0.05, [])
+    most = summary_of(
+        [_record(ANSWER, LOOP, 1.29), _record(ANSWER, ECHO, 0.9), _record(ANSWER, ANSWER, 0.1)], -0.05, []
+    )
     assert "With most revisions degenerate, the confidence measures" in degenerate_note(most)
 
 
+def without_counts(summary: Summary) -> Summary:
+    """`summary` as a history written before degenerate texts were counted holds it."""
+    return Summary.from_json({k: v for k, v in summary.to_json().items() if "degenerate" not in k})
+
+
 def test_a_summary_without_the_counts_still_prints():
-    summary = summarize([_record(ANSWER, ANSWER, 0.2)], -0.05, [])
-    for key in ("n_degenerate", "n_revision_degenerate", "revision_degenerate_kinds"):
-        del summary[key]
+    summary = without_counts(summary_of([_record(ANSWER, ANSWER, 0.2)], -0.05, []))
     assert "degenerate" not in format_summary(summary)
 
 
@@ -162,9 +169,8 @@ def test_the_training_table_has_a_degenerate_cell_beside_the_capped_one():
     from train.report import probdiff_table
 
     records = [_record(ANSWER, LOOP, 1.29), _record(ANSWER, ECHO, 0.9), _record(LOOP, ANSWER, -1.0)]
-    summary = summarize(records, -0.05, [])
-    older = {k: v for k, v in summary.items() if "degenerate" not in k}  # a history written before the count
-    rows = [HistoryRow(0, kind="baseline", summary=older), HistoryRow(4, summary=summary)]
+    summary = summary_of(records, -0.05, [])
+    rows = [HistoryRow(0, kind="baseline", summary=without_counts(summary)), HistoryRow(4, summary=summary)]
     table = probdiff_table(rows, [{"step": 4, "loss": 1.0}], [])
     capped, degenerate = 8, 9  # the columns' places in train/report.py's header
     assert [line[degenerate] for line in table] == ["-", "1/2"]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _runs import GOOD, MIXED, POOR, write_run
+from _records import make_record
+from _runs import DELTA, GOOD, MIXED, POOR, write_run
 
 from probdiff_callback.analysis.disagreement import (
     Disagreement,
@@ -25,6 +26,8 @@ from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.callback import alerts
 from probdiff_callback.cli import main
 from probdiff_callback.core import significance
+from probdiff_callback.core.metric import is_confident
+from probdiff_callback.core.records import ReferenceSummary
 from probdiff_callback.core.significance import paired_permutation_p
 from probdiff_callback.runs.run_files import (
     RunFiles,
@@ -94,8 +97,8 @@ def write_disagreeing_run(run):
     write_run(run, {0: POOR, 10: MIXED, 20: GOOD}, checkpoints=(10, 20))
     rows = read_history(history_path(run))
     for row, (loss, rouge_l) in zip(rows, ((2.0, 30.0), (2.2, 26.5), (2.4, 21.25))):
-        reference = {"overall": {"rougeL": rouge_l}, "n_scored": {"rougeL": 8}, "by_category": {}}
-        row.eval_loss, row.summary = loss, dict(row.summary, reference=reference)
+        row.eval_loss = loss
+        row.summary.reference = ReferenceSummary(overall={"rougeL": rouge_l}, n_scored={"rougeL": 8}, by_category={})
     write_jsonl(history_path(run), [row.to_json() for row in rows])
 
 
@@ -178,13 +181,15 @@ def write_graded_run(run: Path, *, with_per_query: bool = True) -> None:
         records = read_records(run / "probdiff" / row.records)
         if with_per_query:
             for record, score in zip(records, ROUGE_L[step]):
-                record["ref"] = {"rougeL": score}
+                record.ref = {"rougeL": score}
             write_jsonl(run / "probdiff" / row.records, records)
             path = step_eval_losses_path(run, step)
             write_atomic(path, '{"losses": [' + ", ".join(map(str, LOSSES[step])) + "]}\n")
             row.eval_losses = f"step-{step}/eval_losses.json"
-        reference = {"overall": {"rougeL": mean(ROUGE_L[step])}, "n_scored": {"rougeL": 8}, "by_category": {}}
-        row.eval_loss, row.summary = mean(LOSSES[step]), dict(row.summary, reference=reference)
+        row.eval_loss = mean(LOSSES[step])
+        row.summary.reference = ReferenceSummary(
+            overall={"rougeL": mean(ROUGE_L[step])}, n_scored={"rougeL": 8}, by_category={}
+        )
     write_jsonl(history_path(run), [row.to_json() for row in rows])
 
 
@@ -298,8 +303,8 @@ def test_without_per_query_values_a_change_is_not_graded_and_stays_an_alarm(tmp_
 def test_pairs_are_matched_by_query_id_and_conversation_position():
     # the later step's records in another order, one query missing; the eval sets differ in size at step 3
     records = {
-        1: [{"id": "a", "ref": {"rougeL": 10.0}}, {"id": "b", "ref": {"rougeL": 20.0}}, {"id": "c", "ref": {}}],
-        2: [{"id": "b", "ref": {"rougeL": 18.0}}, {"id": "a", "ref": {"rougeL": 9.0}}],
+        1: [make_record("a", ref={"rougeL": 10.0}), make_record("b", ref={"rougeL": 20.0}), make_record("c", ref={})],
+        2: [make_record("b", ref={"rougeL": 18.0}), make_record("a", ref={"rougeL": 9.0})],
     }
     losses = {1: [1.0, float("nan"), 2.0], 2: [1.5, 1.0, 2.5], 3: [1.0]}
     found = [
@@ -342,8 +347,11 @@ AGREEMENT = Path(__file__).resolve().parents[1] / "docs" / "agreement.md"
 
 
 def write_study_run(run: Path, values: dict) -> None:
+    """The run's files from the fixture's numbers; its records get stand-ins for the texts it leaves out."""
     for step, records in values["records"].items():
-        write_jsonl(step_records_path(run, int(step)), records)
+        texts = {"query": "", "response": "", "revisions": [""], "truncated": False}
+        whole = [{**texts, **r, "confident": is_confident(r["d"], DELTA)} for r in records]
+        write_jsonl(step_records_path(run, int(step)), whole)
     for step, losses in values["eval_losses"].items():
         write_atomic(step_eval_losses_path(run, int(step)), json.dumps({"losses": losses}) + "\n")
     write_jsonl(history_path(run), values["rows"])

@@ -38,12 +38,7 @@ def add_callback(trainer) -> None:
     trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=3)))
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- the loss of a row ----
@@ -91,7 +86,7 @@ def test_one_process_keeps_each_conversations_loss_says_the_resolution_and_the_a
         trainer.train()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ProbDiff resolution:")]
     baseline = read_run(run).rows[0]
-    assert said == [resolution_line(3, baseline.summary["confidence"])]  # once, from the baseline's confidence
+    assert said == [resolution_line(3, baseline.summary.confidence)]  # once, from the baseline's confidence
     assert "within noise" in said[0]
 
     rows = read_run(run)

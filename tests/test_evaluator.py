@@ -1,10 +1,15 @@
 import dataclasses
 import math
+import time
 
 import pytest
+from _records import make_record
 
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.evaluator import build_record, evaluate, score_pairs
+from probdiff_callback.core.decoding import sample_continuations
+from probdiff_callback.core.engines import hf
+from probdiff_callback.core.evaluator import Evaluation, build_record, evaluate, score_pairs, stage_clock, summarise
+from probdiff_callback.core.metric import summary_of
 from probdiff_callback.core.prompts import (
     REWRITER,
     PreparedQuery,
@@ -14,6 +19,8 @@ from probdiff_callback.core.prompts import (
     truncate_middle,
 )
 from probdiff_callback.core.queries import Query, load_queries
+from probdiff_callback.core.records import Cost
+from probdiff_callback.core.reference_metrics import plan_references
 
 SAMPLES = "data/samples/blog/heldout.jsonl"
 
@@ -24,9 +31,26 @@ def queries():
 
 
 @pytest.fixture(scope="module")
-def reference_records(tiny_model, queries):
+def reference_evaluation(tiny_model, queries):
+    """The 8 queries evaluated in one batch, with the ids `sample_continuations` generated at each call."""
     model, tokenizer = tiny_model
-    return evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=8), progress=False)
+    generated = []
+
+    def recording(*args, **kwargs):
+        generated.append(sample_continuations(*args, **kwargs))
+        return generated[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf, "sample_continuations", recording)
+        evaluation = evaluate(
+            model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=8), progress=False
+        )
+    return evaluation, generated
+
+
+@pytest.fixture(scope="module")
+def reference_records(reference_evaluation):
+    return reference_evaluation[0].records
 
 
 @pytest.mark.slow
@@ -35,24 +59,24 @@ def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, r
     for batch_size in (1, 3):
         records = evaluate(
             model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=batch_size), progress=False
-        )
-        assert [r["response"] for r in records] == [r["response"] for r in reference_records]
-        assert [r["revisions"] for r in records] == [r["revisions"] for r in reference_records]
+        ).records
+        assert [r.response for r in records] == [r.response for r in reference_records]
+        assert [r.revisions for r in records] == [r.revisions for r in reference_records]
         for a, b in zip(records, reference_records):
-            assert a["d"] == pytest.approx(b["d"], abs=1e-4)
+            assert a.d == pytest.approx(b.d, abs=1e-4)
     # a query evaluated among other queries, or alone, or in reverse order: same texts
-    alone = evaluate(model, tokenizer, queries[5:6], ProbDiffConfig(max_new_tokens=24), progress=False)
-    assert alone[0]["response"] == reference_records[5]["response"]
+    alone = evaluate(model, tokenizer, queries[5:6], ProbDiffConfig(max_new_tokens=24), progress=False).records
+    assert alone[0].response == reference_records[5].response
     reordered = evaluate(
         model, tokenizer, queries[::-1], ProbDiffConfig(max_new_tokens=24, batch_size=3), progress=False
-    )
-    assert [r["id"] for r in reordered] == [q.id for q in queries[::-1]]
-    assert [r["response"] for r in reordered[::-1]] == [r["response"] for r in reference_records]
+    ).records
+    assert [r.id for r in reordered] == [q.id for q in queries[::-1]]
+    assert [r.response for r in reordered[::-1]] == [r.response for r in reference_records]
 
 
 def test_records_hold_the_documented_fields(reference_records, queries):
     record = reference_records[0]
-    assert set(record) == {
+    assert set(record.to_json()) == {
         "id",
         "category",
         "query",
@@ -72,53 +96,87 @@ def test_records_hold_the_documented_fields(reference_records, queries):
         "response_degenerate",
         "revision_degenerate",
     }
-    assert record["id"] == queries[0].id and record["category"] == "blog"
-    assert len(record["revisions"]) == 1
+    assert record.id == queries[0].id and record.category == "blog"
+    assert len(record.revisions) == 1
     for r in reference_records:
-        if r["n_tokens_response"] and r["n_tokens_revised"]:
-            assert r["d"] == pytest.approx(r["logp_revised"] - r["logp_response"])
-            assert r["logp_response"] < 0
-        assert r["confident"] == (r["d"] is not None and not math.isnan(r["d"]) and r["d"] >= -0.05)
+        if r.n_tokens_response and r.n_tokens_revised:
+            assert r.d == pytest.approx(r.logp_revised - r.logp_response)
+            assert r.logp_response < 0
+        assert r.confident == (not math.isnan(r.d) and r.d >= -0.05)
+
+
+def test_the_evaluation_says_what_each_stage_cost(reference_evaluation):
+    evaluation, generated = reference_evaluation
+    cost = evaluation.cost
+    assert cost.answers_seconds > 0 and cost.revisions_seconds > 0 and cost.scoring_seconds > 0
+    assert cost.reference_seconds == 0  # summarise measures those
+    # one batch: the answers, then the one revision round; the tokens are the ids generated before a stop id
+    answers, revisions = generated
+    assert cost.answer_tokens == sum(map(len, answers)) > 0
+    assert cost.revision_tokens == sum(map(len, revisions)) > 0
+    assert cost.generated_tokens == sum(len(ids) for call in generated for ids in call)
+    assert cost.seconds == pytest.approx(cost.answers_seconds + cost.revisions_seconds + cost.scoring_seconds)
+
+
+def test_stages_are_timed_on_the_host_clock_on_cpu(tiny_model):
+    model, _ = tiny_model
+    assert model.device.type == "cpu" and stage_clock(model) is time.perf_counter
+
+
+def test_summarise_scores_the_references_and_says_how_long_it_took():
+    sentence = "The weather is very nice today."
+    queries = [Query(f"q{i}", "Translate: Das Wetter ist heute sehr schön.", "de-en", sentence) for i in range(3)]
+    records = [make_record(q.id, 0.1 * i, category="de-en", response=sentence) for i, q in enumerate(queries)]
+    config = ProbDiffConfig()
+    evaluation, summary = summarise(
+        Evaluation(records, Cost(answers_seconds=1.0)), queries, config, plan_references(queries)
+    )
+    assert evaluation.cost.reference_seconds > 0 and evaluation.cost.answers_seconds == 1.0
+    assert [r.ref["bleu"] for r in evaluation.records] == pytest.approx([100.0] * 3)
+    assert summary.reference.overall["bleu"] == pytest.approx(100.0)
+    assert summary.confidence == summary_of(records, config.delta, config.sweep).confidence
+    blog = [Query("b", "Write a post", "blog", "a post")]
+    plain, blog_summary = summarise(Evaluation(records[:1]), blog, config, plan_references(blog))
+    assert plain.records == records[:1] and plain.cost.reference_seconds == 0 and blog_summary.reference is None
 
 
 @pytest.mark.slow
 def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queries):
-    from probdiff_callback.core.metric import summarize
+    from probdiff_callback.core.metric import summary_of
 
     model, tokenizer = tiny_model
-    cut = evaluate(model, tokenizer, queries[:4], ProbDiffConfig(max_new_tokens=1), progress=False)
+    cut = evaluate(model, tokenizer, queries[:4], ProbDiffConfig(max_new_tokens=1), progress=False).records
     # one new token leaves no room for the end-of-turn token: every non-empty text was cut
-    assert all(r["response_capped"] or r["response"] == "" for r in cut) and any(r["response_capped"] for r in cut)
-    assert all(r["revision_capped"] or r["revisions"][-1] == "" for r in cut)
-    summary = summarize(cut, -0.05, [-0.05])
-    assert summary["n_capped"] == sum(r["response_capped"] for r in cut) > 0
-    assert summary["n_revision_capped"] == sum(r["revision_capped"] for r in cut)
+    assert all(r.response_capped or r.response == "" for r in cut) and any(r.response_capped for r in cut)
+    assert all(r.revision_capped or r.revisions[-1] == "" for r in cut)
+    summary = summary_of(cut, -0.05, [-0.05])
+    assert summary.n_capped == sum(r.response_capped for r in cut) > 0
+    assert summary.n_revision_capped == sum(r.revision_capped for r in cut)
     greedy = ProbDiffConfig(max_new_tokens=64, answer_temperature=0.0)
-    roomy = evaluate(model, tokenizer, queries[:4], greedy, progress=False)
-    assert not all(r["response_capped"] for r in roomy), "the tiny model ends most answers within 64 tokens"
+    roomy = evaluate(model, tokenizer, queries[:4], greedy, progress=False).records
+    assert not all(r.response_capped for r in roomy), "the tiny model ends most answers within 64 tokens"
 
 
 def test_seed_changes_texts(tiny_model, queries, reference_records):
     model, tokenizer = tiny_model
-    other = evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=8, seed=1), progress=False)
-    assert [r["response"] for r in other] != [r["response"] for r in reference_records]
+    config = ProbDiffConfig(max_new_tokens=24, batch_size=8, seed=1)
+    other = evaluate(model, tokenizer, queries, config, progress=False).records
+    assert [r.response for r in other] != [r.response for r in reference_records]
 
 
 @pytest.mark.slow
 def test_several_samples_and_revisions(tiny_model, queries):
     model, tokenizer = tiny_model
     config = ProbDiffConfig(max_new_tokens=12, n_samples=3, n_revisions=2, batch_size=4)
-    records = evaluate(model, tokenizer, queries[:2], config, progress=False)
+    records = evaluate(model, tokenizer, queries[:2], config, progress=False).records
     for r in records:
-        assert len(r["responses"]) == 3 and len(r["revisions_by_sample"]) == 3 and len(r["d_samples"]) == 3
-        assert all(len(revs) == 2 for revs in r["revisions_by_sample"])
-        finite = [d for d in r["d_samples"] if not math.isnan(d)]
-        assert r["d"] == pytest.approx(sum(finite) / len(finite))
-        assert r["response"] == r["responses"][0]
-    single = evaluate(model, tokenizer, queries[:2], dataclasses.replace(config, n_samples=1), progress=False)
-    assert [r["response"] for r in single] == [r["responses"][0] for r in records], (
-        "sample 0 does not depend on n_samples"
-    )
+        assert len(r.responses) == 3 and len(r.revisions_by_sample) == 3 and len(r.d_samples) == 3
+        assert all(len(revs) == 2 for revs in r.revisions_by_sample)
+        finite = [d for d in r.d_samples if not math.isnan(d)]
+        assert r.d == pytest.approx(sum(finite) / len(finite))
+        assert r.response == r.responses[0]
+    single = evaluate(model, tokenizer, queries[:2], dataclasses.replace(config, n_samples=1), progress=False).records
+    assert [r.response for r in single] == [r.responses[0] for r in records], "sample 0 does not depend on n_samples"
 
 
 def test_per_category_answer_temperature(tiny_model):
@@ -126,11 +184,11 @@ def test_per_category_answer_temperature(tiny_model):
     # AlignBench's raw files name categories in Chinese, the recipes' keys are English: they must meet
     queries = [Query("a", "写一首关于秋天的诗", "文本写作"), Query("b", "写一首关于秋天的诗", "数学计算")]
     config = ProbDiffConfig(max_new_tokens=16, answer_temperature_by_category={"Mathematics": 0.0})
-    records = evaluate(model, tokenizer, queries, config, progress=False)
-    assert [(r["category"], r["answer_temperature"]) for r in records] == [("Writing", 0.7), ("Mathematics", 0.0)]
+    records = evaluate(model, tokenizer, queries, config, progress=False).records
+    assert [(r.category, r.answer_temperature) for r in records] == [("Writing", 0.7), ("Mathematics", 0.0)]
     # temperature 0 is greedy: the same text under any seed
-    reseeded = evaluate(model, tokenizer, queries[1:], dataclasses.replace(config, seed=5), progress=False)[0]
-    assert reseeded["response"] == records[1]["response"]
+    reseeded = evaluate(model, tokenizer, queries[1:], dataclasses.replace(config, seed=5), progress=False).records[0]
+    assert reseeded.response == records[1].response
     assert config.answer_temperature_for("Writing") == 0.7 and config.answer_temperature_for(None) == 0.7
 
 
@@ -147,11 +205,11 @@ def test_long_queries_are_truncated_and_counted(tiny_model):
     model, tokenizer = tiny_model
     long_query = Query("long", "请总结下面的内容。" + "今天天气很好，我们去公园散步。" * 200)
     config = ProbDiffConfig(max_new_tokens=8, max_prompt_tokens=256)
-    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], config, progress=False)
-    assert [r["truncated"] for r in records] == [True, False]
-    assert records[0]["query"] == long_query.text, "records keep the original query"
+    records = evaluate(model, tokenizer, [long_query, Query("short", "你好")], config, progress=False).records
+    assert [r.truncated for r in records] == [True, False]
+    assert records[0].query == long_query.text, "records keep the original query"
     # the cut query (256 tokens) plus the answer and the refinement prompt outgrow 256 again: cut, and said so
-    assert [r["revision_truncated"] for r in records] == [True, False]
+    assert [r.revision_truncated for r in records] == [True, False]
 
 
 def test_refinement_requests_are_cut_to_the_prompt_budget(qwen_tokenizer):
@@ -180,10 +238,12 @@ def test_empty_texts_give_nan_and_count_as_not_confident(tiny_model):
         (Query("e2", "hi"), "something", ""),
         (Query("ok", "hi"), "a b", "a b"),
     ]
-    records = score_pairs(model, tokenizer, pairs, config, progress=False)
-    assert math.isnan(records[0]["d"]) and math.isnan(records[1]["d"])
-    assert records[0]["confident"] is False and records[1]["confident"] is False
-    assert records[2]["d"] == pytest.approx(0.0, abs=1e-6) and records[2]["confident"] is True
+    scored = score_pairs(model, tokenizer, pairs, config, progress=False)
+    records = scored.records
+    assert scored.cost.scoring_seconds > 0 and scored.cost.generated_tokens == 0
+    assert math.isnan(records[0].d) and math.isnan(records[1].d)
+    assert records[0].confident is False and records[1].confident is False
+    assert records[2].d == pytest.approx(0.0, abs=1e-6) and records[2].confident is True
 
 
 def test_build_record_mean_over_valid_samples():
@@ -191,7 +251,7 @@ def test_build_record_mean_over_valid_samples():
     record = build_record(
         prepared, ["a", ""], [["b"], ["c"]], [(-1.0, 3), (math.nan, 0)], [(-0.5, 3), (-2.0, 2)], -0.05
     )
-    assert record["d"] == pytest.approx(0.5) and math.isnan(record["d_samples"][1])
+    assert record.d == pytest.approx(0.5) and math.isnan(record.d_samples[1])
 
 
 def test_refinement_request_fills_once():
@@ -212,5 +272,5 @@ def test_sampling_defaults_are_the_reference_codes_and_reach_the_sampler(tiny_mo
     model, tokenizer = tiny_model
     narrow = ProbDiffConfig(max_new_tokens=12, answer_top_p=1e-9, revision_top_p=1e-9)
     greedy = ProbDiffConfig(max_new_tokens=12, answer_temperature=0.0, revision_temperature=0.0)
-    a, b = (evaluate(model, tokenizer, queries[:2], c, progress=False) for c in (narrow, greedy))
-    assert [(r["response"], r["revisions"]) for r in a] == [(r["response"], r["revisions"]) for r in b]
+    a, b = (evaluate(model, tokenizer, queries[:2], c, progress=False).records for c in (narrow, greedy))
+    assert [(r.response, r.revisions) for r in a] == [(r.response, r.revisions) for r in b]

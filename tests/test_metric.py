@@ -1,6 +1,7 @@
 import math
 
 import pytest
+from _records import make_record
 from scipy.stats import binom, multinomial
 
 from probdiff_callback.core.metric import (
@@ -13,24 +14,16 @@ from probdiff_callback.core.metric import (
     length_changed_share,
     paired_difference_interval,
     sign_test_p,
-    summarize,
+    summary_of,
     wilson_interval,
 )
+from probdiff_callback.core.records import CategorySummary
 
 NAN = math.nan
 
 
-def record(id_, d, category=None, n_resp=10, n_rev=10, logp=-1.0):
-    return {
-        "id": id_,
-        "category": category,
-        "d": d,
-        "logp_response": logp,
-        "logp_revised": None if d is None else logp + d,
-        "n_tokens_response": n_resp,
-        "n_tokens_revised": n_rev,
-        "truncated": False,
-    }
+def record(id_, d, category=None, n_resp=10, n_rev=10):
+    return make_record(id_, d, category=category, n_tokens_response=n_resp, n_tokens_revised=n_rev)
 
 
 def test_discrepancy_and_threshold():
@@ -81,18 +74,18 @@ def test_summary_counts_invalid_and_categories():
         record("c", None, "y", n_resp=0),
         record("d", 0.0, "y", n_rev=30),
     ]
-    s = summarize(records, -0.05, [0, -0.02, -0.05, -0.1])
-    assert s["n"] == 4 and s["n_invalid"] == 1 and s["n_truncated"] == 0
-    assert s["confidence"] == pytest.approx(0.5)
-    assert s["d_mean"] == pytest.approx(0.0)
-    assert s["d_median"] == pytest.approx(0.0)
-    assert s["by_category"] == {
-        "x": {"n": 2, "confidence": 0.5, "d_mean": pytest.approx(0.0)},
-        "y": {"n": 2, "confidence": 0.5, "d_mean": pytest.approx(0.0)},
+    s = summary_of(records, -0.05, [0, -0.02, -0.05, -0.1])
+    assert s.n == 4 and s.n_invalid == 1 and s.n_truncated == 0
+    assert s.confidence == pytest.approx(0.5)
+    assert s.d_mean == pytest.approx(0.0)
+    assert s.d_median == pytest.approx(0.0)
+    assert s.by_category == {
+        "x": CategorySummary(n=2, confidence=0.5, d_mean=pytest.approx(0.0)),
+        "y": CategorySummary(n=2, confidence=0.5, d_mean=pytest.approx(0.0)),
     }
-    assert s["confidence_sweep"]["-0.1"] == pytest.approx(0.75)
+    assert s.confidence_sweep["-0.1"] == pytest.approx(0.75)
     # "c": 0 -> 10 tokens and "d": 10 -> 30 tokens changed length by more than half
-    assert s["length_changed_share"] == pytest.approx(0.5)
+    assert s.length_changed_share == pytest.approx(0.5)
     assert length_changed_share([record("a", 0.0, n_resp=10, n_rev=15)]) == 0.0
 
 
@@ -101,9 +94,9 @@ def test_compare_win_tie_lose():
     b = [record(1, -0.1), record(2, 0.0), record(3, 0.2), record(4, 0.0), record(6, 0.0)]
     result = compare(a, b, -0.05)
     # 1: A confident, B not -> win; 2: lose; 3: both -> tie; 4: A invalid, B confident -> lose
-    assert (result["win"], result["tie"], result["lose"]) == (1, 1, 2)
-    assert result["n"] == 4 and result["n_only_a"] == 1 and result["n_only_b"] == 1
-    assert result["n_paired"] == 3
+    assert (result.win, result.tie, result.lose) == (1, 1, 2)
+    assert result.n == 4 and result.n_only_a == 1 and result.n_only_b == 1
+    assert result.n_paired == 3
     with pytest.raises(ValueError, match="share no query id"):
         compare([record("x", 0.0)], [record("y", 0.0)], -0.05)
 
@@ -111,7 +104,7 @@ def test_compare_win_tie_lose():
 def test_compare_paired_test_detects_a_consistent_shift():
     a = [record(i, 0.01 * i) for i in range(30)]
     b = [record(i, 0.01 * i - 0.1) for i in range(30)]
-    assert compare(a, b, -0.05)["wilcoxon_p"] < 1e-4
+    assert compare(a, b, -0.05).wilcoxon_p < 1e-4
 
 
 def test_sign_test_fits_the_win_lose_split():
@@ -119,10 +112,10 @@ def test_sign_test_fits_the_win_lose_split():
     a = [record(i, -0.2) for i in range(10)] + [record(i, 0.0) for i in range(10, 40)]
     b = [record(i, 0.0) for i in range(40)]
     result = compare(a, b, -0.05)
-    assert (result["win"], result["tie"], result["lose"]) == (0, 30, 10)
-    assert result["sign_p"] == pytest.approx(2 / 2**10)
-    assert result["difference"] == pytest.approx(-0.25) == result["confidence_a"] - result["confidence_b"]
-    low, high = result["difference_ci"]
+    assert (result.win, result.tie, result.lose) == (0, 30, 10)
+    assert result.sign_p == pytest.approx(2 / 2**10)
+    assert result.difference == pytest.approx(-0.25) == result.confidence_a - result.confidence_b
+    low, high = result.difference_ci
     assert low < -0.25 < high < 0
     assert sign_test_p(0, 0) == 1.0 and sign_test_p(5, 5) == pytest.approx(1.0)
 

@@ -15,6 +15,7 @@ from _runs import GOOD, MIXED, MIXED_HIGHER_D, POOR, write_run
 from probdiff_callback.analysis.plot import CROSSCHECK_TITLE, crosscheck_figure, plot_crosscheck
 from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.cli import main
+from probdiff_callback.core.records import ReferenceSummary
 from probdiff_callback.runs.run_files import (
     history_path,
     read_history,
@@ -81,8 +82,9 @@ def set_measures(run: Path, measures: dict[int, tuple[float, float | None]]) -> 
             row.eval_loss, bleu = measures[row.global_step]
             if bleu is not None:
                 overall = {"bleu": bleu, "chrf": 10 * bleu}
-                reference = {"overall": overall, "n_scored": {"bleu": 8, "chrf": 8}, "by_category": {}}
-                row.summary = dict(row.summary, reference=reference)
+                row.summary.reference = ReferenceSummary(
+                    overall=overall, n_scored={"bleu": 8, "chrf": 8}, by_category={}
+                )
     write_jsonl(history_path(run), [row.to_json() for row in rows])
 
 
@@ -172,6 +174,11 @@ def panel_labels(figure, n_panels: int) -> list[list]:
     return [[t for t in axis.texts if t.get_text().isdigit()] for axis in figure.axes[:n_panels]]
 
 
+def suptitle(figure):
+    """The figure's title as drawn: `suptitle` adds it to the figure's texts."""
+    return next(text for text in figure.texts if text.get_text() == figure.get_suptitle())
+
+
 @pytest.mark.parametrize(
     ("points", "measures", "min_labelled"),
     [
@@ -185,9 +192,8 @@ def test_the_title_is_whole_and_labels_neither_overlap_nor_leave_their_panel(poi
     renderer = figure.canvas.get_renderer()
     whole = figure.bbox
     assert whole.width >= 900, "wide enough to read at the saved resolution"  # pixels at the figure's dpi
-    title = figure._suptitle
-    assert title.get_text() == CROSSCHECK_TITLE
-    box = title.get_window_extent(renderer)
+    assert figure.get_suptitle() == CROSSCHECK_TITLE
+    box = suptitle(figure).get_window_extent(renderer)
     assert whole.x0 <= box.x0 and box.x1 <= whole.x1 and box.y1 <= whole.y1, "the title is cut"
     texts = [t for axis in figure.axes for t in (axis.title, axis.xaxis.label, axis.yaxis.label) if t.get_text()]
     for text in texts:
@@ -207,7 +213,7 @@ def test_the_title_is_whole_and_labels_neither_overlap_nor_leave_their_panel(poi
 def test_the_panels_titles_do_not_overlap_the_figure_title():
     figure = crosscheck_figure(report(OFFLINE_DEFAULT))
     renderer = figure.canvas.get_renderer()
-    title = figure._suptitle.get_window_extent(renderer)
+    title = suptitle(figure).get_window_extent(renderer)
     for axis in figure.axes:
         if axis.get_title():
             assert not title.overlaps(axis.title.get_window_extent(renderer))

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import sacrebleu
+from _records import make_record
 from rouge_score import rouge_scorer
 
 from probdiff_callback.analysis.report import format_reference
 from probdiff_callback.core.queries import Query, load_queries
+from probdiff_callback.core.records import Record, ReferenceSummary
 from probdiff_callback.core.reference_metrics import (
     ReferencePlan,
     bleu_tokenizer,
@@ -48,8 +50,8 @@ CHINESE_REFS = ["今天北京的天气很好，我们去公园散步。", "政�
 CHINESE_HYPS = ["今天北京天气很好，我们去公园散步了。", "政府批准了预算。", "博物馆年底前闭馆。"]
 
 
-def record(id_: str, category: str, response: str, d: float = 0.0) -> dict:
-    return {"id": id_, "category": category, "response": response, "d": d}
+def record(id_: str, category: str, response: str, d: float = 0.0) -> Record:
+    return make_record(id_, d, category=category, response=response)
 
 
 def test_metric_family_and_bleu_tokenizer_follow_the_category():
@@ -195,27 +197,29 @@ def test_summary_per_direction_per_dataset_and_overall():
         record("b0", "blog", "whatever"),
     ]
     scored = score_records(records, queries)
-    assert "ref" not in scored[-1] and "reference" not in scored[-1]  # the blog has no reference metric
-    assert scored[0]["reference"] == ENGLISH_REFS[0] and set(scored[0]["ref"]) == {"bleu", "chrf"}
-    assert "ref" not in records[0]  # the input is not modified
+    assert scored[-1].ref is None and scored[-1].reference is None  # the blog has no reference metric
+    assert "ref" not in scored[-1].to_json() and "reference" not in scored[-1].to_json()
+    assert scored[0].reference == ENGLISH_REFS[0] and set(scored[0].ref) == {"bleu", "chrf"}
+    assert list(scored[0].to_json())[-2:] == ["reference", "ref"]  # written after the record's own keys
+    assert records[0].ref is None  # the input is not modified
     summary = summarize_references(scored)
-    by = summary["by_category"]
+    by = summary.by_category
     assert set(by) == {"cs-en", "en-zh", "xsum", "cnn_dm"}
     assert by["cs-en"]["bleu"] == pytest.approx(sacrebleu.corpus_bleu(ENGLISH_HYPS, [ENGLISH_REFS]).score)
     assert by["en-zh"]["bleu"] == pytest.approx(
         sacrebleu.corpus_bleu(CHINESE_HYPS, [CHINESE_REFS], tokenize="zh").score
     )
     assert by["en-zh"]["tokenize"] == "zh" and by["cs-en"]["tokenize"] == "13a" and by["cs-en"]["n"] == 5
-    assert by["xsum"]["rouge1"] == pytest.approx(scored[-3]["ref"]["rouge1"])
-    overall = summary["overall"]
+    assert by["xsum"]["rouge1"] == pytest.approx(scored[-3].ref["rouge1"])
+    overall = summary.overall
     assert overall["bleu"] == pytest.approx(
         pooled_bleu([(ENGLISH_HYPS, ENGLISH_REFS, "13a"), (CHINESE_HYPS, CHINESE_REFS, "zh")])
     )
     assert overall["chrf"] == pytest.approx(
         sacrebleu.corpus_chrf(ENGLISH_HYPS + CHINESE_HYPS, [ENGLISH_REFS + CHINESE_REFS]).score
     )
-    assert overall["rougeL"] == pytest.approx((scored[-3]["ref"]["rougeL"] + scored[-2]["ref"]["rougeL"]) / 2)
-    assert summary["n_scored"] == {"bleu": 8, "chrf": 8, "rouge1": 2, "rouge2": 2, "rougeL": 2}
+    assert overall["rougeL"] == pytest.approx((scored[-3].ref["rougeL"] + scored[-2].ref["rougeL"]) / 2)
+    assert summary.n_scored == {"bleu": 8, "chrf": 8, "rouge1": 2, "rouge2": 2, "rougeL": 2}
     assert summarize_references([record("b0", "blog", "x")]) is None
     text = format_reference(summary)
     assert "BLEU" in text and "chrF" in text and "ROUGE-L" in text and "en-zh" in text
@@ -223,11 +227,11 @@ def test_summary_per_direction_per_dataset_and_overall():
 
 def test_trainer_metrics_are_named_per_metric_and_category_and_nan_when_missing():
     plan = ReferencePlan({"en-zh": "translation", "zh-en": "translation"})
-    reference = {
-        "overall": {"bleu": 10.0, "chrf": 20.0},
-        "n_scored": {"bleu": 2, "chrf": 2},
-        "by_category": {"en-zh": {"n": 1, "bleu": 5.0, "chrf": 15.0}},
-    }
+    reference = ReferenceSummary(
+        overall={"bleu": 10.0, "chrf": 20.0},
+        n_scored={"bleu": 2, "chrf": 2},
+        by_category={"en-zh": {"n": 1, "bleu": 5.0, "chrf": 15.0}},
+    )
     metrics = trainer_metrics(reference, plan)
     assert metrics["eval_ref_bleu"] == 10.0 and metrics["eval_ref_chrf"] == 20.0
     assert metrics["eval_ref_bleu_en-zh"] == 5.0 and math.isnan(metrics["eval_ref_bleu_zh-en"])

@@ -10,9 +10,14 @@ from _runs import GOOD, MIXED, MIXED_HIGHER_D, POOR, write_run
 
 from probdiff_callback.analysis.select import format_selection, ranked_rows, select_checkpoints
 from probdiff_callback.cli import main
+from probdiff_callback.core.records import Summary
 from probdiff_callback.runs.run_files import (
     HistoryRow,
 )
+
+
+def summary(confidence: float) -> Summary:
+    return Summary(n=8, delta=-0.05, confidence=confidence)
 
 
 def test_select_ranks_by_confidence_then_the_earlier_step_and_tests_against_the_best(tmp_path, capsys):
@@ -59,12 +64,12 @@ def test_tied_confidences_pick_the_earliest_tied_step_with_a_checkpoint(tmp_path
 
 def test_ranking_puts_a_nan_confidence_last_and_a_tied_baseline_does_not_beat_the_best(tmp_path):
     rows = [
-        HistoryRow(5, summary={"confidence": math.nan}),  # no valid query: NaN, never the best
-        HistoryRow(10, summary={"confidence": 0.5}),
-        HistoryRow(20, summary={"confidence": 0.5}),
-        HistoryRow(30, summary={"confidence": 0.75}),
+        HistoryRow(5, summary=summary(math.nan)),  # no valid query: NaN, never the best
+        HistoryRow(10, summary=summary(0.5)),
+        HistoryRow(20, summary=summary(0.5)),
+        HistoryRow(30, summary=summary(0.75)),
         HistoryRow(40, summary=None, error="boom"),  # failed: not ranked
-        HistoryRow(0, kind="baseline", summary={"confidence": 0.9}),  # the baseline is not a candidate
+        HistoryRow(0, kind="baseline", summary=summary(0.9)),  # the baseline is not a candidate
     ]
     assert [row.global_step for row in ranked_rows(rows)] == [30, 10, 20, 5]
     run = tmp_path / "run"
@@ -111,7 +116,7 @@ def test_select_and_best_skip_checkpoints_removed_or_broken_and_say_so(tmp_path,
     assert "skipped for best, ranked higher: step 20 (checkpoint-20 removed (checkpoint rotation, or a fault)); " in (
         printed
     )
-    assert f"step 10 ({weights} is truncated (" in printed
+    assert f"step 10 ({weights} is truncated or damaged (" in printed
     assert "Best checkpoint: step 30" in printed
     assert (run / "best").resolve() == (run / "checkpoint-30").resolve()
 
@@ -138,9 +143,9 @@ def test_select_shows_win_tie_lose_against_the_base_model(tmp_path, capsys):
     selection = select_checkpoints(run)
     by_step = {s.global_step: s for s in selection.ranked}
     # POOR is confident on query 4 only; GOOD on all 8: 7 won, 1 tied. MIXED on 0, 2, 4, 5, 7: 4 won, 4 tied.
-    assert (by_step[20].vs_base["win"], by_step[20].vs_base["tie"], by_step[20].vs_base["lose"]) == (7, 1, 0)
-    assert (by_step[10].vs_base["win"], by_step[10].vs_base["tie"], by_step[10].vs_base["lose"]) == (4, 4, 0)
-    assert 0 < by_step[20].vs_base["wilcoxon_p"] < 1 and selection.baseline.vs_base is None
+    assert (by_step[20].vs_base.win, by_step[20].vs_base.tie, by_step[20].vs_base.lose) == (7, 1, 0)
+    assert (by_step[10].vs_base.win, by_step[10].vs_base.tie, by_step[10].vs_base.lose) == (4, 4, 0)
+    assert 0 < by_step[20].vs_base.wilcoxon_p < 1 and selection.baseline.vs_base is None
     assert main(["select", str(run)]) == 0
     printed = capsys.readouterr().out
     assert "vs base w/t/l" in printed and "p vs base" in printed

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _records import make_record
 from scipy.stats import binom
 
 from probdiff_callback.analysis.report import format_summary, resolution_line
-from probdiff_callback.core.metric import sign_test_p, summarize
+from probdiff_callback.core.metric import sign_test_p, summary_of
 from probdiff_callback.core.significance import (
     _sign_test_cutoffs,
     power_of_paired_comparison,
@@ -92,12 +93,8 @@ def test_the_line_says_what_a_run_cannot_tell_apart_in_one_sentence():
 
 
 def test_probdiff_eval_summary_has_the_line():
-    records = [
-        {"id": str(i), "d": d, "logp_response": -2.0, "logp_revised": -2.0 + d, "n_tokens_response": 5,
-         "n_tokens_revised": 5}
-        for i, d in enumerate([0.1] * 9 + [-0.5] * 7)
-    ]  # fmt: skip
-    printed = format_summary(summarize(records, -0.05, [0.0]))
+    records = [make_record(i, d) for i, d in enumerate([0.1] * 9 + [-0.5] * 7)]
+    printed = format_summary(summary_of(records, -0.05, [0.0]))
     assert printed.splitlines()[-1] == resolution_line(16, 9 / 16, "two models or steps on these queries")
     assert "within noise" in printed.splitlines()[-1]
 

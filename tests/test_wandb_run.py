@@ -7,13 +7,12 @@ import glob
 import json
 import os
 import shlex
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from _distributed_eval import REPO, build_trainer, probdiff_config
+from _faults import inject
 from _launch import CHEAP, run_sft
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
@@ -22,7 +21,6 @@ from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.core.queries import load_queries
 from probdiff_callback.runs import run_files
-from probdiff_callback.runtime import faults
 from train.recipe import load_recipe, sft_config
 from train.wandb_run import (
     RUN_ID_FILE,
@@ -45,12 +43,7 @@ from train.wandb_run import (
 TRANSLATION_QUERIES = REPO / "data" / "samples" / "translation" / "heldout.jsonl"
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def checkpoint(run: Path, step: int, record: StepRecord | None = None) -> Path:
@@ -307,10 +300,9 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
             train(first, None, interrupt_at=3)
         last = 2
     else:
-        monkeypatch.setattr(faults, "_reached", Counter())
-        monkeypatch.setenv(faults.FAULT_ENV, "answers-done:4=TERM")  # visit 1 is the baseline's
-        train(first, None, interrupt_at=None)
-        monkeypatch.delenv(faults.FAULT_ENV)
+        with monkeypatch.context() as armed:
+            inject("answers-done:4=TERM", armed.setattr)  # visit 1 is the baseline's
+            train(first, None, interrupt_at=None)
         last = 3
         assert history_of(run)[-1]["abandoned"] and (run / "checkpoint-3").is_dir()
     run_id = read_run_id(run)

@@ -34,6 +34,7 @@ import sys
 from argparse import Namespace
 from typing import TYPE_CHECKING
 
+from probdiff_callback.runtime.parent import set_parent_death_signal
 from probdiff_callback.runtime.threads import LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
@@ -92,7 +93,9 @@ def follow_launcher() -> None:
         return
     set_parent_death_signal(signal.SIGTERM)
     if str(os.getppid()) != launcher:
-        if not os.path.exists(f"/proc/{launcher}"):  # it died before the line above: nobody waits for this process
+        import psutil
+
+        if not psutil.pid_exists(int(launcher)):  # it died before the line above: nobody waits for this process
             print(f"error: the launcher (pid {launcher}) is gone; not training", file=sys.stderr)
             sys.exit(1)
         return  # a stale variable in the environment of a process that no launcher of ours started
@@ -101,13 +104,6 @@ def follow_launcher() -> None:
             os.setpgid(0, 0)
     except ProcessLookupError:  # the launcher died just now: the death signal is on its way
         pass
-
-
-def set_parent_death_signal(signum: int) -> bool:
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    return ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum) == 0
 
 
 def main(argv: list[str], script: str) -> int:

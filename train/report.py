@@ -23,15 +23,16 @@ def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: 
     table = []
     for row in rows:
         s, step = row.summary, row.global_step
-        low, high = s["confidence_ci"]
-        overall = (s.get("reference") or {}).get("overall", {})
+        assert s is not None  # the successful rows
+        low, high = s.confidence_ci
+        overall = {} if s.reference is None else s.reference.overall
         table.append([
             str(step), row.kind, last("loss", step) if step else "-", last("eval_loss", step),
-            pct(s["confidence"]), f"[{pct(low)}, {pct(high)}]", fmt(s["d_mean"], "+.4f"), str(s["n"]),
+            pct(s.confidence), f"[{pct(low)}, {pct(high)}]", fmt(s.d_mean, "+.4f"), str(s.n),
             # histories written before the cap was counted have no n_capped
-            f"{s['n_capped']}/{s['n_revision_capped']}" if "n_capped" in s else "-",
+            f"{s.n_capped}/{s.n_revision_capped}" if "n_capped" not in s.absent else "-",
             # and before degenerate texts were
-            f"{s['n_degenerate']}/{s['n_revision_degenerate']}" if "n_degenerate" in s else "-",
+            f"{s.n_degenerate}/{s.n_revision_degenerate}" if "n_degenerate" not in s.absent else "-",
             format_win_tie_lose(row.vs_base), format_p(row.vs_base),
             *[fmt(overall.get(name), ".2f", "-") for name in references],
         ])  # fmt: skip
@@ -48,7 +49,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     # Read once, ranked once: the table, the cross-check, the selection and the plot all show what was read here.
     run = read_run(run_dir, recipe.probdiff.output_subdir)
     rows = run.successful()
-    overall = [(r.summary.get("reference") or {}).get("overall", {}) for r in rows]
+    overall = [r.summary.reference.overall for r in rows if r.summary is not None and r.summary.reference is not None]
     references = [name for name in METRIC_LABELS if any(name in values for values in overall)]
     print(
         f"\nProbDiff over training (delta {recipe.probdiff.delta:g}; loss: last logged training loss up to the step; "

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from probdiff_callback.runtime import faults
 from train import say
 from train.data import LOSS_MASKING_NOTES, loss_datasets
 from train.recipe import Recipe
@@ -60,11 +59,6 @@ def trainer_class(plain_loss: bool, base_model: str):
     from trl import SFTTrainer
 
     class RecipeSFTTrainer(SFTTrainer):
-        def save_model(self, output_dir=None, _internal_call=False):
-            super().save_model(output_dir, _internal_call)
-            if _internal_call:  # a checkpoint's weights: its optimizer and trainer state come next
-                faults.reached("checkpoint-weights-saved")
-
         def create_model_card(self, *args, **kwargs):
             with no_link_to_offline_wandb_run():
                 super().create_model_card(*args, **kwargs)

@@ -4,8 +4,8 @@
 - `floor`: what a model of a given shape costs per token, and the floors of decoding, scoring and training;
 - `device`: timing and memory on CUDA or CPU, the device's name and versions, its bandwidth and matmul rate;
 - `workload`: the blog recipe's settings, prompts and training text, and the model of a given shape;
-- `decoding_paths`: the decoding paths an evaluation is measured through;
-- `evaluation`: one evaluation, its stages timed, and against the floor; the decode batches;
+- `paths`: the decoding paths, each an engine for `evaluate(engine=...)`, and the wrapper that records their calls;
+- `evaluation`: one evaluation through an engine, its stages as the evaluator timed them, against the floor;
 - `vllm_path`: the same evaluation through a vLLM server started on the model, a LoRA adapter loaded by path;
 - `training`: the LoRA and QLoRA steps, and an evaluation's share of training time;
 - `nominal`: the floor alone, from nominal bandwidth and FLOP/s (`--floor-only`).

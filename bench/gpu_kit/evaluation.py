@@ -1,162 +1,66 @@
-"""One ProbDiff evaluation, its stages timed (answer decoding, revision decoding, scoring) and each against its
-floor, through every decoding path asked for; then one evaluation batch of each decode batch size."""
+"""One ProbDiff evaluation through an engine, timed by the evaluator itself (`Evaluation.cost`: answer decoding,
+revision decoding, scoring) and each stage against its floor; one per HF decoding path, then one evaluation batch of
+each decode batch size."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import torch
-
-from probdiff_callback.core import evaluator
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.decoding import sample_continuations
+from probdiff_callback.core.engines import Engine
+from probdiff_callback.core.evaluator import evaluate
+from probdiff_callback.core.prompts import prepare_queries
 from probdiff_callback.core.queries import Query
+from probdiff_callback.core.records import Cost, Record
 
-from .decoding_paths import PATHS, decoding_paths
 from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory
-from .floor import Hardware, ModelCost, decode_floor, scoring_floor, steps_per_row
+from .floor import decode_floor, scoring_floor, steps_per_row
+from .paths import HF_ENGINES, PATHS, Call, Recording, hf_paths, stage_calls
 from .report import Figure, plural, say, seconds
 from .workload import Bench, cycled_queries, probdiff_config
 
 
 @dataclass
-class DecodeCall:
-    prompt_lengths: list[int]
-    generated_lengths: list[int]
+class Measured:
+    """One evaluation: its records, what each stage cost (the evaluator's own timing), its wall time, the engine's
+    calls by stage, and the peak memory."""
+
+    records: list[Record]
+    cost: Cost
+    seconds: float
+    calls: dict[str, list[Call]]
+    memory_detail: str
+    memory_numbers: dict[str, float]
 
 
-@dataclass
-class EvaluationRun:
-    records: list[dict] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=lambda: {"answer": 0.0, "revision": 0.0, "scoring": 0.0})
-    total_seconds: float = 0.0
-    decode_calls: dict[str, list[DecodeCall]] = field(default_factory=lambda: {"answer": [], "revision": []})
-    scored: list[tuple[int, list[str]]] = field(default_factory=list)  # (prompt length, its texts) as scored
-    memory_detail: str = ""
-    memory_numbers: dict[str, float] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def patched(module, name: str, replacement) -> Iterator[None]:
-    original = getattr(module, name)
-    setattr(module, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
-def next_stage(run: EvaluationRun, n_revisions: int) -> str:
-    """The stage of the evaluator's next generation call: for each generation batch it asks once for the answers,
-    then once per revision round."""
-    calls_so_far = sum(len(calls) for calls in run.decode_calls.values())
-    return "answer" if calls_so_far % (1 + n_revisions) == 0 else "revision"
-
-
-def timed_by_stage(
-    run: EvaluationRun, n_revisions: int, device: torch.device, generate: Callable, decode_call: Callable
-) -> Callable:
-    """`generate` (one of the evaluator's generation calls), its time added to the run's stage (`next_stage`) and
-    `decode_call(args, result)`, the call's lengths for the floor, recorded under that stage."""
-
-    def timed(*args, **kwargs):
-        stage = next_stage(run, n_revisions)
-        started = clock(device)
-        result = generate(*args, **kwargs)
-        run.seconds[stage] += clock(device) - started
-        run.decode_calls[stage].append(decode_call(args, result))
-        return result
-
-    return timed
-
-
-@contextlib.contextmanager
-def timed_scoring(run: EvaluationRun, device: torch.device) -> Iterator[None]:
-    """Time score_texts, which `evaluate` calls by its module-level name for each scoring batch whatever engine
-    wrote the texts, and record what it scored, for the floor."""
-    original_score_texts = evaluator.score_texts
-
-    def timed_score_texts(model, tokenizer, prompts, texts, *args, **kwargs):
-        started = clock(device)
-        scores = original_score_texts(model, tokenizer, prompts, texts, *args, **kwargs)
-        run.seconds["scoring"] += clock(device) - started
-        run.scored.extend((len(p), list(t)) for p, t in zip(prompts, texts))
-        return scores
-
-    with patched(evaluator, "score_texts", timed_score_texts):
-        yield
-
-
-@contextlib.contextmanager
-def instrumented(run: EvaluationRun, decode: Callable, n_revisions: int, device: torch.device) -> Iterator[None]:
-    """Time the evaluator's stages by wrapping the functions `evaluate` calls by their module-level names: for
-    each batch it calls generate_texts once for the answers, once per revision round, then score_texts.
-    `decode` replaces sample_continuations, which generate_texts calls; it also records lengths for the floor."""
-    last_call: list[DecodeCall] = []
-
-    def recording_decode(model, prompts, *args, **kwargs):
-        generated = decode(model, prompts, *args, **kwargs)
-        last_call.append(DecodeCall([len(p) for p in prompts], [len(g) for g in generated]))
-        return generated
-
-    timed_generate_texts = timed_by_stage(
-        run, n_revisions, device, evaluator.generate_texts, lambda args, texts: last_call.pop()
-    )
-    with (
-        patched(evaluator, "sample_continuations", recording_decode),
-        patched(evaluator, "generate_texts", timed_generate_texts),
-        timed_scoring(run, device),
-    ):
-        yield
-
-
-def timed_evaluation(
-    model,
-    tokenizer,
-    queries: Sequence[Query],
-    config: ProbDiffConfig,
-    device: torch.device,
-    instrumentation: Callable[[EvaluationRun], contextlib.AbstractContextManager],
-    engine=None,
-) -> EvaluationRun:
-    """One evaluation, its stages timed into the run by `instrumentation(run)`; the texts written by `engine`
-    (default: the evaluator's own, HF generate on `model`) and scored by `model`."""
-    run = EvaluationRun()
-    before = allocated_memory(device)
-    reset_peak_memory(device)
-    with instrumentation(run):
-        started = clock(device)
-        run.records = evaluator.evaluate(model, tokenizer, queries, config, engine=engine, progress=sys.stderr.isatty())
-        run.total_seconds = clock(device) - started
-    run.memory_detail, run.memory_numbers = memory_detail(device, before)
-    return run
-
-
-def run_evaluation(
-    model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, decode: Callable, device: torch.device
-) -> EvaluationRun:
-    """One evaluation through the HF decode function `decode`."""
-
-    def instrumentation(run: EvaluationRun) -> contextlib.AbstractContextManager:
-        return instrumented(run, decode, config.n_revisions, device)
-
-    return timed_evaluation(model, tokenizer, queries, config, device, instrumentation)
-
-
-def warm_up(model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, decode: Callable) -> None:
-    """One batch of one new token first: CUDA context, kernel selection and allocator growth stay out of the
-    timings."""
+def warm_up(model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, engine: Engine) -> None:
+    """One batch of one new token first: CUDA context, kernel selection, allocator growth (and a server's adapter
+    loading) stay out of the timings."""
     short = dataclasses.replace(config, max_new_tokens=1)
-    with patched(evaluator, "sample_continuations", decode):
-        evaluator.evaluate(model, tokenizer, queries[: config.batch_size], short, progress=False)
+    evaluate(model, tokenizer, queries[: config.batch_size], short, engine=engine, progress=False)
 
 
-@dataclass
+def measure(bench: Bench, model, queries: Sequence[Query], config: ProbDiffConfig, engine: Engine) -> Measured:
+    """One evaluation with its texts written by `engine` and scored by `model`."""
+    recording = Recording(engine)
+    before = allocated_memory(bench.device)
+    reset_peak_memory(bench.device)
+    started = clock(bench.device)
+    evaluation = evaluate(model, bench.tokenizer, queries, config, engine=recording, progress=sys.stderr.isatty())
+    took = clock(bench.device) - started
+    detail, numbers = memory_detail(bench.device, before)
+    calls = stage_calls(recording.calls, config.n_revisions)
+    for stage, tokens in (("answer", evaluation.cost.answer_tokens), ("revision", evaluation.cost.revision_tokens)):
+        recorded = sum(sum(c.generated_lengths) for c in calls[stage])
+        if recorded != tokens:  # the calls did not come in the order stage_calls reads them
+            raise RuntimeError(f"{stage} calls generated {recorded} tokens; the evaluator counted {tokens}")
+    return Measured(evaluation.records, evaluation.cost, took, calls, detail, numbers)
+
+
+@dataclass(frozen=True)
 class Floors:
     answer: float
     revision: float
@@ -167,159 +71,140 @@ class Floors:
         return self.answer + self.revision + self.scoring
 
 
-def evaluation_floors(run: EvaluationRun, tokenizer, cost: ModelCost, hardware: Hardware, cap: int) -> Floors:
-    def stage(calls: list[DecodeCall]) -> float:
+def floors_of(run: Measured, bench: Bench, queries: Sequence[Query], config: ProbDiffConfig) -> Floors:
+    """Decoding: each call's rows as they ran; scoring: each record's two texts, as many tokens as were scored, after
+    its query's chat prompt (prepared as the evaluator prepares it), the prompt run once for both."""
+    cap = config.max_new_tokens
+
+    def decoding(calls: list[Call]) -> float:
         return sum(
-            decode_floor(cost, hardware, c.prompt_lengths, steps_per_row(c.generated_lengths, cap)).total for c in calls
+            decode_floor(bench.cost, bench.hardware, c.prompt_lengths, steps_per_row(c.generated_lengths, cap)).total
+            for c in calls
         )
 
-    response_lengths = [
-        [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts] for _, texts in run.scored
-    ]
-    prompt_lengths = [length for length, _ in run.scored]
-    return Floors(
-        stage(run.decode_calls["answer"]),
-        stage(run.decode_calls["revision"]),
-        scoring_floor(cost, hardware, prompt_lengths, response_lengths),
+    prepared = prepare_queries(
+        bench.tokenizer, queries, system_prompt=config.system_prompt, max_prompt_tokens=config.max_prompt_tokens
     )
+    prompt_length = {p.query.id: len(p.prompt_ids) for p in prepared}
+    prompts = [prompt_length[r.id] for r in run.records]
+    texts = [[r.n_tokens_response, r.n_tokens_revised] for r in run.records]
+    scoring = scoring_floor(bench.cost, bench.hardware, prompts, texts)
+    return Floors(decoding(run.calls["answer"]), decoding(run.calls["revision"]), scoring)
 
 
-def identical_share(run: EvaluationRun, reference: EvaluationRun | None) -> str:
-    if reference is None:
-        return ""
-    same = sum(
-        a["response"] == b["response"] and a["revisions"] == b["revisions"]
-        for a, b in zip(run.records, reference.records)
-    )
-    return f"; texts identical to ours for {same}/{len(run.records)} queries"
+def compared_with_ours(run: Measured, ours: Measured | None, same_sampler: bool) -> tuple[str, dict[str, float]]:
+    """The run's speed against ours, and where both drew with the library's sampler, for how many queries the texts
+    came out the same."""
+    if ours is None:
+        return "", {}
+    speed = ours.seconds / run.seconds
+    words = f"; {speed:.2f}x the speed of ours ({seconds(ours.seconds)})"
+    if same_sampler:
+        same = sum(a.response == b.response and a.revisions == b.revisions for a, b in zip(run.records, ours.records))
+        words += f"; texts identical to ours for {same}/{len(run.records)} queries"
+    return words, {"speed_vs_ours": speed}
 
 
-def evaluation_figure(
-    label: str, run: EvaluationRun, floors: Floors, comparison: str = "", numbers: dict[str, float] | None = None
+def stage_figure(
+    label: str, stage: str, took: float, calls: list[Call], floor: float, cap: int, server: bool
 ) -> Figure:
-    """The evaluation's wall time against its floor; `comparison` and `numbers` say how it compares with ours."""
-    staged = sum(run.seconds.values())
-    return Figure(
-        f"{label}: evaluation",
-        seconds(run.total_seconds),
-        f"{plural(len(run.records), 'query', 'queries')}; floor {seconds(floors.total)}, "
-        f"{run.total_seconds / floors.total:.2f}x the floor; "
-        f"other (prompts, tokenizing) {seconds(run.total_seconds - staged)}; memory {run.memory_detail}" + comparison,
-        {
-            "seconds_s": run.total_seconds,
-            "floor_s": floors.total,
-            "ratio_to_floor": run.total_seconds / floors.total,
-            **run.memory_numbers,
-            **(numbers or {}),
-        },
-    )
-
-
-# How a stage's texts were batched: (words, numbers) from its decode calls and its seconds.
-Batching = Callable[[list[DecodeCall], float], tuple[str, dict[str, float]]]
-
-
-def batches_and_steps(cap: int) -> Batching:
-    """An HF path's batching: batches decoded in lockstep, each for as many steps as its longest row."""
-
-    def described(calls: list[DecodeCall], took: float) -> tuple[str, dict[str, float]]:
+    """A decoding stage: HF batches decode in lockstep, each for as many steps as its longest row; a server
+    (`server`) was sent the stage's requests at once and batched them itself."""
+    lengths = [length for c in calls for length in c.generated_lengths]
+    tokens, at_cap = sum(lengths), sum(length == cap for length in lengths)
+    if server:
+        how = f"{plural(len(lengths), 'request', 'requests')} sent at once, batched by the server (floor: one batch)"
+        numbers: dict[str, float] = {}
+    else:
         steps = sum(max(steps_per_row(c.generated_lengths, cap)) for c in calls)
-        words = f"{plural(len(calls), 'batch', 'batches')}, {steps} decode steps: {steps / took:.1f} steps/s"
-        return words, {"decode_steps": steps, "steps_per_s": steps / took}
-
-    return described
-
-
-def stage_figure(label: str, stage: str, run: EvaluationRun, floor: float, cap: int, batching: Batching) -> Figure:
-    calls = run.decode_calls[stage]
-    tokens = sum(sum(c.generated_lengths) for c in calls)
-    rows = sum(len(c.generated_lengths) for c in calls)
-    at_cap = sum(length == cap for c in calls for length in c.generated_lengths)
-    took = run.seconds[stage]
-    how, numbers = batching(calls, took)
+        how = f"{plural(len(calls), 'batch', 'batches')}, {steps} decode steps: {steps / took:.1f} steps/s"
+        numbers = {"decode_steps": steps, "steps_per_s": steps / took}
     return Figure(
         f"{label}: {stage} decoding",
         seconds(took),
-        f"{how}; {tokens} tokens: {tokens / took:.1f} tokens/s ({at_cap}/{rows} rows ran to the cap); "
+        f"{how}; {tokens} tokens: {tokens / took:.1f} tokens/s ({at_cap}/{len(lengths)} rows ran to the cap); "
         f"floor {seconds(floor)}, {took / floor:.2f}x the floor",
-        {
-            "seconds_s": took,
-            **numbers,
-            "tokens": tokens,
-            "tokens_per_s": tokens / took,
-            "floor_s": floor,
-            "ratio_to_floor": took / floor,
-        },
-    )
-
-
-def scoring_figure(label: str, run: EvaluationRun, floors: Floors) -> Figure:
-    took = run.seconds["scoring"]
-    n_texts = sum(len(texts) for _, texts in run.scored)
-    return Figure(
-        f"{label}: scoring",
-        seconds(took),
-        f"{n_texts} texts; compute floor {seconds(floors.scoring)}, {took / floors.scoring:.2f}x the floor",
-        {"seconds_s": took, "floor_s": floors.scoring, "ratio_to_floor": took / floors.scoring},
+        {"seconds_s": took, **numbers, "tokens": tokens, "tokens_per_s": tokens / took, "floor_s": floor}
+        | {"ratio_to_floor": took / floor},
     )
 
 
 def evaluation_figures(
-    label: str, run: EvaluationRun, floors: Floors, cap: int, reference: EvaluationRun | None
+    label: str, run: Measured, floors: Floors, cap: int, ours: Measured | None, server: bool = False
 ) -> list[Figure]:
-    """An HF path's rows: the evaluation, its two decoding stages and its scoring."""
+    """A path's rows: the evaluation (next to ours, where given), its two decoding stages and its scoring, each
+    against its floor. `server`: the texts came from a server, with its own sampler and batching."""
+    comparison, compared = compared_with_ours(run, ours, same_sampler=not server)
+    scoring = run.cost.scoring_seconds
     return [
-        evaluation_figure(label, run, floors, identical_share(run, reference)),
-        stage_figure(label, "answer", run, floors.answer, cap, batches_and_steps(cap)),
-        stage_figure(label, "revision", run, floors.revision, cap, batches_and_steps(cap)),
-        scoring_figure(label, run, floors),
+        Figure(
+            f"{label}: evaluation",
+            seconds(run.seconds),
+            f"{plural(len(run.records), 'query', 'queries')}; floor {seconds(floors.total)}, "
+            f"{run.seconds / floors.total:.2f}x the floor; other (prompts, tokenizing) "
+            f"{seconds(run.seconds - run.cost.seconds)}; memory {run.memory_detail}{comparison}",
+            {"seconds_s": run.seconds, "floor_s": floors.total, "ratio_to_floor": run.seconds / floors.total}
+            | run.memory_numbers
+            | compared,
+        ),
+        stage_figure(label, "answer", run.cost.answers_seconds, run.calls["answer"], floors.answer, cap, server),
+        stage_figure(
+            label, "revision", run.cost.revisions_seconds, run.calls["revision"], floors.revision, cap, server
+        ),
+        Figure(
+            f"{label}: scoring",
+            seconds(scoring),
+            f"{2 * len(run.records)} texts; compute floor {seconds(floors.scoring)}, "
+            f"{scoring / floors.scoring:.2f}x the floor",
+            {"seconds_s": scoring, "floor_s": floors.scoring, "ratio_to_floor": scoring / floors.scoring},
+        ),
     ]
 
 
-def evaluation_section(bench: Bench, model) -> tuple[dict[str, EvaluationRun], list[Figure]]:
-    """One evaluation through each decoding path, after a warm-up; stage times against the floor."""
+def evaluation_section(bench: Bench, model) -> tuple[dict[str, Measured], list[Figure]]:
+    """One evaluation through each HF decoding path, after a warm-up; stage times against the floor."""
     figures: list[Figure] = []
-    cap = bench.workload.max_new_tokens
     queries = cycled_queries(bench.workload.queries)
     config = probdiff_config(bench.recipe, bench.workload)
-    paths, skipped = decoding_paths(bench.args.paths, bench.device)
-    runs: dict[str, EvaluationRun] = {}
-    for name, decode in paths.items():
-        say(f"evaluation through {PATHS[name]}: {len(queries)} queries, max_new_tokens {cap}")
+    paths, skipped = hf_paths(bench.args.paths, bench.device)
+    runs: dict[str, Measured] = {}
+    for name, make_engine in paths.items():
+        say(f"evaluation through {PATHS[name]}: {len(queries)} queries, max_new_tokens {config.max_new_tokens}")
+        engine = make_engine(model, bench.tokenizer, config.batch_size)
 
-        def evaluation(decode: Callable = decode) -> EvaluationRun:
-            warm_up(model, bench.tokenizer, queries, config, decode)
-            return run_evaluation(model, bench.tokenizer, queries, config, decode, bench.device)
+        def evaluation(engine: Engine = engine) -> Measured:
+            warm_up(model, bench.tokenizer, queries, config, engine)
+            return measure(bench, model, queries, config, engine)
 
         run = guarded(figures, f"{PATHS[name]}: evaluation", bench.device, evaluation)
         if run is not None:
             runs[name] = run
-            floors = evaluation_floors(run, bench.tokenizer, bench.cost, bench.hardware, cap)
-            reference = runs.get("ours") if name != "ours" else None
-            figures += evaluation_figures(PATHS[name], run, floors, cap, reference)
+            floors = floors_of(run, bench, queries, config)
+            ours = runs.get("ours") if name != "ours" else None
+            figures += evaluation_figures(PATHS[name], run, floors, config.max_new_tokens, ours)
     return runs, figures + skipped
 
 
 def decode_batch_section(bench: Bench, model) -> list[Figure]:
-    """One evaluation batch of each size through the library's loop: time per query and peak memory."""
+    """One evaluation batch of each size through ours: time per query and peak memory."""
     figures: list[Figure] = []
     for batch in bench.workload.decode_batches:
         say(f"decode batch {batch}: one evaluation batch through ours")
         config = probdiff_config(bench.recipe, bench.workload, batch_size=batch)
-        queries = cycled_queries(batch)
-        measurement = functools.partial(
-            run_evaluation, model, bench.tokenizer, queries, config, sample_continuations, bench.device
-        )
-        run = guarded(figures, f"decode batch {batch}", bench.device, measurement)
+        engine = HF_ENGINES["ours"](model, bench.tokenizer, batch)
+
+        def evaluation(config: ProbDiffConfig = config, engine: Engine = engine, batch: int = batch) -> Measured:
+            return measure(bench, model, cycled_queries(batch), config, engine)
+
+        run = guarded(figures, f"decode batch {batch}", bench.device, evaluation)
         if run is not None:
             figures.append(
                 Figure(
                     f"decode batch {batch}",
-                    f"{seconds(run.total_seconds / batch)} per query",
+                    f"{seconds(run.seconds / batch)} per query",
                     f"one batch of {batch} queries through ours (answers, revisions, scoring) in "
-                    f"{seconds(run.total_seconds)}; memory {run.memory_detail}",
-                    {"seconds_per_query_s": run.total_seconds / batch, "seconds_s": run.total_seconds}
-                    | run.memory_numbers,
+                    f"{seconds(run.seconds)}; memory {run.memory_detail}",
+                    {"seconds_per_query_s": run.seconds / batch, "seconds_s": run.seconds} | run.memory_numbers,
                 )
             )
     return figures

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from probdiff_callback.core import prompts
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.prompts import refinement_request, refinement_template
 
 from .floor import DecodeFloor, Hardware, ModelCost, cost_figures, decode_floor, scoring_floor, training_floor
 from .report import Figure, gib, seconds
@@ -23,6 +22,10 @@ class ComputedBatch:
     scoring: float
     kv_cache_bytes: float  # the revision stage's cache: every row's prompt and its new tokens
 
+    @property
+    def total(self) -> float:
+        return self.answer.total + self.revision.total + self.scoring
+
 
 def computed_batch(
     tokenizer, batch: Sequence[prompts.PreparedQuery], config: ProbDiffConfig, cost: ModelCost, hardware: Hardware
@@ -30,10 +33,11 @@ def computed_batch(
     """The floor of one evaluation batch if every row runs to the cap: answer prompts as the evaluator builds
     them, revision prompts holding a max_new_tokens answer, both texts scored under the answer prompt."""
     cap = config.max_new_tokens
-    template = refinement_template(config.refinement_prompt)
+    template = prompts.refinement_template(config.refinement_prompt)
     answer_prompts = [len(q.prompt_ids) for q in batch]
     revision_prompts = [
-        len(prompts.chat_prompt_ids(tokenizer, config.system_prompt, refinement_request(template, q.text, ""))) + cap
+        len(prompts.chat_prompt_ids(tokenizer, config.system_prompt, prompts.refinement_request(template, q.text, "")))
+        + cap
         for q in batch
     ]
     steps = [cap] * len(batch)
@@ -41,8 +45,12 @@ def computed_batch(
         decode_floor(cost, hardware, answer_prompts, steps),
         decode_floor(cost, hardware, revision_prompts, steps),
         scoring_floor(cost, hardware, answer_prompts, [[cap, cap]] * len(batch)),
-        sum(revision_prompts) * cost.kv_bytes_per_token + len(batch) * cap * cost.kv_bytes_per_token,
+        (sum(revision_prompts) + len(batch) * cap) * cost.kv_bytes_per_token,
     )
+
+
+def summed(floors: Sequence[DecodeFloor]) -> DecodeFloor:
+    return DecodeFloor(*(sum(getattr(f, part) for f in floors) for part in ("prefill", "weights", "kv_cache")))
 
 
 def split(floor: DecodeFloor) -> str:
@@ -52,51 +60,32 @@ def split(floor: DecodeFloor) -> str:
 def computed_floor_figures(
     tokenizer, cost: ModelCost, hardware: Hardware, recipe: dict, workload: Workload
 ) -> list[Figure]:
-    """The floor of one evaluation, and per query at each decode batch, from nominal bandwidth and FLOP/s."""
+    """The floor of one evaluation, of a LoRA sequence and per query at each decode batch."""
     config = probdiff_config(recipe, workload)
-    prepared = prompts.prepare_queries(
-        tokenizer,
-        cycled_queries(workload.queries),
-        system_prompt=config.system_prompt,
-        max_prompt_tokens=config.max_prompt_tokens,
-    )
-    order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i].prompt_ids))  # as the evaluator batches
-    batches = [
-        computed_batch(
-            tokenizer, [prepared[i] for i in order[start : start + workload.batch_size]], config, cost, hardware
+
+    def prepared(n: int) -> list[prompts.PreparedQuery]:
+        return prompts.prepare_queries(
+            tokenizer, cycled_queries(n), system_prompt=config.system_prompt, max_prompt_tokens=config.max_prompt_tokens
         )
-        for start in range(0, len(order), workload.batch_size)
+
+    queries = sorted(prepared(workload.queries), key=lambda q: -len(q.prompt_ids))  # as the evaluator batches them
+    size = workload.batch_size
+    batches = [
+        computed_batch(tokenizer, queries[i : i + size], config, cost, hardware) for i in range(0, len(queries), size)
     ]
-    answer = DecodeFloor(
-        *(sum(getattr(b.answer, part) for b in batches) for part in ("prefill", "weights", "kv_cache"))
-    )
-    revision = DecodeFloor(
-        *(sum(getattr(b.revision, part) for b in batches) for part in ("prefill", "weights", "kv_cache"))
-    )
+    answer, revision = summed([b.answer for b in batches]), summed([b.revision for b in batches])
     scoring = sum(b.scoring for b in batches)
     total = answer.total + revision.total + scoring
     every_row = f"{len(batches)} batches x {workload.max_new_tokens} steps, every row to the cap"
     figures = [
-        Figure(
-            "computed floor: answer decoding",
-            seconds(answer.total),
-            f"{every_row}: {split(answer)}",
-            {"floor_s": answer.total},
-        ),
-        Figure(
-            "computed floor: revision decoding",
-            seconds(revision.total),
-            f"{every_row}, the answer inside the prompt: {split(revision)}",
-            {"floor_s": revision.total},
-        ),
-        Figure(
-            "computed floor: scoring",
-            seconds(scoring),
-            f"{2 * len(prepared)} texts, FLOPs / FLOP/s",
-            {"floor_s": scoring},
-        ),
+        Figure("computed floor: answer decoding", seconds(answer.total), f"{every_row}: {split(answer)}",
+               {"floor_s": answer.total}),
+        Figure("computed floor: revision decoding", seconds(revision.total),
+               f"{every_row}, the answer inside the prompt: {split(revision)}", {"floor_s": revision.total}),
+        Figure("computed floor: scoring", seconds(scoring), f"{2 * len(queries)} texts, FLOPs / FLOP/s",
+               {"floor_s": scoring}),
         Figure("computed floor: evaluation", seconds(total), "the sum", {"floor_s": total}),
-    ]
+    ]  # fmt: skip
     sequences = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
     every = recipe["eval_steps"]
     for tokens in workload.train_tokens:
@@ -112,21 +101,14 @@ def computed_floor_figures(
             )
         )
     for size in workload.decode_batches:
-        queries = prompts.prepare_queries(
-            tokenizer,
-            cycled_queries(size),
-            system_prompt=config.system_prompt,
-            max_prompt_tokens=config.max_prompt_tokens,
-        )
-        batch = computed_batch(tokenizer, queries, config, cost, hardware)
-        per_query = (batch.answer.total + batch.revision.total + batch.scoring) / size
+        batch = computed_batch(tokenizer, prepared(size), config, cost, hardware)
         figures.append(
             Figure(
                 f"computed floor: decode batch {size}",
-                f"{seconds(per_query)} per query",
+                f"{seconds(batch.total / size)} per query",
                 f"one batch of {size} queries; KV cache of its revision stage {gib(batch.kv_cache_bytes)}; revision "
                 f"{split(batch.revision)}",
-                {"floor_per_query_s": per_query, "kv_cache_bytes": batch.kv_cache_bytes},
+                {"floor_per_query_s": batch.total / size, "kv_cache_bytes": batch.kv_cache_bytes},
             )
         )
     return figures
@@ -134,10 +116,9 @@ def computed_floor_figures(
 
 def floor_only(args: argparse.Namespace, recipe: dict, workload: Workload, tokenizer, cost: ModelCost, dtype):
     hardware = Hardware(args.bandwidth_gbps * 1e9, args.tflops * 1e12)
-    nominal = f"{args.bandwidth_gbps:g} GB/s, {args.tflops:g} TFLOP/s"
     figures = [
         Figure("model", f"--shape {args.shape}, {str(dtype).removeprefix('torch.')}"),
-        Figure("hardware (nominal)", nominal, "given, not measured"),
+        Figure("hardware (nominal)", f"{args.bandwidth_gbps:g} GB/s, {args.tflops:g} TFLOP/s", "given, not measured"),
         workload_figure(workload, recipe["probdiff"]["n_revisions"]),
         *cost_figures(cost),
         *computed_floor_figures(tokenizer, cost, hardware, recipe, workload),

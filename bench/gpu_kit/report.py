@@ -28,8 +28,7 @@ def say(message: str) -> None:
 def markdown_table(figures: Sequence[Figure]) -> str:
     lines = ["| figure | value | how it was measured |", "|---|---|---|"]
     for figure in figures:
-        cells = [figure.name, figure.value, figure.detail]
-        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in (figure.name, figure.value, figure.detail)) + " |")
     return "\n".join(lines)
 
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoding_paths import PATHS
 from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory
-from .evaluation import EvaluationRun
+from .evaluation import Measured
 from .floor import Hardware, ModelCost, training_floor
+from .paths import PATHS
 from .report import Figure, say, seconds
 from .workload import Bench, training_batch
 
@@ -40,23 +40,20 @@ def choose_loss(requested: str, device: torch.device) -> tuple[str, str]:
     if device.type != "cuda":
         return "plain", "on CPU train/sft.py uses the model's own cross-entropy"
     if not trl_here:
-        return (
-            "plain",
-            "trl is not installed: the model's cross-entropy, which materialises the logits trl's head does not",
-        )
+        return "plain", "trl is not installed: the model's cross-entropy, which materialises the logits trl's does not"
     return "trl", "trl's fused LM head, as SFTTrainer computes it on a GPU"
 
 
 def lora_target_modules(lora: dict) -> str | list[str]:
-    """peft's target_modules for a recipe's `lora` section: its shorthand `all-linear`, or the module names."""
+    """peft's target_modules for a recipe's `lora` section: its shorthand `all-linear` (which also finds QLoRA's NF4
+    layers), or the module names."""
     return "all-linear" if list(lora["target_modules"]) == ["all-linear"] else list(lora["target_modules"])
 
 
 def linear_layer_names(model, lora: dict) -> list[str]:
     """The layer names the recipe's LoRA adapts in `model` (all-linear: every linear layer but the LM head)."""
-    targets = lora_target_modules(lora)
-    if targets != "all-linear":
-        return list(targets)
+    if lora_target_modules(lora) != "all-linear":
+        return list(lora["target_modules"])
     head = model.get_output_embeddings()
     return sorted(
         {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if type(module) is torch.nn.Linear}
@@ -178,7 +175,7 @@ def quantize_decoder_4bit(model, compute_dtype: torch.dtype) -> None:
                     )
                     quantized.bias = child.bias
                     quantized.weight.to(child.weight.device)  # Params4bit quantizes itself when moved to the GPU
-                    setattr(parent, name, quantized)
+                    parent.add_module(name, quantized)  # in the place of the linear layer
     torch.cuda.empty_cache()
     # Activation checkpointing is switched on by lora_training_steps, non-reentrant as the recipe's trainer does.
     prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -234,7 +231,7 @@ def share_figure(label: str, eval_seconds: float, steps: Sequence[TrainingStep],
     )
 
 
-def training_section(bench: Bench, model, runs: dict[str, EvaluationRun]) -> list[Figure]:
+def training_section(bench: Bench, model, runs: dict[str, Measured]) -> list[Figure]:
     """The LoRA step, each evaluation's share of training time, then the QLoRA step (it quantizes the model)."""
     figures: list[Figure] = []
     recipe, lengths = bench.recipe, bench.workload.train_tokens
@@ -255,7 +252,7 @@ def training_section(bench: Bench, model, runs: dict[str, EvaluationRun]) -> lis
     model, steps = done
     figures += training_figures(label, steps, loss_note, sequences, bench.cost, bench.hardware)
     for name, run in runs.items():
-        figures.append(share_figure(PATHS[name], run.total_seconds, steps, sequences, recipe["eval_steps"]))
+        figures.append(share_figure(PATHS[name], run.seconds, steps, sequences, recipe["eval_steps"]))
 
     reason = "skipped (--no-qlora)" if bench.args.no_qlora else qlora_unavailable(bench.device)
     if reason:

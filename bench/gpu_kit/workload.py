@@ -22,39 +22,17 @@ RECIPE = ROOT / "recipes" / "blog.yaml"
 HELDOUT_PROMPTS = ROOT / "data" / "samples" / "blog" / "heldout.jsonl"
 TRAIN_SAMPLES = ROOT / "data" / "samples" / "blog" / "train.jsonl"
 
-
 # Qwen v1 configs as published (config.json of Qwen/Qwen-14B-Chat and Qwen/Qwen-7B-Chat); the library's own
 # converter turns them into the Qwen2 config a converted checkpoint has. v1 counts both MLP inputs in
 # intermediate_size: 27,392 -> 13,696 and 22,016 -> 11,008.
 QWEN_V1_CONFIGS = {
-    "qwen-14b": dict(
-        hidden_size=5120,
-        num_attention_heads=40,
-        num_hidden_layers=40,
-        intermediate_size=27392,
-        vocab_size=152064,
-        kv_channels=128,
-        seq_length=2048,
-    ),
-    "qwen-7b": dict(
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_hidden_layers=32,
-        intermediate_size=22016,
-        vocab_size=151936,
-        kv_channels=128,
-        seq_length=8192,
-    ),
-}
-QWEN_V1_COMMON = dict(
-    model_type="qwen",
-    layer_norm_epsilon=1e-6,
-    rotary_emb_base=10000,
-    rotary_pct=1.0,
-    no_bias=True,
-    scale_attn_weights=True,
-    bf16=True,
-)
+    "qwen-14b": dict(hidden_size=5120, num_attention_heads=40, num_hidden_layers=40, intermediate_size=27392,
+                     vocab_size=152064, kv_channels=128, seq_length=2048),
+    "qwen-7b": dict(hidden_size=4096, num_attention_heads=32, num_hidden_layers=32, intermediate_size=22016,
+                    vocab_size=151936, kv_channels=128, seq_length=8192),
+}  # fmt: skip
+QWEN_V1_COMMON = dict(model_type="qwen", layer_norm_epsilon=1e-6, rotary_emb_base=10000, rotary_pct=1.0, no_bias=True,
+                      scale_attn_weights=True, bf16=True)  # fmt: skip
 SHAPES = ("qwen-14b", "qwen-7b", "tiny")
 # Mean length of the paper's 469 Xiaohongshu training conversations, chat-formatted, in Qwen v1 tokens (measured
 # on ../shared/data, which is not shipped). The recipe trains on one conversation per sequence, so a real step is
@@ -92,7 +70,7 @@ class Bench:
 
 def read_recipe() -> dict:
     """recipes/blog.yaml over the defaults it leaves out (SFT_DEFAULTS, RecipeKeys with its ProbDiffConfig), read
-    without the recipe loader, which needs trl and omegaconf that a GPU machine may lack."""
+    without the recipe loader, which needs trl that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
     from train.recipe import SFT_DEFAULTS, RecipeKeys
@@ -104,7 +82,7 @@ def read_recipe() -> dict:
 def recipe_workload(recipe: dict) -> Workload:
     probdiff = recipe["probdiff"]
     return Workload(
-        queries=recipe["probdiff"]["n_queries"],
+        queries=probdiff["n_queries"],
         max_new_tokens=probdiff["max_new_tokens"],
         batch_size=probdiff["batch_size"],
         decode_batches=(16, 32, 64),
@@ -115,23 +93,18 @@ def recipe_workload(recipe: dict) -> Workload:
 def cycled_queries(n: int) -> list[Query]:
     """The held-out blog prompts repeated to `n` queries; each copy has its own id, so its own sampling seeds."""
     base = load_queries(HELDOUT_PROMPTS)
-    return [
-        Query(f"{base[i % len(base)].id}#{i // len(base)}", base[i % len(base)].text, base[i % len(base)].category)
-        for i in range(n)
-    ]
+    copies = [(i // len(base), base[i % len(base)]) for i in range(n)]
+    return [Query(f"{q.id}#{copy}", q.text, q.category) for copy, q in copies]
 
 
 def probdiff_config(recipe: dict, workload: Workload, batch_size: int | None = None) -> ProbDiffConfig:
-    settings = {
-        **recipe["probdiff"],
-        "max_new_tokens": workload.max_new_tokens,
-        "batch_size": batch_size or workload.batch_size,
-    }
-    return ProbDiffConfig(**settings)
+    settings = {"max_new_tokens": workload.max_new_tokens, "batch_size": batch_size or workload.batch_size}
+    return ProbDiffConfig(**{**recipe["probdiff"], **settings})
 
 
-def train_conversations(tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(ids, assistant mask) of each blog training sample, chat-formatted as trl formats it."""
+def training_batch(tokenizer, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) [1, n_tokens]: blog training conversations, chat-formatted as trl formats them, one after
+    another, cut at n_tokens, with labels on the assistant tokens only (the recipe's assistant_only_loss)."""
     conversations = []
     for line in TRAIN_SAMPLES.read_text(encoding="utf-8").splitlines():
         if line.strip():
@@ -139,15 +112,8 @@ def train_conversations(tokenizer) -> list[tuple[list[int], list[int]]]:
                 json.loads(line)["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
             )
             conversations.append((list(encoded["input_ids"]), list(encoded["assistant_masks"])))
-    return conversations
-
-
-def training_batch(tokenizer, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) [1, n_tokens]: blog training conversations one after another, cut at n_tokens, with
-    labels on the assistant tokens only (the recipe's assistant_only_loss)."""
     ids: list[int] = []
     labels: list[int] = []
-    conversations = train_conversations(tokenizer)
     while len(ids) < n_tokens:
         for conversation_ids, mask in conversations:
             ids.extend(conversation_ids)

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from probdiff_callback.analysis.report import fmt
 from probdiff_callback.core.metric import is_finite
+from probdiff_callback.core.records import Record
 from probdiff_callback.core.reference_metrics import METRIC_LABELS
 from probdiff_callback.runs.run_files import HistoryRow, as_row
 
@@ -94,21 +95,21 @@ def step_measures(rows: Sequence[HistoryRow | Mapping]) -> list[dict]:
         summary = row.summary
         if summary is None:
             continue
-        reference = summary.get("reference") or {}
+        reference = summary.reference
         steps.append(
             {
                 "step": row.global_step,
                 "kind": row.kind,
-                "confidence": summary["confidence"],
-                "d_mean": summary["d_mean"],
+                "confidence": summary.confidence,
+                "d_mean": summary.d_mean,
                 LOSS: row.eval_loss,
-                "metrics": dict(reference.get("overall", {})),
+                "metrics": {} if reference is None else dict(reference.overall),
                 "by_category": {
                     category: {
-                        "confidence": summary["by_category"].get(category, {}).get("confidence"),
+                        "confidence": None if (own := summary.by_category.get(category)) is None else own.confidence,
                         **{k: v for k, v in entry.items() if k in METRIC_LABELS},
                     }
-                    for category, entry in reference.get("by_category", {}).items()
+                    for category, entry in ({} if reference is None else reference.by_category).items()
                 },
             }
         )
@@ -155,19 +156,17 @@ def across_steps_by_category(steps: Sequence[Mapping]) -> list[dict]:
 
 
 # --- the queries -------------------------------------------------------------------------------
-def per_query(records_by_step: Mapping[int, Sequence[dict]]) -> list[dict]:
+def per_query(records_by_step: Mapping[int, Sequence[Record]]) -> list[dict]:
     """For each sentence-level metric in the records: Spearman of d with it within each step, and a summary."""
-    metrics = [
-        m for m in METRIC_LABELS if any(m in (r.get("ref") or {}) for rs in records_by_step.values() for r in rs)
-    ]
+    metrics = [m for m in METRIC_LABELS if any(m in (r.ref or {}) for rs in records_by_step.values() for r in rs)]
     out = []
     for metric in metrics:
         by_step = []
         for step, records in sorted(records_by_step.items()):
-            scored = [r for r in records if (r.get("ref") or {}).get(metric) is not None]
-            if not scored:
+            scores = [(r.d, score) for r in records if (score := (r.ref or {}).get(metric)) is not None]
+            if not scores:
                 continue
-            correlation = rank_correlation([r.get("d") for r in scored], [r["ref"][metric] for r in scored])
+            correlation = rank_correlation([d for d, _ in scores], [score for _, score in scores])
             by_step.append(
                 {
                     "step": step,
@@ -197,7 +196,7 @@ def per_query(records_by_step: Mapping[int, Sequence[dict]]) -> list[dict]:
 
 
 # --- the run -----------------------------------------------------------------------------------
-def crosscheck(rows: Sequence[HistoryRow | Mapping], records_by_step: Mapping[int, Sequence[dict]]) -> dict:
+def crosscheck(rows: Sequence[HistoryRow | Mapping], records_by_step: Mapping[int, Sequence[Record]]) -> dict:
     """The whole report, JSON-ready."""
     steps = step_measures(rows)
     return {

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from probdiff_callback.analysis.report import pct
 from probdiff_callback.core.metric import is_finite
+from probdiff_callback.core.records import Record
 from probdiff_callback.core.reference_metrics import METRIC_LABELS
 from probdiff_callback.core.significance import SIGNIFICANCE_LEVEL, paired_permutation_p
 
@@ -159,20 +160,20 @@ def find_disagreements(steps: Sequence[Mapping], picked_step: int | None) -> lis
 
 # --- grading: a paired test over the same queries -------------------------------------------------------------------
 # A step's per-query values: (its records, its per-conversation eval losses), each None where the step has none.
-StepValues = tuple[Sequence[Mapping] | None, Sequence[float] | None]
+StepValues = tuple[Sequence[Record] | None, Sequence[float] | None]
 
 
-def _reference_scores(records: Sequence[Mapping], measure: str) -> dict[str, float]:
+def _reference_scores(records: Sequence[Record], measure: str) -> dict[str, float]:
     """Query id -> the answer's sentence-level score, for the records that have one."""
     return {
-        str(r["id"]): float(value)
+        str(r.id): float(value)
         for r in records
-        if is_finite(value := (r.get("ref") or {}).get(measure))  # type: ignore[arg-type]
+        if is_finite(value := (r.ref or {}).get(measure))  # type: ignore[arg-type]
     }
 
 
 def _reference_pairs(
-    measure: str, earlier: int, later: int, records: tuple[Sequence[Mapping] | None, Sequence[Mapping] | None]
+    measure: str, earlier: int, later: int, records: tuple[Sequence[Record] | None, Sequence[Record] | None]
 ) -> tuple[list[float], list[float]] | str:
     """(before, after) over the queries scored at both steps, or why there are none."""
     scores = []

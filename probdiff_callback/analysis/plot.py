@@ -35,22 +35,25 @@ def plot_run(run: Run, out: str | os.PathLike | None = None, selection: Selectio
     failed_steps = [r.global_step for r in run.rows if r.summary is None]
     out = Path(out) if out is not None else run.directory / "probdiff.png"
     steps = [r.global_step for r in rows]
-    delta = rows[-1].summary["delta"]
+    summaries = [r.summary for r in rows if r.summary is not None]
+    delta = summaries[-1].delta
 
     figure = plt.figure(figsize=(14, 8), constrained_layout=True)
     grid = figure.add_gridspec(2, 2)
     top = figure.add_subplot(grid[0, 0])
     side = figure.add_subplot(grid[0, 1], sharex=top)
     bottom = figure.add_subplot(grid[1, :], sharex=top)
-    confidence = [100 * r.summary["confidence"] for r in rows]
-    low = [100 * r.summary["confidence_ci"][0] for r in rows]
-    high = [100 * r.summary["confidence_ci"][1] for r in rows]
+    confidence = [100 * s.confidence for s in summaries]
+    low = [100 * s.confidence_ci[0] for s in summaries]
+    high = [100 * s.confidence_ci[1] for s in summaries]
     top.fill_between(steps, low, high, color="tab:blue", alpha=0.2, label="95% Wilson interval")
     top.plot(steps, confidence, "o-", color="tab:blue", linewidth=2, label=f"confidence (d ≥ {delta:g})")
-    categories = sorted({c for r in rows for c in r.summary["by_category"]})
+    categories = sorted({c for s in summaries for c in s.by_category})
     if len(categories) > 1:
         for category in categories:
-            values = [100 * r.summary["by_category"].get(category, {}).get("confidence", math.nan) for r in rows]
+            values = [
+                100 * (s.by_category[category].confidence if category in s.by_category else math.nan) for s in summaries
+            ]
             top.plot(steps, values, ".--", linewidth=1, alpha=0.8, label=category)
     for row in [r for r in rows if r.kind == "baseline"]:
         top.annotate(
@@ -73,12 +76,12 @@ def plot_run(run: Run, out: str | os.PathLike | None = None, selection: Selectio
     _mark_best(side, best, label=False)
 
     distributions, positions, invalid = [], [], []
-    for row in rows:
-        ds = list(finite_values(r["d"] for r in run.records.get(row.global_step, [])))
+    for row, summary in zip(rows, summaries):
+        ds = list(finite_values(r.d for r in run.records.get(row.global_step, [])))
         if ds:
             distributions.append(ds)
             positions.append(row.global_step)
-        invalid.append(row.summary["n_invalid"])
+        invalid.append(summary.n_invalid)
     if distributions:
         spacing = min((b - a for a, b in zip(steps, steps[1:])), default=1) or 1
         violins = bottom.violinplot(
@@ -123,8 +126,12 @@ def _mark_best(axis, best: tuple[int, str] | None, label: bool) -> None:
 def reference_series(rows: list[HistoryRow]) -> dict[str, tuple[list[int], list[float]]]:
     """Overall reference metrics per step: {metric: (steps, values)}, in display order."""
     series: dict[str, tuple[list[int], list[float]]] = {}
+    overall = {
+        r.global_step: {} if r.summary is None or r.summary.reference is None else r.summary.reference.overall
+        for r in rows
+    }
     for name in METRIC_LABELS:
-        points = [(r.global_step, (r.summary.get("reference") or {}).get("overall", {}).get(name)) for r in rows]
+        points = [(step, values.get(name)) for step, values in overall.items()]
         points = [(step, value) for step, value in points if is_finite(value)]
         if points:
             series[name] = ([step for step, _ in points], [value for _, value in points])

@@ -7,72 +7,71 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from probdiff_callback.core.metric import is_finite
+from probdiff_callback.core.records import Comparison, ReferenceSummary, Summary
 from probdiff_callback.core.reference_metrics import METRIC_LABELS
 from probdiff_callback.core.significance import queries_needed, resolution
 
 RESOLUTION_CHANGE = 0.10  # the change the resolution line says how many queries it would take to see
 
 
-def format_summary(summary: dict) -> str:
-    low, high = summary["confidence_ci"]
+def format_summary(summary: Summary) -> str:
+    low, high = summary.confidence_ci
     lines = [
-        f"queries            {summary['n']}  (invalid {summary['n_invalid']}, truncated {summary['n_truncated']})",
-        f"hit max_new_tokens answers {summary['n_capped']}, revisions {summary['n_revision_capped']}  (scored as cut)",
+        f"queries            {summary.n}  (invalid {summary.n_invalid}, truncated {summary.n_truncated})",
+        f"hit max_new_tokens answers {summary.n_capped}, revisions {summary.n_revision_capped}  (scored as cut)",
         *format_degenerate(summary),
-        f"confidence         {pct(summary['confidence'])}  at delta {summary['delta']:g}   "
+        f"confidence         {pct(summary.confidence)}  at delta {summary.delta:g}   "
         f"95% CI [{pct(low)}, {pct(high)}] (Wilson)",
         *format_confidence_non_degenerate(summary),
-        "sweep              " + "  ".join(f"{k}: {pct(v)}" for k, v in summary["confidence_sweep"].items()),
-        f"d mean / median    {summary['d_mean']:.4f} / {summary['d_median']:.4f}",
-        f"log p answer/rev.  {summary['logp_response_mean']:.4f} / {summary['logp_revised_mean']:.4f}",
-        f"length changed>50% {pct(summary['length_changed_share'])}",
+        "sweep              " + "  ".join(f"{k}: {pct(v)}" for k, v in summary.confidence_sweep.items()),
+        f"d mean / median    {summary.d_mean:.4f} / {summary.d_median:.4f}",
+        f"log p answer/rev.  {summary.logp_response_mean:.4f} / {summary.logp_revised_mean:.4f}",
+        f"length changed>50% {pct(summary.length_changed_share)}",
     ]
-    if len(summary["by_category"]) > 1:
+    if len(summary.by_category) > 1:
         lines.append("by category:")
-        for name, cat in summary["by_category"].items():
-            lines.append(
-                f"  {name:<20} n={cat['n']:<4} confidence {pct(cat['confidence']):>6}  d_mean {cat['d_mean']:.4f}"
-            )
-    if summary.get("reference"):
-        lines.append(format_reference(summary["reference"]))
-    if summary["n"]:
-        lines.append(resolution_line(summary["n"], summary["confidence"], "two models or steps on these queries"))
+        for name, cat in summary.by_category.items():
+            lines.append(f"  {name:<20} n={cat.n:<4} confidence {pct(cat.confidence):>6}  d_mean {cat.d_mean:.4f}")
+    if summary.reference is not None:
+        lines.append(format_reference(summary.reference))
+    if summary.n:
+        lines.append(resolution_line(summary.n, summary.confidence, "two models or steps on these queries"))
     return "\n".join(lines)
 
 
-def format_degenerate(summary: Mapping) -> list[str]:
+def format_degenerate(summary: Summary) -> list[str]:
     """The degenerate answers and revisions, the revisions' by kind; nothing for a summary written before they were
     counted."""
-    if "n_revision_degenerate" not in summary:
+    if "n_revision_degenerate" in summary.absent:
         return []
-    kinds = ", ".join(f"{kind} {count}" for kind, count in summary["revision_degenerate_kinds"].items())
+    kinds = ", ".join(f"{kind} {count}" for kind, count in summary.revision_degenerate_kinds.items())
     return [
-        f"degenerate         answers {summary['n_degenerate']}, revisions {summary['n_revision_degenerate']} "
+        f"degenerate         answers {summary.n_degenerate}, revisions {summary.n_revision_degenerate} "
         f"({kinds})  (loops or echoes of the refinement prompt; scored as written)"
     ]
 
 
-def format_confidence_non_degenerate(summary: Mapping) -> list[str]:
+def format_confidence_non_degenerate(summary: Summary) -> list[str]:
     """The confidence with degenerate revisions counted as not confident, where any revision is degenerate."""
-    if not summary.get("n_revision_degenerate"):
+    if not summary.n_revision_degenerate:
         return []
-    low, high = summary["confidence_non_degenerate_ci"]
+    low, high = summary.confidence_non_degenerate_ci
     return [
-        f"  w/o degenerate   {pct(summary['confidence_non_degenerate'])}  95% CI [{pct(low)}, {pct(high)}]  "
-        f"(the {summary['n_revision_degenerate']} degenerate revisions counted as not confident)"
+        f"  w/o degenerate   {pct(summary.confidence_non_degenerate)}  95% CI [{pct(low)}, {pct(high)}]  "
+        f"(the {summary.n_revision_degenerate} degenerate revisions counted as not confident)"
     ]
 
 
-def degenerate_note(summary: Mapping) -> str:
+def degenerate_note(summary: Summary) -> str:
     """What the confidence means when revisions are degenerate: the note `probdiff eval` and `score` print."""
-    n, n_degenerate = summary["n"], summary["n_revision_degenerate"]
-    kinds = ", ".join(f"{kind} {count}" for kind, count in summary["revision_degenerate_kinds"].items() if count)
+    n, n_degenerate = summary.n, summary.n_revision_degenerate
+    kinds = ", ".join(f"{kind} {count}" for kind, count in summary.revision_degenerate_kinds.items() if count)
     note = (
         f"note: {n_degenerate} of {n} revisions are degenerate ({kinds}; see `revision_degenerate` in records.jsonl): "
         "the model looped or copied the refinement prompt's labels instead of rewriting. The paper's rule counts only "
         "empty texts as invalid, so these are scored as written, and a loop or an echo is likely under the model: "
         f"its d is large and it counts as confident. Counting them as not confident gives "
-        f"{pct(summary['confidence_non_degenerate'])} instead of {pct(summary['confidence'])}."
+        f"{pct(summary.confidence_non_degenerate)} instead of {pct(summary.confidence)}."
     )
     if 2 * n_degenerate > n:
         note += (
@@ -118,42 +117,42 @@ def resolution_line(n: int, confidence: float | None, between: str = "two steps"
     return f"{start}, {what}; {more} (docs/callback.md#what-n-queries-can-see)"
 
 
-def format_comparison(result: dict, name_a: str, name_b: str) -> str:
+def format_comparison(result: Comparison, name_a: str, name_b: str) -> str:
     """`probdiff compare`'s report: the counts, then each test with the question it answers."""
-    n = result["n"]
-    low, high = result["difference_ci"]
-    share = {key: f"{100 * result[key] / n:.1f}%" for key in ("win", "tie", "lose")}
+    n = result.n
+    low, high = result.difference_ci
+
+    def share(count: int) -> str:
+        return f"{100 * count / n:.1f}%"
+
     return "\n".join(
         [
-            f"A = {name_a}\nB = {name_b}\n{n} shared queries at delta {result['delta']:g}",
-            f"A wins {result['win']} ({share['win']})  ties {result['tie']} ({share['tie']})  "
-            f"loses {result['lose']} ({share['lose']})  "
+            f"A = {name_a}\nB = {name_b}\n{n} shared queries at delta {result.delta:g}",
+            f"A wins {result.win} ({share(result.win)})  ties {result.tie} ({share(result.tie)})  "
+            f"loses {result.lose} ({share(result.lose)})  "
             "(each model thresholded on its own d: a model is confident on a query when its d >= delta)",
-            f"confidence on these queries: A {100 * result['confidence_a']:.1f}%  "
-            f"B {100 * result['confidence_b']:.1f}%  "
-            f"(win - lose)/n = {100 * result['difference']:+.1f} points, 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] "
+            f"confidence on these queries: A {100 * result.confidence_a:.1f}%  "
+            f"B {100 * result.confidence_b:.1f}%  "
+            f"(win - lose)/n = {100 * result.difference:+.1f} points, 95% CI [{100 * low:+.1f}, {100 * high:+.1f}] "
             "(Bonett-Price adjusted Wald for paired proportions)",
-            f"sign test p = {fmt(result['sign_p'], '.3g')}: exact binomial test of {result['win']} wins against "
-            f"{result['lose']} losses, ties left out; tests whether one model wins more queries than it loses",
-            f"Wilcoxon signed-rank p = {fmt(result['wilcoxon_p'], '.3g')} over {result['n_paired']} pairs of valid d "
-            f"(mean d: A {result['d_mean_a']:.4f}  B {result['d_mean_b']:.4f}); "
+            f"sign test p = {fmt(result.sign_p, '.3g')}: exact binomial test of {result.win} wins against "
+            f"{result.lose} losses, ties left out; tests whether one model wins more queries than it loses",
+            f"Wilcoxon signed-rank p = {fmt(result.wilcoxon_p, '.3g')} over {result.n_paired} pairs of valid d "
+            f"(mean d: A {result.d_mean_a:.4f}  B {result.d_mean_b:.4f}); "
             "tests whether d is shifted between the models, not the win/lose split",
         ]
     )
 
 
-def format_win_tie_lose(result: Mapping | None) -> str:
+def format_win_tie_lose(result: Comparison | None) -> str:
     """`win/tie/lose` as counts, or `-` without a comparison."""
     if result is None:
         return "-"
-    return f"{result['win']}/{result['tie']}/{result['lose']}"
+    return f"{result.win}/{result.tie}/{result.lose}"
 
 
-def format_p(result: Mapping | None) -> str:
-    if result is None:
-        return "-"
-    p = result.get("wilcoxon_p")
-    return fmt(p, ".3g")
+def format_p(result: Comparison | None) -> str:
+    return "-" if result is None else fmt(result.wilcoxon_p, ".3g")
 
 
 def fmt(value: object, spec: str, missing: str = "n/a") -> str:
@@ -172,14 +171,14 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(str(cell).rjust(width) for cell, width in zip(line, widths)) for line in [header, *rows])
 
 
-def format_reference(reference: Mapping) -> str:
+def format_reference(reference: ReferenceSummary) -> str:
     """Lines for the terminal: overall, then each category."""
-    names = [n for n in METRIC_LABELS if n in reference["overall"]]
+    names = [n for n in METRIC_LABELS if n in reference.overall]
 
     def cells(values: Mapping) -> str:
         return "  ".join(f"{METRIC_LABELS[n]} {fmt(values.get(n), '.2f')}" for n in names if n in values)
 
-    lines = [f"reference metrics  {cells(reference['overall'])}  (n {max(reference['n_scored'].values(), default=0)})"]
-    for category, entry in reference["by_category"].items():
+    lines = [f"reference metrics  {cells(reference.overall)}  (n {max(reference.n_scored.values(), default=0)})"]
+    for category, entry in reference.by_category.items():
         lines.append(f"  {category:<20} n={entry['n']:<4} {cells(entry)}")
     return "\n".join(lines)

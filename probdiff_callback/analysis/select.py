@@ -24,6 +24,7 @@ from probdiff_callback.analysis.disagreement import (
 )
 from probdiff_callback.analysis.report import fmt, format_p, format_win_tie_lose, pct
 from probdiff_callback.core.metric import compare
+from probdiff_callback.core.records import Comparison
 from probdiff_callback.runs.checkpoints import weights_problem
 from probdiff_callback.runs.run_files import DEFAULT_SUBDIR, HistoryRow, Run, probdiff_dir, read_run, step_files
 
@@ -42,7 +43,7 @@ class RankedStep:
     p_vs_best: float = math.nan  # Wilcoxon signed-rank on d against the best step, same query ids
     win: int = 0  # queries confident here and not at the best step
     lose: int = 0
-    vs_base: dict | None = None  # metric.compare against the baseline (win/tie/lose, Wilcoxon p); None for the baseline
+    vs_base: Comparison | None = None  # against the baseline (win/tie/lose, Wilcoxon p); None for the baseline
 
 
 @dataclass
@@ -118,10 +119,10 @@ def _ranked_step(row: HistoryRow, run_dir: Path) -> RankedStep:
         kind=row.kind,
         base_model=row.base_model,
         checkpoint=resolve_checkpoint(run_dir, row.checkpoint),
-        confidence=summary["confidence"],
-        confidence_ci=(summary["confidence_ci"][0], summary["confidence_ci"][1]),
-        d_mean=summary["d_mean"],
-        n=summary["n"],
+        confidence=summary.confidence,
+        confidence_ci=(summary.confidence_ci[0], summary.confidence_ci[1]),
+        d_mean=summary.d_mean,
+        n=summary.n,
         vs_base=row.vs_base,
     )
 
@@ -134,7 +135,9 @@ def select(run: Run) -> Selection:
     steps = [_ranked_step(row, run.run_dir) for row in ranked]
     baseline_row = next((row for row in run.rows if row.kind == "baseline" and not row.failed), None)
     baseline = None if baseline_row is None else _ranked_step(baseline_row, run.run_dir)
-    delta = next((row.summary["delta"] for row in reversed(run.rows) if not row.failed), math.nan)  # type: ignore[index]
+    delta = next(
+        (row.summary.delta for row in reversed(run.rows) if row.summary is not None and not row.failed), math.nan
+    )
     for rank, step in enumerate(steps, start=1):
         step.rank = rank
     if steps:
@@ -144,7 +147,7 @@ def select(run: Run) -> Selection:
             if best_records is None or mine is None:
                 continue
             result = compare(mine, best_records, delta)
-            step.p_vs_best, step.win, step.lose = result["wilcoxon_p"], result["win"], result["lose"]
+            step.p_vs_best, step.win, step.lose = result.wilcoxon_p, result.win, result.lose
     best_checkpoint = next((s for s in steps if s.checkpoint is not None), None)
     above_best = ranked if best_checkpoint is None else ranked[: steps.index(best_checkpoint)]
     skipped = [

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from probdiff_callback.analysis.report import fmt, pct
 from probdiff_callback.core.metric import compare, is_confident
 from probdiff_callback.core.queries import DataFileError, read_rows
+from probdiff_callback.core.records import Comparison, Record
 from probdiff_callback.runs.run_files import HistoryRow, as_row
 
 PAIRWISE = "pairwise"
@@ -106,13 +107,9 @@ def _one_side(verdict_ids: Sequence[str], record_ids: Sequence[str]) -> dict:
     }
 
 
-def _d(record: Mapping) -> float:
-    return math.nan if record.get("d") is None else float(record["d"])
-
-
-def probdiff_winner(record_a: Mapping, record_b: Mapping, delta: float) -> str:
+def probdiff_winner(record_a: Record, record_b: Record, delta: float) -> str:
     """ProbDiff's call on one query, as `metric.compare` counts it: A, B or tie."""
-    confident_a, confident_b = is_confident(_d(record_a), delta), is_confident(_d(record_b), delta)
+    confident_a, confident_b = is_confident(record_a.d, delta), is_confident(record_b.d, delta)
     if confident_a and not confident_b:
         return "A"
     if confident_b and not confident_a:
@@ -121,18 +118,18 @@ def probdiff_winner(record_a: Mapping, record_b: Mapping, delta: float) -> str:
 
 
 def pairwise_agreement(
-    verdicts: VerdictFile, records_a: Sequence[dict], records_b: Sequence[dict], delta: float
+    verdicts: VerdictFile, records_a: Sequence[Record], records_b: Sequence[Record], delta: float
 ) -> dict:
     """ProbDiff's win/tie/lose of A against B beside the judge's verdicts on the same queries."""
     if verdicts.kind != PAIRWISE:
         raise ValueError(f"{verdicts.path}: holds {verdicts.kind} verdicts, not pairwise ones")
-    by_id_b = {str(r["id"]): r for r in records_b}
-    both = [r for r in records_a if str(r["id"]) in by_id_b]
-    matched = [r for r in both if str(r["id"]) in verdicts.verdicts]
+    by_id_b = {str(r.id): r for r in records_b}
+    both = [r for r in records_a if str(r.id) in by_id_b]
+    matched = [r for r in both if str(r.id) in verdicts.verdicts]
     confusion = {ours: {theirs: 0 for theirs in OUTCOMES} for ours in OUTCOMES}
     for record in matched:
-        ours = probdiff_winner(record, by_id_b[str(record["id"])], delta)
-        confusion[ours][verdicts.verdicts[str(record["id"])]] += 1  # type: ignore[index]
+        ours = probdiff_winner(record, by_id_b[str(record.id)], delta)
+        confusion[ours][verdicts.verdicts[str(record.id)]] += 1  # type: ignore[index]
     n = len(matched)
     agreed = sum(confusion[o][o] for o in OUTCOMES)
     decisive = sum(confusion[a][b] for a in ("A", "B") for b in ("A", "B"))
@@ -146,26 +143,26 @@ def pairwise_agreement(
         "decisive_agreement": decisive_agreed / decisive if decisive else math.nan,
         "confusion": confusion,  # ProbDiff's call -> the judge's call -> count
         "judge": {o: sum(confusion[ours][o] for ours in OUTCOMES) for o in OUTCOMES},
-        "compare": compare(matched, [by_id_b[str(r["id"])] for r in matched], delta) if matched else None,
-        **_one_side(list(verdicts.verdicts), [str(r["id"]) for r in both]),
+        "compare": compare(matched, [by_id_b[str(r.id)] for r in matched], delta) if matched else None,
+        **_one_side(list(verdicts.verdicts), [str(r.id) for r in both]),
     }
     return result
 
 
-def conflict_degree(verdicts: VerdictFile, records: Sequence[dict]) -> dict:
+def conflict_degree(verdicts: VerdictFile, records: Sequence[Record]) -> dict:
     """The paper's conflict degree of d against revision-vs-answer verdicts on the same records."""
     if verdicts.kind != REVISION:
         raise ValueError(f"{verdicts.path}: holds {verdicts.kind} verdicts, not revision-vs-answer ones")
-    matched = [r for r in records if str(r["id"]) in verdicts.verdicts]
+    matched = [r for r in records if str(r.id) in verdicts.verdicts]
     table = {sign: {judged: 0 for judged in ("better", "same", "worse")} for sign in ("d > 0", "d = 0", "d < 0")}
     invalid = 0
     for record in matched:
-        d = _d(record)
+        d = record.d
         if not math.isfinite(d):
             invalid += 1
             continue
         sign = "d > 0" if d > 0 else ("d < 0" if d < 0 else "d = 0")
-        judged = {1: "better", 0: "same", -1: "worse"}[verdicts.verdicts[str(record["id"])]]  # type: ignore[index]
+        judged = {1: "better", 0: "same", -1: "worse"}[verdicts.verdicts[str(record.id)]]  # type: ignore[index]
         table[sign][judged] += 1
     valid = len(matched) - invalid
     conflicts = table["d > 0"]["worse"] + table["d < 0"]["better"]
@@ -176,7 +173,7 @@ def conflict_degree(verdicts: VerdictFile, records: Sequence[dict]) -> dict:
         "n_conflicts": conflicts,
         "conflict_degree": conflicts / valid if valid else math.nan,
         "table": table,  # sign of d -> the judge's verdict on the revision -> count
-        **_one_side(list(verdicts.verdicts), [str(r["id"]) for r in records]),
+        **_one_side(list(verdicts.verdicts), [str(r.id) for r in records]),
     }
 
 
@@ -193,12 +190,11 @@ def _one_side_line(result: Mapping) -> str | None:
 
 def format_pairwise(result: Mapping, label_a: str, label_b: str) -> str:
     lines = [f"Pairwise verdicts: A = {label_a}, B = {label_b}, {result['n']} matched queries"]
-    compared = result["compare"]
+    compared: Comparison | None = result["compare"]
     if compared is not None:
-        p = compared["wilcoxon_p"]
         lines.append(
-            f"  ProbDiff (compare): A wins {compared['win']}, ties {compared['tie']}, loses {compared['lose']}"
-            f"  (Wilcoxon p {fmt(p, '.3g')})"
+            f"  ProbDiff (compare): A wins {compared.win}, ties {compared.tie}, loses {compared.lose}"
+            f"  (Wilcoxon p {fmt(compared.wilcoxon_p, '.3g')})"
         )
     judge = result["judge"]
     lines.append(f"  judge:              A better {judge['A']}, tie {judge['tie']}, B better {judge['B']}")
@@ -235,7 +231,7 @@ def format_conflict(result: Mapping, label: str) -> str:
 def check_verdicts(
     path: str | os.PathLike,
     rows: Sequence[HistoryRow | Mapping],
-    records_by_step: Mapping[int, Sequence[dict]],
+    records_by_step: Mapping[int, Sequence[Record]],
     step: int | None = None,
     against: int | None = None,
 ) -> tuple[dict, str]:
@@ -252,7 +248,7 @@ def check_verdicts(
             f"--step {chosen}: no records of that step; evaluated steps with records: {', '.join(map(str, evaluated))}"
         )
     rows = [as_row(r) for r in rows]
-    delta = next(r.summary["delta"] for r in rows if r.global_step == chosen and r.summary is not None)
+    delta = next(r.summary.delta for r in rows if r.global_step == chosen and r.summary is not None)
     if verdicts.kind != PAIRWISE:
         result = conflict_degree(verdicts, records_by_step[chosen])
         return {"file": str(path), "step": chosen, **result}, format_conflict(result, f"step {chosen}")

@@ -1,12 +1,16 @@
 """What evaluating adds to a run's time: a forecast once the first evaluation during training has run, and the measured
-total at the end. The forecast waits for an evaluation of the model in training: the base model's evaluation, before
-the first step, runs once, and its answers can be far longer (or shorter) than those of the model being trained."""
+total at the end, each with where the evaluations' time went (the evaluator's `Cost`: answers, revisions, scoring,
+reference metrics, tokens generated). The forecast waits for an evaluation of the model in training: the base model's
+evaluation, before the first step, runs once, and its answers can be far longer (or shorter) than those of the model
+being trained."""
 
 from __future__ import annotations
 
 import time
 
 from transformers import TrainerState, TrainingArguments
+
+from probdiff_callback.core.records import Cost
 
 
 def evaluation_interval(args: TrainingArguments, state: TrainerState) -> int | None:
@@ -19,26 +23,41 @@ def evaluation_interval(args: TrainingArguments, state: TrainerState) -> int | N
     return None
 
 
+def stage_words(cost: Cost) -> str:
+    """Where an evaluation's time went, in words: each stage's seconds and the tokens generated."""
+    stages = [
+        f"answers {cost.answers_seconds:.1f}s",
+        f"revisions {cost.revisions_seconds:.1f}s",
+        f"scoring {cost.scoring_seconds:.1f}s",
+    ]
+    if cost.reference_seconds:
+        stages.append(f"reference metrics {cost.reference_seconds:.1f}s")
+    return f"{', '.join(stages)}; {cost.generated_tokens:,} tokens generated"
+
+
 class CostReport:
     def __init__(self) -> None:
         self.before_training = 0.0  # the base model's evaluation (seconds), once before the first step
         self.during_training: list[float] = []  # each evaluation's seconds since training started
+        self.costs: list[Cost | None] = []  # and where its time went (None: it failed)
         self.training_started_at: float | None = None
         self.start_step = 0
         self.reported = False
 
     def training_started(self, step: int) -> None:
-        self.training_started_at, self.start_step, self.during_training = time.perf_counter(), step, []
+        self.training_started_at, self.start_step, self.during_training, self.costs = time.perf_counter(), step, [], []
 
-    def evaluated(self, seconds: float, before_training: bool = False) -> None:
-        """One evaluation's seconds; `before_training` for the base model's, which may run in the Trainer's
-        evaluation at step 0 (`eval_on_start`), after training started: its time is then not training time."""
+    def evaluated(self, seconds: float, cost: Cost | None = None, before_training: bool = False) -> None:
+        """One evaluation's seconds and where they went; `before_training` for the base model's, which may run in the
+        Trainer's evaluation at step 0 (`eval_on_start`), after training started: its time is then not training
+        time."""
         if before_training or self.training_started_at is None:
             self.before_training += seconds
             if self.training_started_at is not None:
                 self.training_started_at += seconds
         else:
             self.during_training.append(seconds)
+            self.costs.append(cost)
 
     def _training_seconds(self) -> float:
         assert self.training_started_at is not None
@@ -56,10 +75,12 @@ class CostReport:
             text += f" (the base model's took {self.before_training:.1f}s, once)"
         text += f", a training step {per_step:.2f}s"
         interval = evaluation_interval(args, state)
-        if interval is None or per_step == 0:
-            return text
-        share = self.during_training[0] / (per_step * interval * every)
-        return f"{text}; evaluating every {interval * every} steps adds about {100 * share:.0f}% to the training time"
+        if interval is not None and per_step > 0:
+            share = self.during_training[0] / (per_step * interval * every)
+            text += f"; evaluating every {interval * every} steps adds about {100 * share:.0f}% to the training time"
+        if self.costs[0] is not None:
+            text += f"; that evaluation: {stage_words(self.costs[0])}"
+        return text
 
     def totals(self) -> str | None:
         """The measured cost of the whole run, for its end; None before training started."""
@@ -72,4 +93,7 @@ class CostReport:
         )
         if self.before_training:
             text += f"; the base model's evaluation {self.before_training / 60:.1f} min before it"
+        measured = [cost for cost in self.costs if cost is not None]
+        if measured:
+            text += f"; in the evaluations during training: {stage_words(sum(measured, Cost()))}"
         return text

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probdiff_callback.callback.distributed import preserved_rng_state
+from probdiff_callback.callback.model_in_training import preserved_rng_state
 
 IGNORE_INDEX = -100  # transformers' label for positions without loss
 

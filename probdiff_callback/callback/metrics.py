@@ -5,11 +5,25 @@ Trainer raises KeyError in `_determine_best_metric` on one that is missing."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from probdiff_callback.core.metric import delta_key
+from probdiff_callback.core.records import Comparison, Summary
 
 METRIC_PREFIX = "eval_probdiff_"
+# The scalars of a summary, by the name of their metric: NaN under each for a failed evaluation
+SCALARS = (
+    "confidence",
+    "confidence_ci_low",
+    "confidence_ci_high",
+    "d_mean",
+    "d_median",
+    "logp_response",
+    "logp_revised",
+    "n_invalid",
+    "n_revision_degenerate",
+    "confidence_non_degenerate",
+)
 
 
 def metric_name(part: str) -> str:
@@ -17,52 +31,43 @@ def metric_name(part: str) -> str:
     return METRIC_PREFIX + "".join(c if c.isalnum() or c in "-._" else "_" for c in part)
 
 
-def metrics_from_summary(summary: dict | None, sweep: Sequence[float], categories: Sequence[str]) -> dict[str, float]:
+def metrics_from_summary(
+    summary: Summary | None, sweep: Sequence[float], categories: Sequence[str]
+) -> dict[str, float]:
     """The eval_probdiff_* metrics of a summary; NaN everywhere for a failed evaluation (a missing key would
     make the Trainer raise KeyError in `_determine_best_metric`)."""
     nan = math.nan
     if summary is None:
-        scalars = ("confidence", "d_mean", "d_median", "n_invalid", "logp_response_mean", "logp_revised_mean")
-        scalars += ("n_revision_degenerate", "confidence_non_degenerate")
-        summary = dict.fromkeys(scalars, nan) | {
-            "confidence_ci": [nan, nan],
-            "by_category": {},
-            "confidence_sweep": {delta_key(d): nan for d in sweep},
-        }
-
-    # summaries hold NaN, not null (run_files reads a stored one back that way)
-    metrics = {
-        metric_name("confidence"): float(summary["confidence"]),
-        metric_name("confidence_ci_low"): float(summary["confidence_ci"][0]),
-        metric_name("confidence_ci_high"): float(summary["confidence_ci"][1]),
-        metric_name("d_mean"): float(summary["d_mean"]),
-        metric_name("d_median"): float(summary["d_median"]),
-        metric_name("logp_response"): float(summary["logp_response_mean"]),
-        metric_name("logp_revised"): float(summary["logp_revised_mean"]),
-        metric_name("n_invalid"): float(summary["n_invalid"]),
+        names = [*SCALARS, *(f"confidence_at_{delta_key(d)}" for d in sweep), *(f"confidence_{c}" for c in categories)]
+        return {metric_name(name): nan for name in names}
+    # summaries hold NaN, not null (records.py reads a stored one back that way)
+    scalars = (
+        summary.confidence,
+        summary.confidence_ci[0],
+        summary.confidence_ci[1],
+        summary.d_mean,
+        summary.d_median,
+        summary.logp_response_mean,
+        summary.logp_revised_mean,
+        summary.n_invalid,
         # revisions that loop or echo the refinement prompt, and the confidence counting them as not confident
-        metric_name("n_revision_degenerate"): float(summary["n_revision_degenerate"]),
-        metric_name("confidence_non_degenerate"): float(summary["confidence_non_degenerate"]),
-    }
-    for key, value in summary["confidence_sweep"].items():
+        summary.n_revision_degenerate,
+        summary.confidence_non_degenerate,
+    )
+    metrics = {metric_name(name): float(value) for name, value in zip(SCALARS, scalars)}
+    for key, value in summary.confidence_sweep.items():
         metrics[metric_name(f"confidence_at_{key}")] = float(value)
     for category in categories:  # a category this subset lacks has no confidence
-        confidence = summary["by_category"].get(category, {}).get("confidence", nan)
-        metrics[metric_name(f"confidence_{category}")] = float(confidence)
+        own = summary.by_category.get(category)
+        metrics[metric_name(f"confidence_{category}")] = nan if own is None else float(own.confidence)
     return metrics
-
-
-TRAINER_KEYS = ("win", "tie", "lose", "wilcoxon_p")
 
 
 TRAINER_PREFIX = "eval_probdiff_vs_base_"
 
 
-def vs_base_metrics(result: Mapping | None) -> dict[str, float]:
+def vs_base_metrics(result: Comparison | None) -> dict[str, float]:
     """eval_probdiff_vs_base_{win,tie,lose,wilcoxon_p}; NaN where there is no comparison (the
     baseline itself, a failed evaluation), so the keys are the same at every evaluation."""
-    return {TRAINER_PREFIX + key: _number(None if result is None else result.get(key)) for key in TRAINER_KEYS}
-
-
-def _number(value) -> float:
-    return math.nan if value is None else float(value)
+    values = (math.nan,) * 4 if result is None else (result.win, result.tie, result.lose, result.wilcoxon_p)
+    return {TRAINER_PREFIX + key: float(value) for key, value in zip(("win", "tie", "lose", "wilcoxon_p"), values)}

@@ -13,13 +13,13 @@ one forward pass.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from probdiff_callback.runtime.parent import parent_command, set_parent_death_signal
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +113,7 @@ def term_when_launcher_dies(signum: int) -> bool:
     alone, and a torchrun agent killed with -9 leaves its workers so. With this they stop as on a preemption. Not
     for a process a shell started: `nohup python train/sft.py &` must outlive its shell.
     """
-    if sys.platform != "linux":
+    launcher = parent_command()
+    if not any(name in launcher for name in ("accelerate", "torchrun", "torch.distributed.run")):
         return False
-    import ctypes
-
-    try:
-        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
-    if not any(name in parent for name in ("accelerate", "torchrun", "torch.distributed.run")):
-        return False
-    pr_set_pdeathsig = 1
-    return ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum) == 0
+    return set_parent_death_signal(signum)

@@ -1,11 +1,11 @@
 """ProbDiffCallback: the model being trained evaluated with ProbDiff at every evaluation or checkpoint.
 
 The callback decides when to evaluate and hands the outcome on; the rest lives beside it: `schedule` (which queries,
-which steps), `distributed` (the model in training evaluated across ranks), `core.evaluator` (the evaluation),
-`runs.run_files` (the history, step records and checkpoint summaries), `metrics` (the Trainer's), `wandb_records`,
-`alerts` (the disagreement alarm), `cost` (what evaluating adds to the run's time) and `preemption` (a signal's stop,
-which abandons an evaluation in progress), `eval_losses` (each held-out conversation's eval loss, for the alarm's
-paired test). It says everything through `logger` or `trainer.log`.
+which steps), `trainer_evaluation` (the model in training evaluated across ranks, HF or vLLM writing the texts),
+`core.evaluator` (the evaluation), `runs.run_files` (the history, step records and checkpoint summaries), `metrics`
+(the Trainer's), `wandb_records`, `alerts` (the disagreement alarm), `cost` (what evaluating adds to the run's time)
+and `preemption` (a signal's stop, which abandons an evaluation in progress), `eval_losses` (each held-out
+conversation's eval loss, for the alarm's paired test). It says everything through `logger` or `trainer.log`.
 """
 
 from __future__ import annotations
@@ -13,24 +13,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.cost import CostReport
-from probdiff_callback.callback.distributed import (
-    EvaluationOutcome,
-    broadcast,
-    evaluate_in_training,
-    start_training_engine,
-)
 from probdiff_callback.callback.eval_losses import ExampleLosses, PerExampleLossUnavailable, per_example_eval_losses
 from probdiff_callback.callback.metrics import metrics_from_summary, vs_base_metrics
+from probdiff_callback.callback.ranks import broadcast
 from probdiff_callback.callback.schedule import (
     EvaluationSchedule,
     check_selection_setup,
@@ -39,13 +35,15 @@ from probdiff_callback.callback.schedule import (
     place_before_early_stopping,
     select_queries,
 )
+from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome, evaluate_trainer_model, start_vllm
 from probdiff_callback.callback.wandb_records import WandbRecords
 from probdiff_callback.core import reference_metrics
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import compare_to_base, is_finite
 from probdiff_callback.core.queries import queries_from
-from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, Record, RunFiles, read_records
+from probdiff_callback.core.records import Comparison, Record, Summary
+from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, RunFiles, read_records
 
 __all__ = ["EvaluationOutcome", "ProbDiffCallback", "select_queries"]
 
@@ -130,7 +128,7 @@ class ProbDiffCallback(TrainerCallback):
         self._wandb = WandbRecords(self.config.wandb_table_rows)
         self._alerts = DisagreementAlerts()
         self._cost = CostReport()
-        self._engine = None  # vLLM (use_vllm), on the main process: started when training begins
+        self._vllm = None  # VLLMGeneration (use_vllm), on the main process: started when training begins
 
     @property
     def evaluated(self) -> dict[int, dict[str, float]]:
@@ -154,8 +152,8 @@ class ProbDiffCallback(TrainerCallback):
     ) -> None:
         place_before_early_stopping(self.trainer.callback_handler, self)
         check_selection_setup(args, self.config)
-        if self.config.use_vllm and self._engine is None:
-            self._engine = self._start_engine()
+        if self.config.use_vllm and self._vllm is None:
+            self._vllm = self._start_vllm()
         if (notice := self.reference_plan.notice()) and self._is_main():
             logger.info(f"ProbDiff: {notice}")
         kept, baseline_records = broadcast(self.trainer.accelerator, self._history_to_continue(state))
@@ -260,9 +258,9 @@ class ProbDiffCallback(TrainerCallback):
 
     def close_engine(self) -> None:
         """Stop the vLLM server this run started (none for a server you started, or without vLLM)."""
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.close()
+        vllm, self._vllm = self._vllm, None
+        if vllm is not None:
+            vllm.close()
 
     def _say_resolution(self, baseline_confidence: float | None) -> None:
         """Once, at the start of training: how small a change in confidence these queries can show."""
@@ -345,11 +343,7 @@ class ProbDiffCallback(TrainerCallback):
 
     def _update_best_model(self, metrics: dict[str, float]) -> None:
         """The Trainer's best-model record as the uninterrupted run would have set it at this step."""
-        metric = self.trainer.args.metric_for_best_model or ""
-        determine = getattr(self.trainer, "_determine_best_metric", None)
-        key = metric if metric.startswith("eval_") else f"eval_{metric}"
-        if determine is not None and key in metrics:
-            determine(metrics=metrics, trial=None)
+        record_best_metric(self.trainer.state, self.trainer.args, metrics)
 
     # ---- setup ----
     def _history_to_continue(self, state: TrainerState) -> tuple[list[HistoryRow], list[Record] | None]:
@@ -369,19 +363,19 @@ class ProbDiffCallback(TrainerCallback):
             )
         return kept, self._files.baseline_records()
 
-    def _start_engine(self):
-        """The vLLM engine of this run on the main process (None on the others); a failure to start stops training
-        on every rank with the same message, before the first step."""
-        engine, error = None, None
+    def _start_vllm(self):
+        """The vLLM of this run on the main process (None on the others); a failure to start stops training on every
+        rank with the same message, before the first step."""
+        vllm, error = None, None
         if self._is_main():
             try:
-                engine = start_training_engine(self.trainer, self.tokenizer, self.config)
+                vllm = start_vllm(self.trainer, self.tokenizer, self.config)
             except Exception as err:  # noqa: BLE001 - every rank raises it below
                 error = f"{type(err).__name__}: {err}"
         error = broadcast(self.trainer.accelerator, error)
         if error is not None:
             raise RuntimeError(f"ProbDiff: use_vllm=true: {error}")
-        return engine
+        return vllm
 
     # ---- one evaluation ----
     @staticmethod
@@ -402,7 +396,7 @@ class ProbDiffCallback(TrainerCallback):
             self.state.baseline_due = False
             if outcome.error is None:
                 self.state.baseline_records = outcome.records
-            self._say_resolution(None if outcome.summary is None else outcome.summary["confidence"])
+            self._say_resolution(None if outcome.summary is None else outcome.summary.confidence)
         else:
             row.vs_base = compare_to_base(outcome.records, self.state.baseline_records, self.config.delta)
         outcome.metrics = self._metrics(outcome.summary, row.vs_base)
@@ -410,7 +404,7 @@ class ProbDiffCallback(TrainerCallback):
         if not is_finite(row.eval_loss):
             self.state.without_eval_loss.add(row.global_step)
         seconds = outcome.seconds + (example_losses.seconds if example_losses is not None else 0.0)
-        self._cost.evaluated(seconds, before_training=row.kind == "baseline")
+        self._cost.evaluated(seconds, outcome.cost, before_training=row.kind == "baseline")
         if outcome.error is not None:
             logger.error(f"ProbDiff evaluation at step {row.global_step} failed; training goes on:\n{outcome.error}")
         # Trainer.evaluate logs its metrics before on_evaluate, so ours need their own log call (W&B,
@@ -419,6 +413,7 @@ class ProbDiffCallback(TrainerCallback):
         if self._is_main():
             self._log_to_wandb(row.global_step, outcome.records)
             row.summary, row.error, row.seconds = outcome.summary, outcome.error, round(outcome.seconds, 3)
+            row.cost = outcome.cost
             self._files.add(
                 row,
                 outcome.records if outcome.error is None else None,
@@ -451,7 +446,7 @@ class ProbDiffCallback(TrainerCallback):
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
         """Evaluate the current weights on the query subset, on all ranks; every rank returns the same records
         (in query order), summary, metrics and error."""
-        outcome = evaluate_in_training(
+        outcome = evaluate_trainer_model(
             self.trainer,
             self.tokenizer,
             self.queries,
@@ -459,7 +454,7 @@ class ProbDiffCallback(TrainerCallback):
             self.reference_plan,
             base_model,
             self._asked_to_stop if self.preemption is not None else None,
-            engine=self._engine,
+            vllm=self._vllm,
         )
         outcome.metrics = self._metrics(outcome.summary, None)
         return outcome
@@ -471,12 +466,32 @@ class ProbDiffCallback(TrainerCallback):
             except Exception:  # the scalars went through trainer.log; the extras are not worth the run
                 logger.exception(f"ProbDiff: logging the histogram and table of step {step} to W&B failed")
 
-    def _metrics(self, summary: dict | None, vs_base: dict | None) -> dict[str, float]:
+    def _metrics(self, summary: Summary | None, vs_base: Comparison | None) -> dict[str, float]:
         """Every metric of one evaluation for the Trainer: eval_probdiff_*, eval_ref_* (where the queries have
         reference metrics) and eval_probdiff_vs_base_* (when the baseline is evaluated)."""
         metrics = metrics_from_summary(summary, self.config.sweep, self.categories)
-        reference = None if summary is None else summary.get("reference")
+        reference = None if summary is None else summary.reference
         metrics.update(reference_metrics.trainer_metrics(reference, self.reference_plan))
         if self.config.baseline:
             metrics.update(vs_base_metrics(vs_base))
         return metrics
+
+
+def record_best_metric(state: TrainerState, args: TrainingArguments, metrics: dict[str, float]) -> None:
+    """`state.best_metric` and `state.best_global_step` after an evaluation's `metrics`, set as the Trainer sets them
+    after its own evaluations (transformers 5): the metric named by `metric_for_best_model` (`eval_` added) beats the
+    best so far by `greater_is_better` (NaN never does); the step is kept where checkpoints are saved by steps, epochs
+    or best, and the Trainer's next save names its checkpoint `best_model_checkpoint`. Nothing without that metric."""
+    name = args.metric_for_best_model
+    if name is None:
+        return
+    key = name if name.startswith("eval_") else f"eval_{name}"
+    if key not in metrics:
+        return
+    if state.best_metric is None:
+        state.best_metric = -math.inf if args.greater_is_better else math.inf
+    better = operator.gt if args.greater_is_better else operator.lt
+    if better(metrics[key], state.best_metric):
+        state.best_metric = metrics[key]
+        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+            state.best_global_step = state.global_step

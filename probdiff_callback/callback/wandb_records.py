@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from probdiff_callback.core.records import Record
+
 WANDB_HISTOGRAM_KEY = "eval/probdiff_d"
 WANDB_TABLE_KEY = "eval/probdiff_records"
 WANDB_TABLE_COLUMNS = ["step", "id", "category", "query", "response", "revision", "logp_response", "logp_revised", "d"]
@@ -20,21 +22,23 @@ class WandbRecords:
         self.table_rows = table_rows
         self._table = None
 
-    def log(self, step: int, records: Sequence[dict]) -> None:
+    def log(self, step: int, records: Sequence[Record]) -> None:
         import wandb
 
         if wandb.run is None:
             return
         payload: dict[str, Any] = {"train/global_step": step}
-        ds = [r["d"] for r in records if r["d"] is not None and math.isfinite(r["d"])]
+        ds = [r.d for r in records if math.isfinite(r.d)]
         if ds:  # wandb.Histogram raises on NaN; the invalid ones are counted in eval/probdiff_n_invalid
             payload[WANDB_HISTOGRAM_KEY] = wandb.Histogram(ds)
         if self.table_rows and records:
             if self._table is None:
                 self._table = wandb.Table(columns=WANDB_TABLE_COLUMNS, log_mode="INCREMENTAL")
             for r in records[: self.table_rows]:
-                row = {**r, "step": step, "revision": r["revisions"][-1] if r["revisions"] else ""}
-                self._table.add_data(*(row[column] for column in WANDB_TABLE_COLUMNS))
+                revision = r.revisions[-1] if r.revisions else ""
+                self._table.add_data(
+                    step, r.id, r.category, r.query, r.response, revision, r.logp_response, r.logp_revised, r.d
+                )
             payload[WANDB_TABLE_KEY] = self._table
         if len(payload) > 1:
             wandb.log(payload)

@@ -1,25 +1,27 @@
 """ProbDiff on a model: answer -> revise K times -> score both under the original query.
 
-`evaluate` works on whatever queries it is given, in batches; distributed callers give
-every rank the same number of queries so every rank makes the same number of
-decoding and forward calls (ZeRO-3 with sharded parameters needs that).
+`evaluate` works on whatever queries it is given, in batches, and returns an `Evaluation`: the records and what each
+stage cost (`records.Cost`). Distributed callers give every rank the same number of queries so every rank makes the
+same number of decoding and forward calls (ZeRO-3 with sharded parameters needs that). `summarise` turns the whole
+query set's records into the summary, with the reference metrics where the queries have them: the CLI and the callback
+call it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from tqdm.auto import tqdm
 
-from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.decoding import hit_cap, sample_continuations
 from probdiff_callback.core.degenerate import answer_degenerate, merge_kinds, revision_degenerate
 from probdiff_callback.core.engines import Engine, Generated, GenerationRequest
-from probdiff_callback.core.metric import discrepancy, finite_mean, is_confident, summarize
+from probdiff_callback.core.engines.hf import HFEngine
+from probdiff_callback.core.metric import discrepancy, finite_mean, is_confident, summary_of
 from probdiff_callback.core.prompts import (
     REFINEMENT_PROMPTS,
     PreparedQuery,
@@ -28,9 +30,10 @@ from probdiff_callback.core.prompts import (
     refinement_template,
 )
 from probdiff_callback.core.queries import Query
+from probdiff_callback.core.records import Cost, Record, Summary
+from probdiff_callback.core.reference_metrics import ReferencePlan, score_records, summarize_references
 from probdiff_callback.core.sampling import row_seed
 from probdiff_callback.core.scoring import score_batch, score_shared_prompts, shares_prompt_cache
-from probdiff_callback.runtime import faults
 
 T = TypeVar("T")
 ABANDONED = "evaluation abandoned"  # in the error every rank sees when any rank abandoned its share
@@ -40,35 +43,28 @@ class EvaluationAbandoned(Exception):  # noqa: N818 (not an error: the run was a
     """An evaluation given up because the run was asked to stop (preemption); its step is evaluated on resume."""
 
 
-def generate_texts(
-    model,
-    tokenizer,
-    prompts: Sequence[Sequence[int]],
-    seeds: Sequence[int],
-    temperatures: Sequence[float],
-    top_ps: Sequence[float],
-    max_new_tokens: int,
-    synced_gpus: bool = False,
-    should_stop: Callable[[], bool] | None = None,
-) -> tuple[list[str], list[bool]]:
-    """One batch of sampled texts, special tokens stripped, and whether each hit `max_new_tokens`; raises
-    `EvaluationAbandoned` when `should_stop()` turns true during the batch (generation stops at the next token)."""
-    generated = sample_continuations(
-        model,
-        prompts,
-        seeds,
-        temperatures,
-        top_ps,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
-        pad_token_id=tokenizer.pad_token_id,
-        n_valid_ids=len(tokenizer),
-        synced_gpus=synced_gpus,
-        stop_early=should_stop,
-    )
-    raise_if_asked_to_stop(should_stop)
-    texts = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
-    return texts, [hit_cap(ids, max_new_tokens) for ids in generated]
+@dataclass
+class Evaluation:
+    """What an evaluation gives: one record per query, in the queries' order, and what each stage cost."""
+
+    records: list[Record]
+    cost: Cost = field(default_factory=Cost)
+
+
+def stage_clock(model) -> Callable[[], float]:
+    """The clock the stages are timed with: `time.perf_counter`, after the device has finished the work queued on it
+    when the model is on a CUDA device (kernels run asynchronously, so the host's time alone would put a stage's work
+    in the next one)."""
+    device = getattr(model, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return time.perf_counter
+    import torch
+
+    def synchronized() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synchronized
 
 
 def raise_if_asked_to_stop(should_stop: Callable[[], bool] | None) -> None:
@@ -97,39 +93,6 @@ def _batches(items: list[T], size: int) -> list[list[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-class HFEngine:
-    """HF `generate` with our per-row sampler (`decoding.py`): the default engine. It runs on the model being
-    evaluated, `batch_size` requests at a time; with `synced_gpus` every rank of a sharded ZeRO-3 model runs the same
-    forward passes."""
-
-    name = "hf"
-
-    def __init__(self, model, tokenizer, batch_size: int, synced_gpus: bool = False) -> None:
-        self.model, self.tokenizer, self.batch_size, self.synced_gpus = model, tokenizer, batch_size, synced_gpus
-
-    def generate(
-        self,
-        requests: Sequence[GenerationRequest],
-        max_new_tokens: int,
-        should_stop: Callable[[], bool] | None = None,
-        progress: Callable[[int], object] | None = None,
-    ) -> list[Generated]:
-        texts, capped = generate_texts(
-            self.model,
-            self.tokenizer,
-            [r.prompt_ids for r in requests],
-            [r.seed for r in requests],
-            [r.temperature for r in requests],
-            [r.top_p for r in requests],
-            max_new_tokens,
-            self.synced_gpus,
-            None if self.synced_gpus else should_stop,
-        )
-        if progress is not None:
-            progress(len(requests))
-        return [Generated(text, cut) for text, cut in zip(texts, capped)]
-
-
 def build_record(
     prepared: PreparedQuery,
     responses: list[str],
@@ -143,8 +106,8 @@ def build_record(
     revision_capped: bool | None = None,
     revision_truncated: bool = False,
     refinement_templates: Sequence[str] = tuple(REFINEMENT_PROMPTS.values()),
-) -> dict:
-    """One row of records.jsonl from the texts and scores of each sample of a query.
+) -> Record:
+    """One query's record from the texts and scores of each of its samples.
 
     `response_capped` / `revision_capped`: whether an answer / a last revision (of any sample)
     ended at max_new_tokens without a stop token, so was scored cut short. These and
@@ -156,33 +119,34 @@ def build_record(
     """
     d_samples = [discrepancy(rev[0], resp[0]) for resp, rev in zip(scores_response, scores_revised)]
     d = finite_mean(d_samples)
-    record = {
-        "id": prepared.query.id,
-        "category": prepared.query.category,
-        "query": prepared.query.text,
-        "response": responses[0],
-        "revisions": revisions_by_sample[0],
-        "logp_response": finite_mean([s[0] for s in scores_response]),
-        "logp_revised": finite_mean([s[0] for s in scores_revised]),
-        "d": d,
-        "n_tokens_response": scores_response[0][1],
-        "n_tokens_revised": scores_revised[0][1],
-        "confident": is_confident(d, delta),
-        "truncated": prepared.truncated,
-        "answer_temperature": answer_temperature,
-        "response_capped": response_capped,
-        "revision_capped": revision_capped,
-        "revision_truncated": revision_truncated,
-        "response_degenerate": merge_kinds(answer_degenerate(response) for response in responses),
-        "revision_degenerate": merge_kinds(
+    several = len(responses) > 1
+    return Record(
+        id=prepared.query.id,
+        category=prepared.query.category,
+        query=prepared.query.text,
+        response=responses[0],
+        revisions=revisions_by_sample[0],
+        logp_response=finite_mean([s[0] for s in scores_response]),
+        logp_revised=finite_mean([s[0] for s in scores_revised]),
+        d=d,
+        n_tokens_response=scores_response[0][1],
+        n_tokens_revised=scores_revised[0][1],
+        confident=is_confident(d, delta),
+        truncated=prepared.truncated,
+        answer_temperature=answer_temperature,
+        response_capped=response_capped,
+        revision_capped=revision_capped,
+        revision_truncated=revision_truncated,
+        response_degenerate=merge_kinds(answer_degenerate(response) for response in responses),
+        revision_degenerate=merge_kinds(
             revision_degenerate(revisions[-1], refinement_templates, prepared.query.text, response)
             for response, revisions in zip(responses, revisions_by_sample)
             if revisions
         ),
-    }
-    if len(responses) > 1:
-        record.update(responses=responses, revisions_by_sample=revisions_by_sample, d_samples=d_samples)
-    return record
+        responses=responses if several else None,
+        revisions_by_sample=revisions_by_sample if several else None,
+        d_samples=d_samples if several else None,
+    )
 
 
 @dataclass
@@ -195,8 +159,10 @@ class Chain:
     sample: int = 0
     answer: str = ""
     answer_capped: bool = False
+    answer_tokens: int = 0  # generated for the answer
     revisions: list[str] = field(default_factory=list)
     revision_capped: bool = False  # the last revision's
+    revision_tokens: int = 0  # generated for the revisions, every round
     request_cut: bool = False  # a refinement request was cut to max_prompt_tokens
     score_answer: tuple[float, int] | None = None
     score_revised: tuple[float, int] | None = None
@@ -229,7 +195,7 @@ def generate_answers(
         for c in chains
     ]
     for chain, out in zip(chains, _generate(engine, requests, config, should_stop, progress)):
-        chain.answer, chain.answer_capped = out.text, out.capped
+        chain.answer, chain.answer_capped, chain.answer_tokens = out.text, out.capped, out.n_tokens
 
 
 def generate_revisions(
@@ -254,6 +220,7 @@ def generate_revisions(
     for chain, out in zip(chains, _generate(engine, requests, config, should_stop, progress)):
         chain.revisions.append(out.text)
         chain.revision_capped = out.capped
+        chain.revision_tokens += out.n_tokens
 
 
 def _generate(
@@ -286,7 +253,7 @@ def score_chains(
             progress(len(batch))
 
 
-def records_from_chains(chains: Sequence[Chain], config: ProbDiffConfig) -> list[dict]:
+def records_from_chains(chains: Sequence[Chain], config: ProbDiffConfig) -> list[Record]:
     """One record per query, in the order of the chains' queries."""
     by_query: dict[str, list[Chain]] = {}  # by id: gathered from several ranks, a query's chains are copies
     for c in chains:
@@ -320,10 +287,14 @@ def generate_chains(
     *,
     bar=None,
     should_stop: Callable[[], bool] | None = None,
-) -> None:
-    """Answers and every revision round for `chains`, `engine.batch_size` chains at a time (no scoring)."""
+    clock: Callable[[], float] = time.perf_counter,
+) -> Cost:
+    """Answers and every revision round for `chains`, `engine.batch_size` chains at a time (no scoring); what they
+    cost, timed with `clock`."""
+    cost = Cost()
     for batch in _generation_batches(chains, engine):
-        _generate_batch(batch, tokenizer, engine, config, bar, should_stop)
+        _generate_batch(batch, tokenizer, engine, config, bar, should_stop, cost, clock)
+    return cost
 
 
 def _generation_batches(chains: Sequence[Chain], engine: Engine) -> list[list[Chain]]:
@@ -332,17 +303,24 @@ def _generation_batches(chains: Sequence[Chain], engine: Engine) -> list[list[Ch
     return _batches(order, engine.batch_size or max(len(order), 1))
 
 
-def _generate_batch(batch, tokenizer, engine: Engine, config: ProbDiffConfig, bar, should_stop) -> None:
+def _generate_batch(
+    batch: list[Chain], tokenizer, engine: Engine, config: ProbDiffConfig, bar, should_stop, cost: Cost, clock
+) -> None:
+    """The batch's answers and revisions, their seconds and tokens added to `cost`."""
     progress = None if bar is None else bar.update
     if bar is not None:
         bar.set_postfix_str("answer")
+    started = clock()
     generate_answers(batch, engine, config, should_stop, progress)
-    faults.reached("answers-done")
+    cost.answers_seconds += clock() - started
+    cost.answer_tokens += sum(c.answer_tokens for c in batch)
+    started = clock()
     for round_ in range(1, config.n_revisions + 1):
         if bar is not None:
             bar.set_postfix_str(f"revision {round_}")
         generate_revisions(batch, round_, tokenizer, engine, config, should_stop, progress)
-    faults.reached("revisions-done")
+    cost.revisions_seconds += clock() - started
+    cost.revision_tokens += sum(c.revision_tokens for c in batch)
 
 
 def evaluate(
@@ -356,8 +334,9 @@ def evaluate(
     synced_gpus: bool = False,
     sync_n_chunks: Callable[[int], int] | None = None,
     should_stop: Callable[[], bool] | None = None,
-) -> list[dict]:
-    """Records for `queries`, in their order. A query's texts depend only on (seed, query id, sample).
+) -> Evaluation:
+    """Records for `queries`, in their order, and what each stage cost. A query's texts depend only on (seed, query
+    id, sample).
 
     `engine` generates the answers and revisions (default: HF `generate` on `model`, `HFEngine`); `model` scores
     them. `should_stop` (a preemption's flag) is checked between phases and, with the HF engine, at every generated
@@ -376,43 +355,35 @@ def evaluate(
     # one unit per generated text and per scored chain (its answer and revision)
     steps = len(chains) * (2 + config.n_revisions)
     bar = tqdm(total=steps, desc="ProbDiff", unit="text", disable=not progress, dynamic_ncols=True)
+    cost, clock = Cost(), stage_clock(model)
     with inference_mode(model):
         for batch in batches:
             raise_if_asked_to_stop(should_stop)
-            _generate_batch(batch, tokenizer, engine, config, bar, should_stop)
+            _generate_batch(batch, tokenizer, engine, config, bar, should_stop, cost, clock)
             raise_if_asked_to_stop(should_stop)
             bar.set_postfix_str("score")
+            started = clock()
             score_chains(model, tokenizer, batch, config, sync_n_chunks, progress=bar.update)
+            cost.scoring_seconds += clock() - started
     bar.close()
-    return records_from_chains(chains, config)
+    return Evaluation(records_from_chains(chains, config), cost)
 
 
-def evaluate_and_summarise(
-    model,
-    tokenizer,
-    queries: Sequence[Query],
-    config: ProbDiffConfig,
-    *,
-    engine: Engine | None = None,
-    progress: bool = True,
-) -> tuple[list[dict], dict]:
-    """`evaluate`, then `summarise`: what `probdiff eval` runs on a whole query set."""
-    records = evaluate(model, tokenizer, queries, config, engine=engine, progress=progress)
-    return summarise(records, queries, config)
-
-
-def summarise(records: list[dict], queries: Sequence[Query], config: ProbDiffConfig) -> tuple[list[dict], dict]:
-    """(records with their reference metrics where the queries carry references, the summary): one function for the
-    CLI and the callback, applied to the whole query set's records."""
-    from probdiff_callback.core import reference_metrics  # sacrebleu and rouge load on first use
-
-    if reference_metrics.plan_references(queries).active:
-        records = reference_metrics.score_records(records, queries)
-    summary = summarize(records, config.delta, config.sweep)
-    reference = reference_metrics.summarize_references(records)
-    if reference is not None:
-        summary["reference"] = reference
-    return records, summary
+def summarise(
+    evaluation: Evaluation, queries: Sequence[Query], config: ProbDiffConfig, plan: ReferencePlan
+) -> tuple[Evaluation, Summary]:
+    """(the evaluation with its records' reference metrics, where `plan`, the queries' `plan_references`, has any,
+    and their seconds in its cost; the summary, with the corpus reference metrics): one function for the CLI and the
+    callback, applied to the whole query set's evaluation."""
+    records, reference, cost = evaluation.records, None, evaluation.cost
+    if plan.active:
+        started = time.perf_counter()
+        records = score_records(records, queries)
+        reference = summarize_references(records)
+        cost = cost + Cost(reference_seconds=time.perf_counter() - started)
+    summary = summary_of(records, config.delta, config.sweep)
+    summary.reference = reference
+    return Evaluation(records, cost), summary
 
 
 def score_texts(
@@ -444,8 +415,8 @@ def score_pairs(
     config: ProbDiffConfig,
     *,
     progress: bool = True,
-) -> list[dict]:
-    """Records for texts generated elsewhere: rows of (query, response, revised)."""
+) -> Evaluation:
+    """Records for texts generated elsewhere: rows of (query, response, revised); the cost is the scoring's."""
     prepared = prepare_queries(
         tokenizer,
         [q for q, _, _ in pairs],
@@ -453,13 +424,16 @@ def score_pairs(
         max_prompt_tokens=config.max_prompt_tokens,
     )
     records = []
+    cost, clock = Cost(), stage_clock(model)
     with inference_mode(model):
         for start in tqdm(range(0, len(pairs), config.batch_size), desc="Scoring", unit="batch", disable=not progress):
             chunk = list(range(start, min(start + config.batch_size, len(pairs))))
             prompts = [prepared[i].prompt_ids for i in chunk]
+            started = clock()
             batch_scores = score_texts(model, tokenizer, prompts, [[pairs[i][1], pairs[i][2]] for i in chunk], config)
+            cost.scoring_seconds += clock() - started
             for i, (s_response, s_revised) in zip(chunk, batch_scores):
                 records.append(
                     build_record(prepared[i], [pairs[i][1]], [[pairs[i][2]]], [s_response], [s_revised], config.delta)
                 )
-    return records
+    return Evaluation(records, cost)

@@ -1,6 +1,6 @@
 """The ProbDiff math: d(alpha, q), confidence, its interval, the summary and the comparison.
 
-Pure functions over plain numbers and record dicts; no model in here.
+Pure functions over plain numbers and `Record`s (`records.py`); no model in here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numpy as np
 
 from probdiff_callback.core.categories import canonical_category
 from probdiff_callback.core.degenerate import KINDS
+from probdiff_callback.core.records import CategorySummary, Comparison, Record, Summary
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 LENGTH_CHANGE_LIMIT = 0.5  # the paper's length bias: revisions that change length by more than half
@@ -112,16 +113,16 @@ def finite_mean(values: Iterable[float | None]) -> float:
     return float(finite.mean()) if finite.size else math.nan
 
 
-def length_changed_share(records: Sequence[dict]) -> float:
+def length_changed_share(records: Sequence[Record]) -> float:
     """Share of queries whose last revision differs in token length from the answer by more than half."""
     changed = [
-        abs(r["n_tokens_revised"] - r["n_tokens_response"]) > LENGTH_CHANGE_LIMIT * max(r["n_tokens_response"], 1)
+        abs(r.n_tokens_revised - r.n_tokens_response) > LENGTH_CHANGE_LIMIT * max(r.n_tokens_response, 1)
         for r in records
     ]
     return sum(changed) / len(changed) if changed else math.nan
 
 
-def confidence_non_degenerate(records: Sequence[dict], delta: float) -> tuple[float, list[float]]:
+def confidence_non_degenerate(records: Sequence[Record], delta: float) -> tuple[float, list[float]]:
     """The confidence with degenerate last revisions (`revision_degenerate`, `degenerate.py`) counted as not
     confident, as invalid ones are, over the same queries; and its 95% Wilson interval.
 
@@ -129,67 +130,64 @@ def confidence_non_degenerate(records: Sequence[dict], delta: float) -> tuple[fl
     echo of the prompt is likely under the model, so it counts as confident there. The gap between the two is the
     share of queries whose confidence rests on a degenerate revision.
     """
-    confident = sum(
-        is_confident(math.nan if r["d"] is None else r["d"], delta) and not r.get("revision_degenerate")
-        for r in records
-    )
+    confident = sum(is_confident(r.d, delta) and not r.revision_degenerate for r in records)
     share = confident / len(records) if records else math.nan
     return share, wilson_interval(confident, len(records))
 
 
-def degenerate_counts(records: Sequence[dict], key: str) -> dict[str, int]:
-    """How many records show each kind of degeneration under `key` (`response_degenerate`, `revision_degenerate`);
-    a record with both kinds counts under each. Records written before the check have no key and count as none."""
-    return {kind: sum(kind in (r.get(key) or ()) for r in records) for kind in KINDS}
+def degenerate_counts(kinds_per_record: Iterable[Sequence[str]]) -> dict[str, int]:
+    """How many records show each kind of degeneration (`degenerate.KINDS`), from each record's kinds
+    (`response_degenerate` or `revision_degenerate`); a record with both kinds counts under each."""
+    shown = list(kinds_per_record)
+    return {kind: sum(kind in kinds for kinds in shown) for kind in KINDS}
 
 
-def summarize(records: Sequence[dict], delta: float, sweep: Sequence[float]) -> dict:
-    """The summary of a set of records (see the README for each key)."""
-    ds = [math.nan if r["d"] is None else r["d"] for r in records]
+def summary_of(records: Sequence[Record], delta: float, sweep: Sequence[float]) -> Summary:
+    """The summary of a set of records (`records.Summary` says what each field holds); no reference metrics
+    (`evaluator.summarise` adds them)."""
+    ds = [r.d for r in records]
     finite = finite_values(ds)
-    by_category: dict[str, dict] = {}
+    by_category: dict[str, CategorySummary] = {}
     # records written before categories were canonical may hold AlignBench's Chinese names
-    record_categories = [canonical_category(r.get("category")) for r in records]
+    record_categories = [canonical_category(r.category) for r in records]
     non_degenerate, non_degenerate_ci = confidence_non_degenerate(records, delta)
     for category in sorted({c for c in record_categories if c is not None}):
         cat_ds = [d for d, c in zip(ds, record_categories) if c == category]
-        by_category[category] = {
-            "n": len(cat_ds),
-            "confidence": confidence(cat_ds, delta),
-            "d_mean": finite_mean(cat_ds),
-        }
-    return {
-        "n": len(records),
-        "n_invalid": int(sum(math.isnan(d) for d in ds)),
-        "n_truncated": int(sum(bool(r.get("truncated")) for r in records)),
+        by_category[category] = CategorySummary(
+            n=len(cat_ds), confidence=confidence(cat_ds, delta), d_mean=finite_mean(cat_ds)
+        )
+    return Summary(
+        n=len(records),
+        n_invalid=int(sum(math.isnan(d) for d in ds)),
+        n_truncated=int(sum(r.truncated for r in records)),
         # answers / last revisions that hit max_new_tokens without a stop token, scored cut short
-        "n_capped": int(sum(bool(r.get("response_capped")) for r in records)),
-        "n_revision_capped": int(sum(bool(r.get("revision_capped")) for r in records)),
-        "n_revision_truncated": int(sum(bool(r.get("revision_truncated")) for r in records)),
+        n_capped=int(sum(bool(r.response_capped) for r in records)),
+        n_revision_capped=int(sum(bool(r.revision_capped) for r in records)),
+        n_revision_truncated=int(sum(r.revision_truncated for r in records)),
         # answers / last revisions that loop or echo the refinement prompt (degenerate.py), and per kind
-        "n_degenerate": int(sum(bool(r.get("response_degenerate")) for r in records)),
-        "n_revision_degenerate": int(sum(bool(r.get("revision_degenerate")) for r in records)),
-        "revision_degenerate_kinds": degenerate_counts(records, "revision_degenerate"),
-        "delta": delta,
-        "confidence": confidence(ds, delta),
-        "confidence_ci": confidence_interval(ds, delta),
-        "confidence_non_degenerate": non_degenerate,
-        "confidence_non_degenerate_ci": non_degenerate_ci,
-        "confidence_sweep": confidence_sweep(ds, sorted(set(sweep) | {delta}, reverse=True)),
-        "d_mean": float(finite.mean()) if finite.size else math.nan,
-        "d_median": float(np.median(finite)) if finite.size else math.nan,
-        "d_std": float(finite.std(ddof=1)) if finite.size > 1 else math.nan,
-        "d_quantiles": {f"{q:g}": (float(np.quantile(finite, q)) if finite.size else math.nan) for q in QUANTILES},
-        "logp_response_mean": finite_mean(r["logp_response"] for r in records),
-        "logp_revised_mean": finite_mean(r["logp_revised"] for r in records),
-        "by_category": by_category,
-        "len_response_mean": finite_mean(r["n_tokens_response"] for r in records),
-        "len_revised_mean": finite_mean(r["n_tokens_revised"] for r in records),
-        "length_changed_share": length_changed_share(records),
-    }
+        n_degenerate=int(sum(bool(r.response_degenerate) for r in records)),
+        n_revision_degenerate=int(sum(bool(r.revision_degenerate) for r in records)),
+        revision_degenerate_kinds=degenerate_counts(r.revision_degenerate for r in records),
+        delta=delta,
+        confidence=confidence(ds, delta),
+        confidence_ci=confidence_interval(ds, delta),
+        confidence_non_degenerate=non_degenerate,
+        confidence_non_degenerate_ci=non_degenerate_ci,
+        confidence_sweep=confidence_sweep(ds, sorted(set(sweep) | {delta}, reverse=True)),
+        d_mean=float(finite.mean()) if finite.size else math.nan,
+        d_median=float(np.median(finite)) if finite.size else math.nan,
+        d_std=float(finite.std(ddof=1)) if finite.size > 1 else math.nan,
+        d_quantiles={f"{q:g}": (float(np.quantile(finite, q)) if finite.size else math.nan) for q in QUANTILES},
+        logp_response_mean=finite_mean(r.logp_response for r in records),
+        logp_revised_mean=finite_mean(r.logp_revised for r in records),
+        by_category=by_category,
+        len_response_mean=finite_mean(r.n_tokens_response for r in records),
+        len_revised_mean=finite_mean(r.n_tokens_revised for r in records),
+        length_changed_share=length_changed_share(records),
+    )
 
 
-def compare(records_a: Sequence[dict], records_b: Sequence[dict], delta: float) -> dict:
+def compare(records_a: Sequence[Record], records_b: Sequence[Record], delta: float) -> Comparison:
     """The paper's pairwise comparison on the queries both sets share.
 
     Each model's d is thresholded on its own: A wins a query where A is confident and B is
@@ -207,47 +205,47 @@ def compare(records_a: Sequence[dict], records_b: Sequence[dict], delta: float) 
     """
     from scipy.stats import wilcoxon
 
-    by_id_b = {str(r["id"]): r for r in records_b}
-    shared = [(a, by_id_b[str(a["id"])]) for a in records_a if str(a["id"]) in by_id_b]
+    by_id_b = {str(r.id): r for r in records_b}  # a file written elsewhere may hold numbers
+    shared = [(a, by_id_b[str(a.id)]) for a in records_a if str(a.id) in by_id_b]
     if not shared:
         raise ValueError("the two result sets share no query id; compare results on the same queries")
     win = tie = lose = 0
     pairs = []
     for a, b in shared:
-        da = math.nan if a["d"] is None else a["d"]
-        db = math.nan if b["d"] is None else b["d"]
-        ca, cb = is_confident(da, delta), is_confident(db, delta)
+        ca, cb = is_confident(a.d, delta), is_confident(b.d, delta)
         win += ca and not cb
         lose += cb and not ca
         tie += ca == cb
-        if math.isfinite(da) and math.isfinite(db):
-            pairs.append((da, db))
+        if math.isfinite(a.d) and math.isfinite(b.d):
+            pairs.append((a.d, b.d))
     p_value = math.nan
     if pairs and any(x != y for x, y in pairs):
         p_value = float(wilcoxon([x for x, _ in pairs], [y for _, y in pairs]).pvalue)
     n = len(shared)
-    return {
-        "n": n,
-        "n_only_a": len(records_a) - n,
-        "n_only_b": len(records_b) - n,
-        "delta": delta,
-        "win": win,
-        "tie": tie,
-        "lose": lose,
-        "confidence_a": confidence([math.nan if a["d"] is None else a["d"] for a, _ in shared], delta),
-        "confidence_b": confidence([math.nan if b["d"] is None else b["d"] for _, b in shared], delta),
-        "difference": (win - lose) / n,
-        "difference_ci": paired_difference_interval(win, lose, n),
-        "sign_p": sign_test_p(win, lose),
-        "n_paired": len(pairs),
-        "d_mean_a": finite_mean(p[0] for p in pairs),
-        "d_mean_b": finite_mean(p[1] for p in pairs),
-        "wilcoxon_p": p_value,
-    }
+    return Comparison(
+        n=n,
+        n_only_a=len(records_a) - n,
+        n_only_b=len(records_b) - n,
+        delta=delta,
+        win=win,
+        tie=tie,
+        lose=lose,
+        confidence_a=confidence([a.d for a, _ in shared], delta),
+        confidence_b=confidence([b.d for _, b in shared], delta),
+        difference=(win - lose) / n,
+        difference_ci=paired_difference_interval(win, lose, n),
+        sign_p=sign_test_p(win, lose),
+        n_paired=len(pairs),
+        d_mean_a=finite_mean(p[0] for p in pairs),
+        d_mean_b=finite_mean(p[1] for p in pairs),
+        wilcoxon_p=p_value,
+    )
 
 
-def compare_to_base(records: Sequence[dict], base_records: Sequence[dict] | None, delta: float) -> dict | None:
-    """`metric.compare(records, base_records, delta)`, or None without base records."""
+def compare_to_base(
+    records: Sequence[Record], base_records: Sequence[Record] | None, delta: float
+) -> Comparison | None:
+    """`compare(records, base_records, delta)`, or None without base records."""
     if not records or not base_records:
         return None
     return compare(records, base_records, delta)

@@ -4,8 +4,11 @@ an evaluation's `Cost`, each with its JSON form here and nowhere else.
 The JSON form: keys in the order of the fields; NaN (and infinity) written as null, since JSON has none; and read
 back the other way, so that the rest of the package sees NaN, never None, where a number belongs. A field whose type
 admits None keeps None (`answer_temperature` of texts generated elsewhere, a `ref` score that could not be computed).
-Files of older versions lack some keys: they read as the fields' defaults. Keys this version does not know are kept
-in `extra` and written back after the known ones, so rewriting a file loses nothing.
+Files of older versions lack some keys: they read as the fields' defaults, and the object remembers them (`absent`) and
+leaves them out when it is written back while they still hold their defaults, so rewriting an older file invents
+nothing. Keys this version does not know
+are kept in `extra` and written back after the known ones, so rewriting a file loses nothing. `dumps` writes any value
+holding these objects.
 
 A field's `help` (its metadata) is its documentation: `markdown_table` makes docs/cli.md's tables from it.
 """
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T", bound="JsonRecord")
 
@@ -80,9 +84,14 @@ def _hints(cls: type) -> dict[str, Any]:
 class JsonRecord:
     """The JSON form of the dataclasses below (see the module's docstring)."""
 
+    # The fields the file it was read from lacked (written by an older version); none for an object made here.
+    absent: ClassVar[frozenset[str]] = frozenset()
+
     @classmethod
     def from_json(cls: type[T], value: Mapping[str, Any]) -> T:
         """The object a file's mapping describes; a ValueError names a required key it lacks."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"not a {cls.__name__.lower()}: a JSON object is expected, not {type(value).__name__}")
         hints, known = _hints(cls), {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("extra")}
         missing = [
             name
@@ -93,17 +102,28 @@ class JsonRecord:
             raise ValueError(f"not a {cls.__name__.lower()}: no {', '.join(map(repr, missing))}")
         made = cls(**{name: _from_json(value[name], hints[name]) for name in known if name in value})
         made.extra = {k: v for k, v in value.items() if k not in known}  # type: ignore[attr-defined]
+        absent = frozenset(name for name in known if name not in value)
+        if absent:
+            made.absent = absent  # type: ignore[misc]
         return made
 
     def to_json(self) -> dict[str, Any]:
-        """The mapping written to the files: the fields in their order, NaN as null, then the unknown keys kept."""
+        """The mapping written to the files: the fields in their order, NaN as null, then the unknown keys kept; the
+        fields its file lacked (`absent`) left out again while they hold their defaults."""
         value: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             item = getattr(self, f.name)
             if f.metadata.get("extra") or (item is None and f.metadata.get("omit_none")):
                 continue
+            if f.name in self.absent and _holds_default(f, item):
+                continue
             value[f.name] = _to_json(item)
         return nan_to_none({**value, **getattr(self, "extra", {})})
+
+
+def _holds_default(f: dataclasses.Field, item: Any) -> bool:
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return item is default or item == default  # the defaults' NaN is `math.nan` itself, so identity finds it
 
 
 def _to_json(item: Any) -> Any:
@@ -114,6 +134,12 @@ def _to_json(item: Any) -> Any:
     if isinstance(item, (list, tuple)):
         return [_to_json(v) for v in item]
     return item
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """`value` as JSON text: the objects of this module in their JSON form, wherever they sit in it, and every NaN and
+    infinity as null (strict JSON readers reject NaN); `kwargs` go to `json.dumps` (`indent`)."""
+    return json.dumps(nan_to_none(_to_json(value)), ensure_ascii=False, allow_nan=False, **kwargs)
 
 
 # --- one query --------------------------------------------------------------------------------------------
@@ -208,8 +234,9 @@ class ReferenceSummary(JsonRecord):
 
 @dataclass(kw_only=True)
 class Summary(JsonRecord):
-    """The summary of one evaluation's records (`metric.summarize`): `summary.json`, and each step's in a training
-    run's history. NaN where a number cannot be computed (no valid d)."""
+    """The summary of one evaluation's records (`metric.summary_of`, with `reference` from `evaluator.summarise`):
+    `summary.json`, and each step's in a training run's history. NaN where a number cannot be computed (no valid
+    d)."""
 
     n: int = _field(help="queries")
     n_invalid: int = _field(0, help="queries whose d is `null` (an empty text)")
@@ -285,15 +312,16 @@ class Comparison(JsonRecord):
 # --- what an evaluation cost ------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class Cost(JsonRecord):
-    """Where an evaluation's time went, measured by the evaluator itself: read by the cost line, `bench/` and the
-    GPU kit. On several ranks each stage's seconds are the slowest rank's and the tokens the sum (`Cost.merged`)."""
+    """Where an evaluation's time went, measured by the evaluator itself (on a CUDA model the clock waits for the
+    device, so a stage's GPU work counts in it): read by the cost line, `bench/` and the GPU kit. On several ranks
+    each stage's seconds are the slowest rank's and the tokens the sum (`Cost.merged`)."""
 
-    answers_seconds: float = _field(0.0, help="generating the answers")
-    revisions_seconds: float = _field(0.0, help="generating the revisions, every round")
-    scoring_seconds: float = _field(0.0, help="scoring the answers and last revisions")
-    reference_seconds: float = _field(0.0, help="the reference metrics (BLEU, chrF, ROUGE)")
-    answer_tokens: int = _field(0, help="tokens generated for the answers")
-    revision_tokens: int = _field(0, help="tokens generated for the revisions")
+    answers_seconds: float = _field(0.0, help="seconds generating the answers")
+    revisions_seconds: float = _field(0.0, help="seconds generating the revisions, every round")
+    scoring_seconds: float = _field(0.0, help="seconds scoring the answers and last revisions")
+    reference_seconds: float = _field(0.0, help="seconds computing the reference metrics (BLEU, chrF, ROUGE)")
+    answer_tokens: int = _field(0, help="tokens generated for the answers (before the end-of-turn token)")
+    revision_tokens: int = _field(0, help="tokens generated for the revisions, every round")
     extra: dict[str, Any] = _extra()
 
     @property
@@ -305,18 +333,29 @@ class Cost(JsonRecord):
         return self.answer_tokens + self.revision_tokens
 
     @classmethod
-    def merged(cls, costs: list[Cost]) -> Cost:
+    def merged(cls, costs: Sequence[Cost]) -> Cost:
         """The cost of ranks that ran side by side: each stage as long as its slowest rank, the tokens summed."""
         if not costs:
             return cls()
-        slowest = {
-            name: max(getattr(c, name) for c in costs)
-            for name in ("answers_seconds", "revisions_seconds", "scoring_seconds", "reference_seconds")
-        }
         return cls(
-            **slowest,
+            answers_seconds=max(c.answers_seconds for c in costs),
+            revisions_seconds=max(c.revisions_seconds for c in costs),
+            scoring_seconds=max(c.scoring_seconds for c in costs),
+            reference_seconds=max(c.reference_seconds for c in costs),
             answer_tokens=sum(c.answer_tokens for c in costs),
             revision_tokens=sum(c.revision_tokens for c in costs),
+        )
+
+    def __add__(self, other: Cost) -> Cost:
+        """The cost of two parts run one after the other (the texts written on one process, scored on all): every
+        figure summed."""
+        return Cost(
+            answers_seconds=self.answers_seconds + other.answers_seconds,
+            revisions_seconds=self.revisions_seconds + other.revisions_seconds,
+            scoring_seconds=self.scoring_seconds + other.scoring_seconds,
+            reference_seconds=self.reference_seconds + other.reference_seconds,
+            answer_tokens=self.answer_tokens + other.answer_tokens,
+            revision_tokens=self.revision_tokens + other.revision_tokens,
         )
 
 

@@ -22,14 +22,16 @@ computed or logged for them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from probdiff_callback.core.metric import finite_mean
 from probdiff_callback.core.queries import Query
+from probdiff_callback.core.records import Record, ReferenceSummary
 
 TRANSLATION = "translation"
 SUMMARIZATION = "summarization"
@@ -109,15 +111,22 @@ def plan_references(queries: Sequence[Query]) -> ReferencePlan:
 
 # --- sentence level (one record) -----------------------------------------------------------------
 @lru_cache(maxsize=1)
+def _rouge_tokenizer():
+    from rouge_score import tokenizers
+
+    return tokenizers.DefaultTokenizer(use_stemmer=True)  # what RougeScorer(use_stemmer=True) builds for itself
+
+
+@lru_cache(maxsize=1)
 def _rouge_scorer():
     from rouge_score import rouge_scorer
 
-    return rouge_scorer.RougeScorer(list(METRICS[SUMMARIZATION]), use_stemmer=True)
+    return rouge_scorer.RougeScorer(list(METRICS[SUMMARIZATION]), tokenizer=_rouge_tokenizer())
 
 
 def rouge_tokens(text: str) -> list[str]:
     """`text` as rouge-score's own tokenizer sees it (lowercased ASCII words, stemmed)."""
-    return _rouge_scorer()._tokenizer.tokenize(text)
+    return _rouge_tokenizer().tokenize(text)
 
 
 def sentence_scores(family: str, category: str, hypothesis: str, reference: str) -> dict[str, float | None]:
@@ -137,21 +146,19 @@ def sentence_scores(family: str, category: str, hypothesis: str, reference: str)
     raise ValueError(f"unknown metric family {family!r}; use {TRANSLATION} or {SUMMARIZATION}")
 
 
-def score_records(records: Sequence[dict], queries: Iterable[Query]) -> list[dict]:
+def score_records(records: Sequence[Record], queries: Iterable[Query]) -> list[Record]:
     """Copies of `records` with `reference` (the text) and `ref` (sentence scores) added where the
     record's query has a reference and its category a reference metric; others unchanged."""
     by_id = {q.id: q for q in queries}
     out = []
     for record in records:
-        query = by_id.get(str(record["id"]))
-        family = metric_family(record.get("category"))
-        if query is None or query.reference is None or family is None:
+        query = by_id.get(str(record.id))
+        family = metric_family(record.category)
+        if query is None or query.reference is None or family is None or record.category is None:
             out.append(record)
             continue
-        scored = dict(record)
-        scored["reference"] = query.reference
-        scored["ref"] = sentence_scores(family, record["category"], record["response"], query.reference)
-        out.append(scored)
+        ref = sentence_scores(family, record.category, record.response, query.reference)
+        out.append(dataclasses.replace(record, reference=query.reference, ref=ref))
     return out
 
 
@@ -181,46 +188,45 @@ def pooled_bleu(groups: Sequence[tuple[Sequence[str], Sequence[str], str]]) -> f
     return float(BLEU.compute_bleu(correct, total, sys_len, ref_len, smooth_method="exp").score)
 
 
-def summarize_references(records: Sequence[dict]) -> dict | None:
+def summarize_references(records: Sequence[Record]) -> ReferenceSummary | None:
     """The reference metrics of one evaluation, or None when no record carries a reference score.
 
     `overall` and `by_category[c]` hold each metric; `n_scored` counts the records per metric;
     translation categories also name their BLEU tokenizer.
     """
-    scored = [r for r in records if r.get("ref") is not None]
+    scored = [r for r in records if r.ref is not None]
     if not scored:
         return None
-    by_category: dict[str, dict] = {}
+    by_category: dict[str, dict[str, float | int | str]] = {}
     overall: dict[str, float] = {}
     n_scored: dict[str, int] = {}
     translation_groups = []
-    for category in sorted({r["category"] for r in scored}):
-        rows = [r for r in scored if r["category"] == category]
+    for category in sorted({r.category for r in scored}):
+        rows = [r for r in scored if r.category == category]
         family = metric_family(category)
-        entry: dict = {"n": len(rows)}
+        entry: dict[str, float | int | str] = {"n": len(rows)}
         if family == TRANSLATION:
             tokenize = bleu_tokenizer(category)
-            hypotheses, references = [r["response"] for r in rows], [r["reference"] for r in rows]
+            hypotheses, references = [r.response for r in rows], [r.reference for r in rows]
             entry.update(corpus_bleu_chrf(hypotheses, references, tokenize), tokenize=tokenize)
             translation_groups.append((hypotheses, references, tokenize))
         else:
             for name in METRICS[SUMMARIZATION]:
-                entry[name] = finite_mean(r["ref"][name] for r in rows)
-            entry["n_unscored"] = sum(r["ref"]["rouge1"] is None for r in rows)
+                entry[name] = finite_mean(r.ref[name] for r in rows)
+            entry["n_unscored"] = sum(r.ref["rouge1"] is None for r in rows)
         by_category[category] = entry
     if translation_groups:
-        translated = [r for r in scored if metric_family(r["category"]) == TRANSLATION]
+        translated = [r for r in scored if metric_family(r.category) == TRANSLATION]
         overall["bleu"] = pooled_bleu(translation_groups)
-        overall["chrf"] = corpus_bleu_chrf([r["response"] for r in translated], [r["reference"] for r in translated])[
-            "chrf"
-        ]
+        hypotheses, references = [r.response for r in translated], [r.reference for r in translated]
+        overall["chrf"] = corpus_bleu_chrf(hypotheses, references)["chrf"]
         n_scored.update(bleu=len(translated), chrf=len(translated))
-    summaries = [r for r in scored if metric_family(r["category"]) == SUMMARIZATION]
+    summaries = [r for r in scored if metric_family(r.category) == SUMMARIZATION]
     if summaries:
         for name in METRICS[SUMMARIZATION]:
-            overall[name] = finite_mean(r["ref"][name] for r in summaries)
-            n_scored[name] = sum(r["ref"][name] is not None for r in summaries)
-    return {"overall": overall, "n_scored": n_scored, "by_category": by_category}
+            overall[name] = finite_mean(r.ref[name] for r in summaries)
+            n_scored[name] = sum(r.ref[name] is not None for r in summaries)
+    return ReferenceSummary(overall=overall, n_scored=n_scored, by_category=by_category)
 
 
 # --- the Trainer's metrics -----------------------------------------------------------------------
@@ -230,14 +236,14 @@ def trainer_metric_name(metric: str, category: str | None = None) -> str:
     return TRAINER_PREFIX + "".join(c if c.isalnum() or c in "-._" else "_" for c in part)
 
 
-def trainer_metrics(reference: Mapping | None, plan: ReferencePlan) -> dict[str, float]:
+def trainer_metrics(reference: ReferenceSummary | None, plan: ReferencePlan) -> dict[str, float]:
     """The eval_ref_* metrics the plan promises, NaN where this evaluation has none (a missing
     key would make the Trainer raise when `metric_for_best_model` names it)."""
     metrics: dict[str, float] = {}
     if not plan.active:
         return metrics
-    overall = (reference or {}).get("overall", {})
-    by_category = (reference or {}).get("by_category", {})
+    overall = {} if reference is None else reference.overall
+    by_category = {} if reference is None else reference.by_category
     for name in plan.metric_names():
         value = overall.get(name)
         metrics[trainer_metric_name(name)] = math.nan if value is None else float(value)

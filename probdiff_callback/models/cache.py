@@ -1,5 +1,5 @@
 """Where built artefacts (the converted tokenizer, the unpacked `tiny` model) live, and how they are
-built once: under a file lock, into a temporary directory, with a marker written last.
+built once: under a file lock (`filelock`), into a temporary directory, with a marker written last.
 
 Several processes started by `accelerate launch` (or two runs at once) may ask for the same artefact.
 The first builds it; the others wait on the lock and then find it complete. A directory counts as
@@ -9,13 +9,13 @@ build that died half-way (or wrote files that were later truncated) is built aga
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 COMPLETE_MARKER = "probdiff_complete.json"
 
@@ -28,18 +28,6 @@ def cache_dir() -> Path:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "probdiff"
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive advisory lock on `path`, held for the `with` block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def is_complete(directory: Path) -> bool:
@@ -62,7 +50,8 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """
     if is_complete(target):
         return target
-    with file_lock(target.with_name(target.name + ".lock")):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.with_name(target.name + ".lock")):
         if is_complete(target):  # another process built it while we waited for the lock
             return target
         tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")

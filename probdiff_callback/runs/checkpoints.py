@@ -4,18 +4,19 @@ The Trainer writes a checkpoint's files one after another (weights, optimizer, s
 `trainer_state.json` last. It resumes from the newest `checkpoint-N` by name alone, and when `optimizer.pt` or
 `scheduler.pt` is missing it trains on with a fresh optimizer without a word. So a kill in the middle of a save, a
 disk that filled or a file deleted by hand would resume from a half-loaded state. These checks catch that without
-loading anything: a safetensors file's header gives the length of its data, and a `.pt`/`.pth` file (torch's zip
-format) keeps its directory at its end, so a file cut short fails either. No torch import: `probdiff select` uses
-them too.
+loading any tensor: `safetensors.safe_open` checks that a file's header covers its data exactly, and `zipfile` reads a
+`.pt`/`.pth` file's (torch's zip format) directory at its end, so a file cut short fails either. No torch import
+(`safe_open` with the numpy framework): `probdiff select` uses them too.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import struct
 import zipfile
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written last
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR naming
@@ -91,23 +92,12 @@ def weights_problem(path: str | Path) -> str | None:
 
 
 def safetensors_problem(path: Path) -> str | None:
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        head = file.read(8)
-        if len(head) < 8:
-            return f"{path} is truncated ({size:,} bytes: not even a safetensors header)"
-        (header_length,) = struct.unpack("<Q", head)
-        if 8 + header_length > size:
-            return f"{path} is truncated ({size:,} bytes, its header alone needs {8 + header_length:,})"
-        try:
-            header = json.loads(file.read(header_length))
-        except ValueError:
-            return f"{path} is damaged (its safetensors header is not valid JSON)"
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    expected = 8 + header_length + max(ends, default=0)
-    if size < expected:
-        return f"{path} is truncated ({size:,} of {expected:,} bytes)"
-    return None
+    """None if safetensors opens the file: its header is whole JSON and its tensors cover the data to the last byte."""
+    try:
+        with safe_open(path, framework="numpy"):
+            return None
+    except (SafetensorError, OSError) as err:
+        return f"{path} is truncated or damaged ({path.stat().st_size:,} bytes; safetensors: {err})"
 
 
 def zip_problem(path: Path) -> str | None:

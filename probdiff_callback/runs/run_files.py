@@ -3,10 +3,11 @@
 - `history.jsonl`: one `HistoryRow` per evaluated step, oldest first: `global_step`, `epoch`, `kind` (baseline |
   evaluate | save | end), `base_model` (whether the adapters were disabled), `checkpoint` (the path the Trainer saves
   that step's weights to, or null), `records` (the step's records file, relative to this directory), `summary` (the
-  core's summary, null on failure; with `reference` where the queries have reference metrics), `error` (null or the
-  message), `seconds`, `vs_base` (`metric.compare` against the baseline, null for the baseline itself) and, where the
-  Trainer computed it at that step, `eval_loss` and `eval_losses` (the step's per-conversation eval losses file,
-  relative to this directory; rows written before it existed lack it).
+  core's `Summary`, null on failure; with `reference` where the queries have reference metrics), `error` (null or the
+  message), `seconds`, `cost` (the evaluator's `Cost`: each stage's seconds and the tokens generated; rows written
+  before it existed lack it), `vs_base` (the `Comparison` against the baseline, null for the baseline itself) and,
+  where the Trainer computed it at that step, `eval_loss` and `eval_losses` (the step's per-conversation eval losses
+  file, relative to this directory; rows written before it existed lack it).
 - `step-<N>/records.jsonl`: the step's records (`Record`), one per query.
 - `step-<N>/eval_losses.json`: `{"losses": [...]}`, the eval loss of each held-out conversation at that step, in the
   eval dataset's order (null where a conversation has no loss token), for the paired test of the disagreement alarm.
@@ -17,8 +18,8 @@ Writing: `RunFiles`, the callback's, keeps the rows in memory and writes the who
 row and the callback never reads the file back. Reading: `read_run`, once, for `probdiff select`, `plot`,
 `crosscheck` and the end of a training run.
 
-JSON has no NaN: a NaN is written as null (`to_json`) and read back as NaN by `HistoryRow.from_json` and
-`read_records`, so the rest of the package sees NaN only.
+The JSON form of the records, summaries, comparisons and costs is `core/records.py`'s (NaN as null and back, the
+keys in their order, older files' missing keys defaulted); this module adds the row around them and the files.
 """
 
 from __future__ import annotations
@@ -29,57 +30,20 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypeVar
 
-from probdiff_callback.runtime import faults
 from probdiff_callback.core.config import DEFAULT_SUBDIR
 from probdiff_callback.core.metric import is_finite
-from probdiff_callback.core.queries import DataFileError, read_jsonl
+from probdiff_callback.core.queries import DataFileError, read_rows
+from probdiff_callback.core.records import Comparison, Cost, JsonRecord, Record, Summary, dumps, nan_to_none
 
 HISTORY_FILE = "history.jsonl"
 RECORDS_FILE = "records.jsonl"
 EVAL_LOSSES_FILE = "eval_losses.json"
 CHECKPOINT_SUMMARY_FILE = "probdiff.json"
+T = TypeVar("T", bound=JsonRecord)
 # Why a step was evaluated: the base model before training, a Trainer evaluation, a save (no evaluations), the end
 EvaluationKind = Literal["baseline", "evaluate", "save", "end"]
-
-
-class Record(TypedDict, total=False):
-    """One query's evaluation (`evaluator.evaluate`); `docs/cli.md#outputs` describes the fields."""
-
-    id: str
-    category: str | None
-    query: str
-    response: str
-    revisions: list[str]
-    logp_response: float  # NaN where the score failed (null in the file)
-    logp_revised: float
-    d: float
-    n_tokens_response: int
-    n_tokens_revised: int
-    confident: bool
-    truncated: bool
-    response_capped: bool
-    revision_capped: bool
-    revision_truncated: bool
-    response_degenerate: list[str]  # the kinds (degenerate.KINDS) the answer shows: a loop; [] for none
-    revision_degenerate: list[str]  # the last revision's: a loop, an echo of the refinement prompt
-    reference: str
-    ref: dict[str, float | None]  # sentence-level reference metrics; None: that metric could not score the answer
-
-
-RECORD_NUMBERS = ("d", "logp_response", "logp_revised")
-
-
-def _nan_for_null(value: Any) -> Any:
-    """Every null in a summary or comparison read back as NaN: those hold numbers only, and a null there is a NaN."""
-    if value is None:
-        return math.nan
-    if isinstance(value, dict):
-        return {k: _nan_for_null(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nan_for_null(v) for v in value]
-    return value
 
 
 @dataclass
@@ -92,10 +56,11 @@ class HistoryRow:
     base_model: bool = False
     checkpoint: str | None = None
     records: str | None = None
-    summary: dict | None = None
+    summary: Summary | None = None
     error: str | None = None
     seconds: float = math.nan
-    vs_base: dict | None = None
+    cost: Cost | None = None  # what each stage of the evaluation cost; None in rows written before it was measured
+    vs_base: Comparison | None = None
     eval_loss: float = math.nan
     eval_losses: str | None = None  # the per-conversation eval losses file, relative to the probdiff directory
     abandoned: bool = False  # a preemption stopped the evaluation; resuming from this step's checkpoint runs it
@@ -107,34 +72,42 @@ class HistoryRow:
 
     @property
     def confidence(self) -> float:
-        return math.nan if self.summary is None else self.summary["confidence"]
+        return math.nan if self.summary is None else self.summary.confidence
 
     @classmethod
     def from_json(cls, value: Mapping) -> HistoryRow:
-        """A row as stored; rows of older versions lack some keys and get their defaults."""
+        """A row as stored; rows of older versions lack some keys and get their defaults. A ValueError names a key
+        of the summary, comparison or cost that the row lacks."""
         known = {name for name in cls.__dataclass_fields__ if name != "extra"}
-        row = cls(**{k: v for k, v in value.items() if k in known})
+        nested = ("summary", "vs_base", "cost")
+        row = cls(
+            **{k: v for k, v in value.items() if k in known and k not in nested},
+            summary=_optional(Summary, value.get("summary")),
+            vs_base=_optional(Comparison, value.get("vs_base")),
+            cost=_optional(Cost, value.get("cost")),
+        )
         row.extra = {k: v for k, v in value.items() if k not in known}
-        row.summary = None if row.summary is None else _nan_for_null(row.summary)
-        row.vs_base = None if row.vs_base is None else _nan_for_null(row.vs_base)
         row.seconds = math.nan if row.seconds is None else row.seconds
         row.eval_loss = math.nan if row.eval_loss is None else float(row.eval_loss)
         return row
 
     def to_json(self) -> dict:
-        """The row as stored: the keys in their order, NaN as null; `eval_loss` only once the Trainer computed it."""
-        value = {
+        """The row as stored: the keys in their order, NaN as null; `cost` where it was measured, `eval_loss` only
+        once the Trainer computed it."""
+        value: dict[str, Any] = {
             "global_step": self.global_step,
             "epoch": self.epoch,
             "kind": self.kind,
             "base_model": self.base_model,
             "checkpoint": self.checkpoint,
             "records": self.records,
-            "summary": self.summary,
+            "summary": None if self.summary is None else self.summary.to_json(),
             "error": self.error,
             "seconds": self.seconds,
-            "vs_base": self.vs_base,
         }
+        if self.cost is not None:
+            value["cost"] = self.cost.to_json()
+        value["vs_base"] = None if self.vs_base is None else self.vs_base.to_json()
         if is_finite(self.eval_loss):
             value["eval_loss"] = self.eval_loss
         if self.eval_losses is not None:
@@ -142,6 +115,10 @@ class HistoryRow:
         if self.abandoned:
             value["abandoned"] = True
         return nan_to_none({**value, **self.extra})
+
+
+def _optional(kind: type[T], value: Mapping | None) -> T | None:
+    return None if value is None else kind.from_json(value)
 
 
 def as_row(row: HistoryRow | Mapping) -> HistoryRow:
@@ -192,17 +169,23 @@ def read_history(path: str | os.PathLike) -> list[HistoryRow]:
             raise DataFileError(f"{path}:{number}: not valid JSON ({err.msg})") from None
         if not isinstance(value, dict) or "global_step" not in value:
             raise DataFileError(f"{path}:{number}: not a history row (a JSON object with `global_step`)")
-        rows.append(HistoryRow.from_json(value))
+        try:
+            rows.append(HistoryRow.from_json(value))
+        except ValueError as err:  # its summary, comparison or cost lacks a key
+            raise DataFileError(f"{path}:{number}: {err}") from None
     return sorted(rows, key=lambda row: row.global_step)
 
 
 def read_records(path: str | os.PathLike) -> list[Record]:
-    records = read_jsonl(path)
-    for record in records:
-        for key in RECORD_NUMBERS:
-            if key in record and record[key] is None:
-                record[key] = math.nan
-    return records  # type: ignore[return-value]
+    """The records of a records file (a step's, or `probdiff eval`'s); a row that is not a record raises with the
+    file and line."""
+    records = []
+    for line, row in read_rows(path):
+        try:
+            records.append(Record.from_json(row))
+        except ValueError as err:
+            raise DataFileError(f"{path}:{line}: {err} (a records.jsonl row as `probdiff eval` writes it)") from None
+    return records
 
 
 def read_eval_losses(path: str | os.PathLike) -> list[float]:
@@ -329,7 +312,6 @@ class RunFiles:
             path = step_records_path(self.output_dir, row.global_step, self.subdir)
             write_jsonl(path, records)
             row.records = str(path.relative_to(self.directory))
-            faults.reached("records-written")
         if eval_losses is not None:
             self._write_eval_losses(row, eval_losses)
         self._rows[row.global_step] = row
@@ -356,7 +338,7 @@ class RunFiles:
 
     def _write_eval_losses(self, row: HistoryRow, eval_losses: Sequence[float]) -> None:
         path = step_eval_losses_path(self.output_dir, row.global_step, self.subdir)
-        write_atomic(path, to_json({"losses": list(eval_losses)}) + "\n")  # one line: a number per conversation
+        write_atomic(path, dumps({"losses": list(eval_losses)}) + "\n")  # one line: a number per conversation
         row.eval_losses = str(path.relative_to(self.directory))
 
     def link_checkpoint(self, step: int, checkpoint: str) -> None:
@@ -378,36 +360,18 @@ class RunFiles:
         write_json(Path(checkpoint) / CHECKPOINT_SUMMARY_FILE, row.to_json())
 
 
-# --- JSON, written atomically with NaN as null --------------------------------------------------------------
-def nan_to_none(value):
-    """`value` with every NaN and infinity, however deeply nested, as None (JSON's null); tuples become lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nan_to_none(v) for v in value]
-    return value
-
-
-def to_json(value, **kwargs) -> str:
-    """JSON with NaN/inf written as null (strict JSON readers reject NaN)."""
-    return json.dumps(nan_to_none(value), ensure_ascii=False, allow_nan=False, **kwargs)
-
-
+# --- JSON (`records.dumps`: NaN as null), written atomically ----------------------------------------------
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
-    if path.name == HISTORY_FILE:
-        faults.reached("history-tmp-written")
     os.replace(tmp, path)
 
 
 def write_json(path: str | os.PathLike, value) -> None:
-    write_atomic(path, to_json(value, indent=2) + "\n")
+    write_atomic(path, dumps(value, indent=2) + "\n")
 
 
 def write_jsonl(path: str | os.PathLike, rows) -> None:
-    write_atomic(path, "".join(to_json(row) + "\n" for row in rows))
+    write_atomic(path, "".join(dumps(row) + "\n" for row in rows))

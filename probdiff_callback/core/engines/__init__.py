@@ -1,9 +1,12 @@
 """Where answers and revisions are generated: an engine takes chat prompts (token ids) with each request's seed,
-temperature and top_p, and returns texts. Two engines implement it: HF `generate` with our per-row sampler
-(`evaluator.HFEngine`, the default) and vLLM (`vllm_engine`, `use_vllm=true`).
+temperature and top_p, and returns texts. One module per engine, as lm-evaluation-harness keeps its backends:
+
+- `hf`: HF `generate` on the model being evaluated, with our per-row sampler (`HFEngine`): the evaluator's default.
+- `vllm`: a vLLM server (`use_vllm=true`), started for a model and handed the weights each evaluation evaluates by
+  `VLLMGeneration`, the one owner of that for the CLI and the callback.
 
 Scoring never goes through an engine: both texts of a query are scored by the model itself, in fp32, from the weights
-being trained or evaluated (`scoring.py`), whichever engine wrote them.
+being trained or evaluated (`scoring.py`), whichever engine wrote them. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class GenerationRequest:
 class Generated:
     text: str  # special tokens stripped, whitespace trimmed
     capped: bool  # ended at max_new_tokens without a stop id, so it is scored cut short
+    n_tokens: int  # the tokens generated before the stop id: the text's ids (re-encoding the text need not give them)
 
 
 class Engine(Protocol):
@@ -44,7 +48,8 @@ class Engine(Protocol):
         should_stop: Callable[[], bool] | None = None,
         progress: Callable[[int], object] | None = None,
     ) -> list[Generated]:
-        """The texts of `requests`, in their order; `progress(n)` is told as texts finish."""
+        """The texts of `requests`, in their order; `progress(n)` is told as texts finish. Once `should_stop()` is
+        true the engine may end early with fewer or shorter texts: the caller abandons the batch."""
         ...
 
 

@@ -16,6 +16,8 @@ engine's, and our tokenizer decodes the texts. Sampling is the same (temperature
 penalties, none of the model's generation_config defaults) with a per-request seed derived from the query, so a
 query's text does not depend on its batch; the random stream is vLLM's, so the texts are not the HF engine's.
 Scoring does not go through vLLM: the model scores both texts itself, in fp32 (scoring.py).
+
+Callers hold a `VLLMGeneration` (at the end); `ServerEngine` speaks to a server, `start_colocated` starts one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.engines import Generated, GenerationRequest, cut_at_stop
 
 PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
@@ -79,9 +82,10 @@ def sampling_settings(request: GenerationRequest, max_new_tokens: int, stop_ids:
 
 
 def decoded(tokenizer, token_ids: Sequence[int], finish_reason: str | None, stop_ids: Sequence[int]) -> Generated:
-    """Our tokenizer's text of the ids before a stop id, and whether generation stopped at max_new_tokens."""
+    """Our tokenizer's text of the ids before a stop id, whether generation stopped at max_new_tokens, and how many
+    ids it generated before the stop id."""
     ids = cut_at_stop(list(token_ids), stop_ids)
-    return Generated(tokenizer.decode(ids, skip_special_tokens=True).strip(), finish_reason == "length")
+    return Generated(tokenizer.decode(ids, skip_special_tokens=True).strip(), finish_reason == "length", len(ids))
 
 
 def on_gpu() -> bool:
@@ -386,56 +390,12 @@ def _server_environment(threads: int | None, gpu: bool) -> dict[str, str]:
     return environment
 
 
-def start_engine(config, model_path: str, tokenizer, stop_ids: Sequence[int], *, dtype: str = "auto",
-                 max_lora_rank: int = 0, threads: int | None = None, log_dir=None) -> ServerEngine:  # fmt: skip
-    """The engine `config` asks for (`vllm_mode`): a server of this job's (colocate) or yours (server)."""
-    if config.vllm_mode == "server":
-        return ServerEngine(config.vllm_server_base_url, tokenizer, stop_ids, timeout=config.vllm_server_timeout)
-    return start_colocated(
-        model_path,
-        tokenizer,
-        stop_ids,
-        max_model_len=config.max_prompt_tokens + config.max_new_tokens,
-        seed=config.seed,
-        dtype=dtype,
-        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-        max_lora_rank=max_lora_rank,
-        threads=threads,
-        timeout=config.vllm_server_timeout,
-        log_dir=log_dir,
-    )
-
-
 def _supported_rank(rank: int) -> int:
     """The smallest LoRA rank slot vLLM offers that holds `rank`."""
     for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
         if rank <= slot:
             return slot
     return rank
-
-
-def adapter_rank(path: str | os.PathLike) -> int:
-    """The LoRA rank `r` in an adapter folder's adapter_config.json."""
-    config = Path(path) / "adapter_config.json"
-    try:
-        return int(json.loads(config.read_text())["r"])
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{config}: not found; --adapter takes a PEFT adapter folder") from None
-    except (KeyError, ValueError, TypeError) as err:
-        raise ValueError(f"{config}: no LoRA rank `r` ({err}); vLLM evaluates LoRA adapters only") from None
-
-
-@contextlib.contextmanager
-def scratch_folder(parent: str | os.PathLike | None = None) -> Iterator[Path]:
-    """A folder (in `parent`, default the system's temporary folder) for weights on their way to the engine,
-    removed afterwards. A server you started reads adapters from it: put it where that server can read."""
-    if parent is not None:
-        Path(parent).mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="probdiff-vllm-", dir=parent))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def merged_state_dict(model) -> dict:
@@ -465,7 +425,7 @@ def merged_state_dict(model) -> dict:
 
 
 def write_weights(model, directory: str | os.PathLike) -> Path:
-    """`merged_state_dict(model)` as `directory`/model.safetensors, for `ColocatedEngine.use_weights`."""
+    """`merged_state_dict(model)` as `directory`/model.safetensors, for `ServerEngine.use_weights`."""
     from safetensors.torch import save_file
 
     path = Path(directory) / "model.safetensors"
@@ -473,15 +433,98 @@ def write_weights(model, directory: str | os.PathLike) -> Path:
     return path
 
 
-def load_evaluated_weights(engine, model, *, base_model: bool, sync: str, scratch: Path) -> None:
-    """Hand `engine` the weights being evaluated: the base model's, the adapter of a PEFT model (by path, through
-    vLLM's LoRA support) or the merged or fully fine-tuned weights (written to `scratch`, reloaded)."""
-    is_peft = hasattr(model, "peft_config")
-    if base_model:
-        engine.use_base()
-    elif is_peft and sync == "lora":
-        model.save_pretrained(str(scratch))  # the adapter only
-        engine.use_adapter(str(scratch))
-    else:  # a server you started refuses whole weights, naming what to do
-        write_weights(model, scratch)
-        engine.use_weights(str(scratch))
+class VLLMGeneration:
+    """vLLM for one model's evaluations, from start to close: the one owner of "start an engine for this model and
+    hand it the weights being evaluated", for `probdiff eval`, the callback and a process that evaluates saved
+    weights (trl keeps the same for its trainers in its `VLLMGeneration`).
+
+    `start` starts the engine `config` asks for (`vllm_mode`) on the model's base weights; `holding` hands it the
+    weights of one evaluation as `vllm_weight_sync` says; `sleep` gives a GPU's memory back between evaluations;
+    `close` stops a server this job started (a server you started is left running).
+    """
+
+    def __init__(self, engine: ServerEngine, weight_sync: str, scratch_parent: str | os.PathLike | None = None) -> None:
+        self.engine, self.weight_sync, self.scratch_parent = engine, weight_sync, scratch_parent
+
+    @classmethod
+    def start(
+        cls,
+        config,
+        model,
+        tokenizer,
+        *,
+        dtype: str | None = None,
+        lora_rank: int | None = None,
+        log_dir: str | os.PathLike | None = None,
+        scratch_parent: str | os.PathLike | None = None,
+    ) -> VLLMGeneration:
+        """vLLM for `model` (a PEFT model or not): with vllm_mode=colocate a server of this job's on the base model's
+        folder, in `dtype` (default: the model's own), with LoRA slots for `lora_rank` (default: the model's adapter's
+        when its weights go as an adapter) and its log in `log_dir`; with vllm_mode=server the server you started.
+        Weights on their way to the engine go to a folder in `scratch_parent` (default: the system's temporary
+        folder), which a server you started must be able to read."""
+        import torch
+
+        sync = weight_sync(config)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        stop_ids = stop_token_ids(tokenizer, getattr(base, "generation_config", None))
+        if lora_rank is None:
+            adapter = getattr(model, "peft_config", {}).get("default")
+            lora_rank = int(adapter.r) if adapter is not None and sync == "lora" else 0
+        if config.vllm_mode == "server":
+            engine = ServerEngine(config.vllm_server_base_url, tokenizer, stop_ids, timeout=config.vllm_server_timeout)
+        else:
+            engine = start_colocated(
+                base.name_or_path,
+                tokenizer,
+                stop_ids,
+                max_model_len=config.max_prompt_tokens + config.max_new_tokens,
+                seed=config.seed,
+                dtype=dtype or str(next(base.parameters()).dtype).removeprefix("torch."),
+                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                max_lora_rank=lora_rank,
+                threads=torch.get_num_threads(),
+                timeout=config.vllm_server_timeout,
+                log_dir=log_dir,
+            )
+        return cls(engine, sync, scratch_parent)
+
+    @contextlib.contextmanager
+    def holding(
+        self, model, *, base_model: bool = False, adapter: str | os.PathLike | None = None
+    ) -> Iterator[ServerEngine]:
+        """The engine holding the weights being evaluated while the block runs: the base model's (`base_model`);
+        else, with `weight_sync` lora, `model`'s adapter by path (`adapter`, its folder, or saved to a scratch
+        folder); else `model`'s weights, its adapters merged in (or fully fine-tuned), written to a scratch folder
+        and reloaded in place. The scratch folder is removed after the block. Under ZeRO-3 the parameters must be
+        gathered."""
+        with contextlib.ExitStack() as stack:
+            if base_model:
+                self.engine.use_base()
+            elif self.weight_sync == "lora" and adapter is not None:
+                self.engine.use_adapter(str(Path(adapter).resolve()))
+            elif self.weight_sync == "lora" and hasattr(model, "peft_config"):
+                scratch = stack.enter_context(_scratch_folder(self.scratch_parent))
+                model.save_pretrained(str(scratch))  # the adapter only
+                self.engine.use_adapter(str(scratch))
+            else:  # a server you started refuses whole weights, naming what to do
+                scratch = stack.enter_context(_scratch_folder(self.scratch_parent))
+                write_weights(model, scratch)
+                self.engine.use_weights(str(scratch))
+            yield self.engine
+
+    def sleep(self) -> None:
+        """Between evaluations on a GPU, a server this job started gives training the memory back."""
+        self.engine.sleep()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+@contextlib.contextmanager
+def _scratch_folder(parent: str | os.PathLike | None) -> Iterator[Path]:
+    """A folder in `parent` (default: the system's temporary folder), by its absolute path, removed afterwards."""
+    if parent is not None:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="probdiff-vllm-", dir=parent, ignore_cleanup_errors=True) as folder:
+        yield Path(folder).resolve()
