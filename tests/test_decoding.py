@@ -1,8 +1,11 @@
+import contextlib
+
 import pytest
 import torch
 
+from probdiff_callback.core import decoding
 from probdiff_callback.core.chat_format import stop_token_ids
-from probdiff_callback.core.decoding import hit_cap, sample_continuations
+from probdiff_callback.core.decoding import LiveRowsHead, hit_cap, sample_continuations
 from probdiff_callback.core.prompts import chat_prompt_ids
 from probdiff_callback.core.sampling import row_seed
 
@@ -87,3 +90,57 @@ def test_ids_without_text_are_never_sampled(tiny_model, prompts):
     ids = decode(tiny_model, prompts, 5.0, max_new_tokens=16, n_valid_ids=2_000)
     flat = [t for row in ids for t in row]
     assert len(flat) > 50 and max(flat) < 2_000
+
+
+def test_the_head_runs_on_the_rows_still_drawing_and_is_put_back(tiny_model, prompts, monkeypatch):
+    """On a CPU the LM head computes the logits of the rows that have not stopped only (`LiveRowsHead`): one call per
+    step, on as many rows as still draw at it. The ids are those of the model's own head on every row, and the
+    model has its own head back afterwards."""
+    model, _ = tiny_model
+    head = model.get_output_embeddings()
+    rows_per_call: list[int] = []
+    hook = head.register_forward_hook(lambda module, args, output: rows_per_call.append(args[0].shape[0]))
+    try:
+        ids = decode(tiny_model, prompts, 0.7, max_new_tokens=40, top_p=1.0)
+    finally:
+        hook.remove()
+    assert model.get_output_embeddings() is head
+    lengths = [len(row) for row in ids]
+    assert len(set(lengths)) > 2 and min(lengths) < 20, "rows must stop at different steps for the test to see it"
+    # a row of n ids drew at steps 0..n-1, and its stop id at step n unless it was cut at the cap
+    steps = max(n if hit_cap(row, 40) else n + 1 for n, row in zip(lengths, ids))
+    assert rows_per_call == [sum(n >= step for n in lengths) for step in range(steps)]
+
+    monkeypatch.setattr(decoding, "live_rows_head", lambda model, sampler: contextlib.nullcontext())
+    assert decode(tiny_model, prompts, 0.7, max_new_tokens=40, top_p=1.0) == ids  # the head on every row
+
+
+def test_live_rows_head_gives_the_drawing_rows_their_logits_and_the_others_zeros():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(4, 1, 8)
+
+    class Sampler:
+        drawing_next = None
+
+    live = LiveRowsHead(head, Sampler())
+    assert torch.equal(live(hidden), head(hidden))  # before the first draw: every row
+    Sampler.drawing_next = torch.tensor([True, False, True, False])
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda module, args, output: seen.append(args[0]))
+    logits = live(hidden)
+    hook.remove()
+    assert torch.equal(seen[0], hidden[[0, 2]])
+    assert torch.allclose(logits[[0, 2]], head(hidden[[0, 2]])) and not logits[[1, 3]].any()
+
+
+def test_the_head_is_put_back_when_generate_fails(tiny_model, prompts):
+    model, _ = tiny_model
+    head = model.get_output_embeddings()
+
+    def interrupted() -> bool:  # asked at every step, inside generate
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        decode(tiny_model, prompts[:1], 0.7, stop_early=interrupted)
+    assert model.get_output_embeddings() is head

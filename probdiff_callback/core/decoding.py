@@ -8,12 +8,13 @@ that token, so generate's greedy step takes it.
 
 Rows that have finished are skipped by the sampler (generate pads them): the sampler's work per row is a pass over
 the whole vocabulary whether the row is live or not, and on a small model with a large vocabulary that pass is a
-large part of a decoding step (docs/benchmarks.md).
+large part of a decoding step (docs/benchmarks.md). On a CPU the LM head skips them too (`LiveRowsHead`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +51,8 @@ class RowSampler(LogitsProcessor):
         self.pad_token_id = pad_token_id
         self.n_valid_ids = n_valid_ids
         self.finished = torch.zeros(len(self.seeds), dtype=torch.bool, device=device)
+        # the rows that draw at the next step (None: all of them), for `LiveRowsHead`
+        self.drawing_next: torch.Tensor | None = None
         self.saw_nan = torch.zeros((), dtype=torch.bool, device=device)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -70,8 +73,50 @@ class RowSampler(LogitsProcessor):
             chosen[live] = sample_tokens(
                 logits, self.temperatures[live], self.top_ps[live], uniforms, n_valid_ids=self.n_valid_ids
             )
+        self.drawing_next = ~(self.finished | torch.isin(chosen, self.stops))
         # -inf everywhere but at the chosen id, written over the scores (no new [rows, vocabulary] tensor)
         return scores.fill_(float("-inf")).scatter_(1, chosen[:, None], 0.0)
+
+
+class LiveRowsHead(torch.nn.Module):
+    """An LM head that computes the logits of the rows still drawing only, in place of the model's own during
+    `generate`; the finished rows' logits are zeros, which the sampler never reads (it pads those rows).
+
+    `generate` runs the whole batch at every step until its last row stops. On a CPU with a large vocabulary the LM
+    head is most of a step (152,064 x hidden products per row on a 2-layer model), so the rows that have already
+    stopped would cost nearly what the live ones do. `sampler.drawing_next` says which rows draw next."""
+
+    def __init__(self, head: torch.nn.Module, sampler: RowSampler) -> None:
+        super().__init__()
+        self.head, self.sampler = head, sampler
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        drawing = self.sampler.drawing_next
+        if drawing is None or bool(drawing.all()) or not bool(drawing.any()):
+            return self.head(hidden)
+        rows = drawing.nonzero().squeeze(-1)
+        live = self.head(hidden[rows])
+        logits = live.new_zeros((hidden.shape[0], *live.shape[1:]))
+        logits[rows] = live
+        return logits
+
+
+@contextlib.contextmanager
+def live_rows_head(model, sampler: RowSampler) -> Iterator[None]:
+    """`model`'s LM head replaced by a `LiveRowsHead` on `sampler` while the block runs (the base model's, under a
+    PEFT or DDP wrapper); the model's own head is put back after it, whatever happens. A model without an LM head
+    module of its own runs unchanged."""
+    base = getattr(model, "module", model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    head = base.get_output_embeddings()
+    if head is None:  # a model without a separate LM head module: it runs as it is
+        yield
+        return
+    base.set_output_embeddings(LiveRowsHead(head, sampler))
+    try:
+        yield
+    finally:
+        base.set_output_embeddings(head)
 
 
 class StopWhenAsked(StoppingCriteria):
@@ -139,14 +184,18 @@ def sample_continuations(
         bos_token_id=None,
         **(generation_options or {}),
     )
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        logits_processor=LogitsProcessorList([sampler]),
-        stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
-        synced_gpus=synced_gpus,
-    )
+    # On a GPU the finished rows' share of the head is cheap, and picking the live rows would make the host wait for
+    # the device at every step; with synced_gpus every rank must run the same head calls.
+    skip_finished = device.type == "cpu" and not synced_gpus
+    with live_rows_head(model, sampler) if skip_finished else contextlib.nullcontext():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            logits_processor=LogitsProcessorList([sampler]),
+            stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
+            synced_gpus=synced_gpus,
+        )
     if sampler.saw_nan.item():  # a diverged or overflowing model: its texts are noise, and its scores would be too
         raise NonFiniteLogits("NaN in the model's logits while generating")
     stops = set(stop_ids)
