@@ -80,17 +80,19 @@ def side_by_side(model: str, preset: Preset, pairs: int, threads: int | None, be
         if before is not None:  # the same command from the other checkout, its source first on the path
             command = [sys.executable, "-m", "probdiff_callback.cli", *evaluation, "--out", str(tmp / "before")]
             commands["before"] = (command, harness.checkout_env(before, env), before)
-        seconds = harness.alternately(
-            pairs, {side: lambda _, c=command: run(*c).seconds for side, command in commands.items()}
-        )
-        middle = harness.medians(seconds)
+        done = harness.alternately(pairs, {side: lambda _, c=command: run(*c) for side, command in commands.items()})
         summary = harness.read_run(tmp / "ours")[1]
         plain = json.loads((tmp / "plain.json").read_text())
+    seconds = {side: [d.seconds for d in runs] for side, runs in done.items()}
+    cpu = {side: [d.cpu_seconds for d in runs] for side, runs in done.items()}
+    wall, busy = harness.medians(seconds), harness.medians(cpu)
     for side, label in (("ours", "probdiff eval"), ("before", f"probdiff eval from {before}")):
-        if side in middle:
-            print(f"end to end   {label} {middle[side]:6.1f} s   plain {preset.plain} {middle['plain']:6.1f} s   "
-                  f"ratio (plain / ours) {middle['plain'] / middle[side]:4.2f}x")  # fmt: skip
-    print(f"             {harness.runs_note(seconds)}")
+        if side in wall:
+            print(f"end to end   {label} {wall[side]:6.1f} s   plain {preset.plain} {wall['plain']:6.1f} s   "
+                  f"ratio (plain / ours) {wall['plain'] / wall[side]:4.2f}x; CPU time {busy[side]:6.1f} s against "
+                  f"{busy['plain']:6.1f} s, {busy['plain'] / busy[side]:4.2f}x")  # fmt: skip
+    print(f"             wall {harness.runs_note(seconds)}")
+    print(f"             CPU {harness.runs_note(cpu)}")
     print(f"             ours: n={summary['n']}, mean length of answers {summary['len_response_mean']:.1f} and "
           f"revisions {summary['len_revised_mean']:.1f} tokens ({summary['n_capped']} answers, "
           f"{summary['n_revision_capped']} revisions capped); plain: n={plain['n']}, mean length "

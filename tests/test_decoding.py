@@ -144,3 +144,16 @@ def test_the_head_is_put_back_when_generate_fails(tiny_model, prompts):
     with pytest.raises(KeyboardInterrupt):
         decode(tiny_model, prompts[:1], 0.7, stop_early=interrupted)
     assert model.get_output_embeddings() is head
+
+
+def test_a_rows_ids_are_reproducible_whatever_the_global_generators(tiny_model, prompts):
+    """The sampler reads no global random state: the same seeds give the same ids after torch's and numpy's global
+    generators were reseeded or drawn from."""
+    import numpy as np
+
+    torch.manual_seed(1)
+    first = decode(tiny_model, prompts[:3], 0.7, max_new_tokens=12, top_p=1.0)
+    torch.manual_seed(2)
+    torch.rand(1000)
+    np.random.seed(3)
+    assert decode(tiny_model, prompts[:3], 0.7, max_new_tokens=12, top_p=1.0) == first

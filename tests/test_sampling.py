@@ -259,3 +259,19 @@ def test_the_race_depends_on_each_rows_key_alone():
     order = torch.tensor([5, 2, 7])
     assert torch.equal(race(weights[order], sums[order], keys[order]), together[order])
     assert not torch.equal(race(weights, sums, keys + 1), together)  # another key, another draw
+
+
+def test_the_stream_is_pinned():
+    """The draws of fixed logits and seeds, as this version makes them on any machine (the uniforms and the race's
+    noise are hashes, not a generator's state). A change here changes every text the evaluator writes, and with them
+    the documented tables and figures made from generated texts (README, docs/offline-default.md): regenerate them.
+    Rows 0, 2 and 4 are at top_p 1 (the race), rows 1, 3 and 5 at top_p < 1 (the nucleus's inverse CDF)."""
+    logits = (torch.sin(torch.arange(6 * 1000, dtype=torch.float32) * 0.37) * 4).view(6, 1000)
+    temperatures = torch.tensor([0.7, 0.7, 0.1, 0.1, 1.0, 1.0], dtype=torch.float64)
+    top_ps = torch.tensor([1.0, 0.8, 1.0, 0.9, 1.0, 0.5], dtype=torch.float64)
+    seeds = [row_seed(7, i) for i in range(6)]
+    drawn = {
+        step: sample_tokens(logits.clone(), temperatures, top_ps, counter_uniforms(seeds, step)).tolist()
+        for step in (2, 3)
+    }
+    assert drawn == {2: [972, 804, 993, 95, 402, 540], 3: [191, 668, 789, 333, 998, 609]}

@@ -223,18 +223,18 @@ def assert_shared_equals_whole(model, prompts, texts, pad_token_id, **kwargs):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("chunk_size,rows_per_forward", [(512, 16), (7, 4), (3, 3)])
-def test_shared_prompt_scores_equal_whole_sequences(tiny_model_path, attention, chunk_size, rows_per_forward):
+def test_shared_prompt_scores_equal_whole_sequences(tiny_model_path, attention):
     """The `tiny` preset (Qwen2, the Qwen vocabulary): left-padded prompts of 2-90 tokens in one forward, their cache
-    copied for both texts; groups of 1-8 prompts, LM-head chunks of 3-512 positions."""
+    copied for both texts; groups of 1-8 prompts, LM-head chunks of 3-512 positions (one model load for all)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=attention)
     assert shares_prompt_cache(model)
     prompts, texts = prompts_and_texts(30_000)
-    assert_shared_equals_whole(
-        model.eval(), prompts, texts, pad_token_id=0, chunk_size=chunk_size, rows_per_forward=rows_per_forward
-    )
+    for chunk_size, rows_per_forward in [(512, 16), (7, 4), (3, 3)]:
+        assert_shared_equals_whole(
+            model.eval(), prompts, texts, pad_token_id=0, chunk_size=chunk_size, rows_per_forward=rows_per_forward
+        )
 
 
 @pytest.mark.slow
@@ -244,11 +244,15 @@ def test_shared_prompt_scores_equal_whole_sequences(tiny_model_path, attention, 
 )
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_shared_prompt_scores_equal_whole_sequences_on_smollm2(attention):
-    """SmolLM2-135M-Instruct (Llama, 30 layers, grouped-query attention), the real model of the CPU recipes."""
+    """SmolLM2-135M-Instruct (Llama, 30 layers, grouped-query attention), the real model of the CPU recipes; one
+    prompt of XSum's length (520 tokens, texts of 45 and 60) among the short ones."""
     from probdiff_callback.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("smollm2", dtype="float32", device="cpu", attn_implementation=attention)
     prompts, texts = prompts_and_texts(len(tokenizer), seed=2)
+    g = torch.Generator().manual_seed(3)
+    prompts.append(torch.randint(0, len(tokenizer), (520,), generator=g).tolist())
+    texts.append([torch.randint(0, len(tokenizer), (n,), generator=g).tolist() for n in (45, 60)])
     assert_shared_equals_whole(model.eval(), prompts, texts, tokenizer.pad_token_id, chunk_size=64, rows_per_forward=6)
 
 
