@@ -1,12 +1,16 @@
 """An evaluation's own throughput, this checkout's way against the earlier one, side by side in one process at one
 torch thread (bench/_side_by_side.py's alternation, `--pairs` times, the ratio of the medians; float32 on the CPU).
+Each side's time is this process's CPU time while it runs (one thread: its work), which other processes on a shared
+machine disturb less than its wall time.
 
   sampler  decoding: the `tiny` preset (2 layers, Qwen's 152,064-id vocabulary) decodes 16 prompts (the paper's
            Xiaohongshu test set when its data is present, else the shipped blog samples) for 64 new tokens with
            `sample_continuations`, at the answers' settings (temperature 0.7, top_p 1) and the revisions' (0.1, top_p
            1), with this checkout's sampler and with an earlier commit's (`--before`: its `sampling.py` and
            `decoding.py` read from git and loaded in this process). Every row decodes all 64 steps (the stop id is
-           one without text, never drawn), so both sides do the same work. Prints tokens/s.
+           one without text, never drawn), so both sides do the same work. Then 32 prompts at the answers' settings
+           with the model's own stop ids, as an evaluation decodes them: rows stop at different steps (where the LM
+           head on the rows still drawing counts). Prints tokens/s.
   scoring  XSum-length work, as the smollm2 summarization recipe scores it: 16 documents of the paper's XSum test
            set (else the shipped XSum-style samples) whose summarization prompt is 400-600 tokens, each with two
            texts of 30-60 tokens (spans of the document: what they say does not change the work), scored by
@@ -41,7 +45,7 @@ sys.path.insert(0, str(harness.ROOT))  # data/, for the summarization prompt, wh
 
 # --- sampler ------------------------------------------------------------------------------------------------------
 SAMPLER_FILES = ("probdiff_callback/core/sampling.py", "probdiff_callback/core/decoding.py")
-N_ROWS, NEW_TOKENS = 16, 64
+N_ROWS, N_STOPPING_ROWS, NEW_TOKENS = 16, 32, 64
 
 
 def module_at(commit: str, path: str, name: str, directory: Path):
@@ -67,28 +71,33 @@ def decoding_at(commit: str, directory: Path):
         sys.modules["probdiff_callback.core.sampling"] = current
 
 
-def blog_queries() -> tuple[list[str], str]:
+def blog_queries(n: int) -> tuple[list[str], str]:
     xiaohongshu = harness.PAPER_DATA / "redbook" / "test.json"
     if xiaohongshu.is_file():
-        lines = xiaohongshu.read_text(encoding="utf-8").splitlines()[:N_ROWS]
+        lines = xiaohongshu.read_text(encoding="utf-8").splitlines()[:n]
         return [json.loads(line)["user"] for line in lines], f"the paper's Xiaohongshu test set ({xiaohongshu})"
     rows = []
     for split in ("heldout", "train"):
         text = (harness.ROOT / "data" / "samples" / "blog" / f"{split}.jsonl").read_text(encoding="utf-8")
         rows += [json.loads(line)["messages"][0]["content"] for line in text.splitlines()]
-    return rows[:N_ROWS], "the shipped blog samples"
+    return rows[:n], "the shipped blog samples"
 
 
-def decode_side_by_side(modules: dict, model, tokenizer, prompts: list[list[int]], temperature: float, pairs: int):
-    """Each side's `sample_continuations` on the same rows, alternately; prints tokens/s of each."""
+def decode_side_by_side(
+    modules: dict, model, tokenizer, prompts: list[list[int]], temperature: float, stops: bool, pairs: int
+) -> None:
+    """Each side's `sample_continuations` on the same rows, alternately, with the model's stop ids (`stops`) or one
+    that is never drawn; prints tokens/s of each."""
+    from probdiff_callback.core.chat_format import stop_token_ids
     from probdiff_callback.core.sampling import row_seed
 
     never_drawn = model.config.vocab_size - 1  # past len(tokenizer): an id without text, so every row runs on
     assert never_drawn >= len(tokenizer)
+    stop_ids = set(stop_token_ids(tokenizer, model.generation_config)) if stops else {never_drawn}
     texts: dict[str, list[list[int]]] = {}
 
     def decode(side: str) -> float:
-        started = time.perf_counter()
+        started = time.process_time()
         texts[side] = modules[side].sample_continuations(
             model,
             prompts,
@@ -96,18 +105,19 @@ def decode_side_by_side(modules: dict, model, tokenizer, prompts: list[list[int]
             [temperature] * len(prompts),
             [1.0] * len(prompts),
             max_new_tokens=NEW_TOKENS,
-            stop_ids={never_drawn},
+            stop_ids=stop_ids,
             pad_token_id=tokenizer.pad_token_id,
             n_valid_ids=len(tokenizer),
         )
-        return time.perf_counter() - started
+        return time.process_time() - started
 
     seconds = harness.alternately(pairs, {side: lambda _, s=side: decode(s) for side in modules})
     tokens = {side: sum(map(len, texts[side])) for side in modules}
     rate = {side: tokens[side] / took for side, took in harness.medians(seconds).items()}
-    print(f"temperature {temperature}, top_p 1: before {rate['before']:6.1f} tokens/s   after "
-          f"{rate['after']:6.1f} tokens/s   after / before {rate['after'] / rate['before']:4.2f}x   "
-          f"({tokens['after']} tokens a run) {harness.runs_note(seconds)}")  # fmt: skip
+    rows = f"{len(prompts)} rows, " + ("the model's stop ids" if stops else "all to the cap")
+    print(f"{rows}, temperature {temperature}, top_p 1: before {rate['before']:6.1f} tokens/s ({tokens['before']} "
+          f"tokens a run)   after {rate['after']:6.1f} tokens/s ({tokens['after']})   after / before "
+          f"{rate['after'] / rate['before']:4.2f}x {harness.runs_note(seconds)}")  # fmt: skip
 
 
 def sampler(before: str, pairs: int) -> None:
@@ -116,14 +126,15 @@ def sampler(before: str, pairs: int) -> None:
     from probdiff_callback.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
-    queries, source = blog_queries()
+    queries, source = blog_queries(max(N_ROWS, N_STOPPING_ROWS))
     prompts = [chat_prompt_ids(tokenizer, None, q) for q in queries]
-    print(f"load average {harness.load_average()}; tiny (float32, CPU, 1 thread), {len(prompts)} rows of {source} x "
+    print(f"load average {harness.load_average()}; tiny (float32, CPU, 1 thread), prompts of {source}, "
           f"{NEW_TOKENS} new tokens; before = {before}, after = this checkout")  # fmt: skip
     with tempfile.TemporaryDirectory() as directory:
         modules = {"before": decoding_at(before, Path(directory)), "after": decoding}
         for temperature in (0.7, 0.1):
-            decode_side_by_side(modules, model, tokenizer, prompts, temperature, pairs)
+            decode_side_by_side(modules, model, tokenizer, prompts[:N_ROWS], temperature, False, pairs)
+        decode_side_by_side(modules, model, tokenizer, prompts[:N_STOPPING_ROWS], 0.7, True, pairs)
     print(f"load average now {harness.load_average()}")
 
 
@@ -181,9 +192,9 @@ def score_side_by_side(name: str, pairs: int, n_documents: int) -> None:
     scores = {}
 
     def scored(path: str) -> float:
-        started = time.perf_counter()
+        started = time.process_time()
         scores[path] = score_texts(model, tokenizer, prompts, texts, configs[path])
-        return time.perf_counter() - started
+        return time.process_time() - started
 
     with inference_mode(model):
         seconds = harness.alternately(pairs, {path: lambda _, p=path: scored(p) for path in configs})

@@ -5,7 +5,7 @@ import torch
 
 from probdiff_callback.core import decoding
 from probdiff_callback.core.chat_format import stop_token_ids
-from probdiff_callback.core.decoding import LiveRowsHead, hit_cap, sample_continuations
+from probdiff_callback.core.decoding import LiveRowsHead, RowSampler, hit_cap, sample_continuations
 from probdiff_callback.core.prompts import chat_prompt_ids
 from probdiff_callback.core.sampling import row_seed
 
@@ -115,7 +115,7 @@ def test_the_head_runs_on_the_rows_still_drawing_and_is_put_back(tiny_model, pro
     assert decode(tiny_model, prompts, 0.7, max_new_tokens=40, top_p=1.0) == ids  # the head on every row
 
 
-def test_live_rows_head_gives_the_drawing_rows_their_logits_and_the_others_zeros():
+def test_live_rows_head_computes_the_drawing_rows_alone():
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False)
     hidden = torch.randn(4, 1, 8)
@@ -130,8 +130,33 @@ def test_live_rows_head_gives_the_drawing_rows_their_logits_and_the_others_zeros
     hook = head.register_forward_hook(lambda module, args, output: seen.append(args[0]))
     logits = live(hidden)
     hook.remove()
-    assert torch.equal(seen[0], hidden[[0, 2]])
-    assert torch.allclose(logits[[0, 2]], head(hidden[[0, 2]])) and not logits[[1, 3]].any()
+    assert torch.equal(seen[0], hidden[[0, 2]]) and torch.equal(logits, head(hidden[[0, 2]]))
+    Sampler.drawing_next = torch.tensor([True] * 4)
+    assert torch.equal(live(hidden), head(hidden))
+
+
+def test_the_sampler_takes_every_rows_logits_or_the_live_rows_and_no_other_count(tiny_model):
+    """The model's own head gives every row's logits, `LiveRowsHead` the live rows' only: the same draw from both,
+    and generate's argmax over the scores handed back takes it."""
+    model, tokenizer = tiny_model
+    sampler = RowSampler(
+        [row_seed(0, i) for i in range(3)],
+        [0.7] * 3,
+        [1.0] * 3,
+        prompt_width=2,
+        stop_ids=[5],
+        pad_token_id=0,
+        n_valid_ids=None,
+        device=torch.device("cpu"),
+    )
+    sampler.finished = torch.tensor([False, True, False])
+    logits = torch.randn(3, 300)
+    input_ids = torch.tensor([[1, 2, 3]] * 3)
+    every = sampler(input_ids, logits.clone()).argmax(dim=-1)
+    live = sampler(input_ids, logits[[0, 2]].clone()).argmax(dim=-1)
+    assert torch.equal(every, live) and every[1] == 0  # a finished row gets the pad id
+    with pytest.raises(RuntimeError, match="logits for 1 rows: the batch has 3, 2 live"):
+        sampler(input_ids, logits[:1].clone())
 
 
 def test_the_head_is_put_back_when_generate_fails(tiny_model, prompts):

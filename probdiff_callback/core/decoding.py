@@ -3,8 +3,8 @@
 `generate` brings left padding, positions, the KV cache, every architecture's attention (sliding windows, GQA) and,
 with `synced_gpus`, ZeRO-3 with sharded parameters (every rank runs the model until all ranks are done). Its own
 sampling draws every row from one global generator, so a query's text would depend on the batch it lands in; instead
-`RowSampler` draws each row's token from the row's own seed and hands generate scores that are -inf everywhere but at
-that token, so generate's greedy step takes it.
+`RowSampler` draws each row's token from the row's own seed and hands generate scores that are 1 at that token and 0
+everywhere else, so generate's greedy step takes it.
 
 Rows that have finished are skipped by the sampler (generate pads them): the sampler's work per row is a pass over
 the whole vocabulary whether the row is live or not, and on a small model with a large vocabulary that pass is a
@@ -59,11 +59,14 @@ class RowSampler(LogitsProcessor):
         step = input_ids.shape[1] - self.prompt_width
         if step > 0:
             self.finished |= torch.isin(input_ids[:, -1], self.stops)
-        chosen = torch.full((scores.shape[0],), self.pad_token_id, dtype=torch.long, device=scores.device)
+        chosen = torch.full(self.finished.shape, self.pad_token_id, dtype=torch.long, device=scores.device)
         live = (~self.finished).nonzero().squeeze(-1)
+        if scores.shape[0] not in (len(chosen), live.numel()):
+            raise RuntimeError(f"logits for {scores.shape[0]} rows: the batch has {len(chosen)}, {live.numel()} live")
         if live.numel():
-            # sample_tokens overwrites its input: generate hands us a float32 copy of the logits it does not reuse, so
-            # with every row live it works on `scores` itself, else on a copy of the live rows
+            # Every row's logits from the model's own head, the live rows' only from `LiveRowsHead`. sample_tokens
+            # overwrites its input: generate hands us a float32 copy of the logits it does not reuse, so when these
+            # are the live rows' it works on `scores` itself, else on a copy of the live rows.
             logits = scores.float() if live.numel() == scores.shape[0] else scores[live].float()
             valid = logits if self.n_valid_ids is None else logits[:, : self.n_valid_ids]
             # NaN anywhere makes a row's maximum NaN: one cheap reduction, kept on the device and read once, after
@@ -74,17 +77,21 @@ class RowSampler(LogitsProcessor):
                 logits, self.temperatures[live], self.top_ps[live], uniforms, n_valid_ids=self.n_valid_ids
             )
         self.drawing_next = ~(self.finished | torch.isin(chosen, self.stops))
-        # -inf everywhere but at the chosen id, written over the scores (no new [rows, vocabulary] tensor)
-        return scores.fill_(float("-inf")).scatter_(1, chosen[:, None], 0.0)
+        # Each row's scores are 1 at the chosen id and 0 elsewhere, in int8: generate's argmax takes the chosen id
+        # and reads a quarter of what float scores of every row would be (it reads the whole vocabulary of every row
+        # at every step).
+        one_hot = torch.zeros((len(chosen), scores.shape[-1]), dtype=torch.int8, device=scores.device)
+        return one_hot.scatter_(1, chosen[:, None], 1)
 
 
 class LiveRowsHead(torch.nn.Module):
     """An LM head that computes the logits of the rows still drawing only, in place of the model's own during
-    `generate`; the finished rows' logits are zeros, which the sampler never reads (it pads those rows).
+    `generate`, and hands over those rows alone: `generate` passes the last position's logits to the sampler as they
+    are, and the sampler knows which rows they are (`RowSampler`, whose `drawing_next` says which rows draw next).
 
     `generate` runs the whole batch at every step until its last row stops. On a CPU with a large vocabulary the LM
     head is most of a step (152,064 x hidden products per row on a 2-layer model), so the rows that have already
-    stopped would cost nearly what the live ones do. `sampler.drawing_next` says which rows draw next."""
+    stopped would cost nearly what the live ones do, and so would copying and reading their logits."""
 
     def __init__(self, head: torch.nn.Module, sampler: RowSampler) -> None:
         super().__init__()
@@ -94,11 +101,7 @@ class LiveRowsHead(torch.nn.Module):
         drawing = self.sampler.drawing_next
         if drawing is None or bool(drawing.all()) or not bool(drawing.any()):
             return self.head(hidden)
-        rows = drawing.nonzero().squeeze(-1)
-        live = self.head(hidden[rows])
-        logits = live.new_zeros((hidden.shape[0], *live.shape[1:]))
-        logits[rows] = live
-        return logits
+        return self.head(hidden[drawing.nonzero().squeeze(-1)])
 
 
 @contextlib.contextmanager
