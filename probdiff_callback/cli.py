@@ -15,13 +15,15 @@ from probdiff_callback.analysis.report import degenerate_note, format_comparison
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
 from probdiff_callback.core.engines.vllm import EngineUnavailable
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
+from probdiff_callback.core.records import dumps
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator, Sequence
 
     from probdiff_callback.core.engines import Engine
     from probdiff_callback.core.evaluator import Evaluation
-    from probdiff_callback.core.records import Summary
+    from probdiff_callback.core.queries import Query
+    from probdiff_callback.core.records import Record, Summary
 
 
 def _settings_epilog(command: str) -> str:
@@ -67,9 +69,17 @@ def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 [auto]")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... [cuda if available]")
     parser.add_argument("--out", required=True, help="output directory for records.jsonl and summary.json")
-    parser.add_argument(
+    replacing = parser.add_mutually_exclusive_group()
+    replacing.add_argument(
         "--overwrite", action="store_true", help="replace the records.jsonl and summary.json that --out already holds"
     )
+    if command == EVAL:
+        replacing.add_argument(
+            "--resume",
+            action="store_true",
+            help="finish the evaluation that stopped part-way in --out: keep its records, evaluate the queries it "
+            "lacks, write the summary (the same model, queries and settings)",
+        )
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="ProbDiff settings, each with its default: see below"
     )
@@ -157,7 +167,57 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=int, default=None, help="the step the verdicts judge (pairwise: A) [the last evaluated step]"
     )
     check.add_argument("--against", type=int, default=None, help="pairwise verdicts: step B [the baseline]")
+
+    watch = commands.add_parser(
+        "watch",
+        help="the evaluator of a run's queued checkpoints (RUN_DIR/probdiff/queue/)",
+        description=WATCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    watch.add_argument(
+        "run_dir", help="the training output directory (holds probdiff/queue/evaluator.json, which training wrote)"
+    )
+    watch.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
+    watch.add_argument(
+        "--follow",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wait for more requests until training writes queue/training-ended (--follow, the default); "
+        "--no-follow evaluates what is queued now and stops",
+    )
+    watch.add_argument(
+        "--started-by-training",
+        action="store_true",
+        help="set by the training command that starts its evaluator: ends when training's process does",
+    )
+    watch.add_argument(
+        "--poll-seconds",
+        type=_positive_seconds,
+        default=2.0,
+        help="how often to look for new requests while following [2]",
+    )
     return parser
+
+
+WATCH_DESCRIPTION = """\
+Evaluate the checkpoints a training run queued (RUN_DIR/probdiff/queue/), in step order, each as the training loop
+would have: the run's ProbDiff settings, held-out queries and engine (HF, or vLLM with use_vllm=true), the same
+records. Each step's row and records go into RUN_DIR/probdiff (history.jsonl, step-N/records.jsonl, and the
+checkpoint's probdiff.json), then its done mark into RUN_DIR/probdiff/queue/step-N/done.json.
+
+What it needs on disk: the run directory and the base model's folder (or preset) the run was trained from; each
+step's weights are in the queue. Devices: CUDA_VISIBLE_DEVICES picks the GPUs (none: the CPU), OMP_NUM_THREADS the CPU
+threads. One evaluator per run: a second one is refused, naming the first. SIGTERM stops it (exit 0), Ctrl-C too
+(exit 130); the step in progress stays queued and is evaluated next time. A failed evaluation is a failed row, and
+the command goes on. Exit 2: no queue in RUN_DIR, another evaluator, or a spec it cannot read.
+"""
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
 
 
 def _reuse_freed_memory() -> None:
@@ -218,20 +278,44 @@ def _load(args):
 
 
 RESULT_FILES = ("records.jsonl", "summary.json")
+# Beside records.jsonl while `probdiff eval` runs, and after it stopped part-way: what it evaluates (`--resume`).
+UNFINISHED_FILE = "unfinished.json"
+# Settings that change how an evaluation runs, not what it writes: `--resume` may change them (a smaller batch after
+# running out of memory, longer waits for a slow engine, a server restarted elsewhere).
+HOW_NOT_WHAT = frozenset(
+    {"batch_size", "score_chunk_tokens", "vllm_server_base_url", "vllm_server_timeout", "vllm_stall_timeout",
+     "vllm_gpu_memory_utilization"}
+)  # fmt: skip
 
 
 class OutputDirError(Exception):
     """--out cannot take this command's results; said before the model loads."""
 
 
-def _prepare_out(out: str, overwrite: bool) -> None:
+def _prepare_out(out: str, overwrite: bool, resume: bool = False) -> None:
     """Make the --out directory before the model loads, so that an unusable one stops the command at once rather
-    than after the whole evaluation; earlier results there are replaced only with --overwrite."""
+    than after the whole evaluation; earlier results there are replaced only with --overwrite, and an unfinished
+    evaluation is continued only with --resume."""
     path = Path(out)
     existing = next(p for p in (path, *path.parents) if p.exists())  # `out` itself, or where it would be made
     if not existing.is_dir():
         where = "is a file" if existing == path else f"is under {existing}, a file"
         raise OutputDirError(f"--out {out} {where}: give a directory (it gets {' and '.join(RESULT_FILES)})")
+    unfinished = (path / UNFINISHED_FILE).is_file()
+    if resume and not unfinished:
+        if (path / "summary.json").exists():
+            raise OutputDirError(f"--resume: --out {out} holds a finished evaluation (summary.json): nothing to resume")
+        raise OutputDirError(
+            f"--resume: --out {out} holds no unfinished evaluation (the {UNFINISHED_FILE} that `probdiff eval` "
+            "leaves when it stops part-way)"
+        )
+    if resume:
+        return
+    if unfinished and not overwrite:
+        raise OutputDirError(
+            f"--out {out} holds an unfinished evaluation ({_count_lines(path / 'records.jsonl')} queries' records, "
+            "no summary.json): add --resume to finish it with `probdiff eval`, or --overwrite to replace it"
+        )
     earlier = [name for name in RESULT_FILES if (path / name).exists()]
     if earlier and not overwrite:
         raise OutputDirError(
@@ -244,6 +328,115 @@ def _prepare_out(out: str, overwrite: bool) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # no permission, read-only file system
         raise OutputDirError(f"--out {out}: cannot create the directory ({err.strerror}: {err.filename})") from None
+
+
+def _count_lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
+
+
+def _evaluated(args, config: ProbDiffConfig) -> dict:
+    """What `probdiff eval` evaluates: the model, how it runs, the queries' file and the settings that applied (paths
+    that exist as absolute paths, so that --resume from another folder finds them the same)."""
+
+    def as_given(value: str | None) -> str | None:
+        return str(Path(value).resolve()) if value is not None and Path(value).exists() else value
+
+    reads = ProbDiffConfig.keys_read_by(EVAL)
+    settings = json.loads(dumps({key: value for key, value in config.to_dict().items() if key in reads}))
+    return {
+        "model": as_given(args.model),
+        "adapter": as_given(args.adapter),
+        "dtype": args.dtype,
+        "device": args.device,
+        "queries": as_given(args.queries),
+        "config": settings,
+    }
+
+
+def _kept_records(out: str, evaluated: dict, queries: Sequence[Query]) -> list[Record]:
+    """The records an unfinished evaluation in `out` kept, after checking that this command continues it: the same
+    model, queries and settings (other than `HOW_NOT_WHAT`), and every kept query among this command's."""
+    from probdiff_callback.runs.run_files import read_records, write_atomic
+
+    path = Path(out)
+    before = json.loads((path / UNFINISHED_FILE).read_text(encoding="utf-8"))
+    differences = [
+        f"{key} {before.get(key)!r} then, {value!r} now"
+        for key, value in evaluated.items()
+        if key != "config" and before.get(key) != value
+    ]
+    then, now = before.get("config", {}), evaluated["config"]
+    differences += [
+        f"{key}={_shown(then.get(key))} then, {_shown(now.get(key))} now"
+        for key in dict.fromkeys([*now, *then])
+        if key not in HOW_NOT_WHAT and then.get(key) != now.get(key)
+    ]
+    if differences:
+        raise OutputDirError(
+            f"--resume: the evaluation in {out} was started otherwise ({'; '.join(differences)}): give what it was "
+            "started with, or start afresh with --overwrite"
+        )
+    records_path = path / "records.jsonl"
+    if not records_path.is_file():
+        return []
+    text = records_path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):  # a record half-written when the process was killed: evaluated again
+        write_atomic(records_path, text[: text.rfind("\n") + 1])
+    kept = read_records(records_path)
+    ids = {query.id for query in queries}
+    strangers = [record.id for record in kept if record.id not in ids]
+    if strangers:
+        raise OutputDirError(
+            f"--resume: {records_path} holds records of {len(strangers)} queries this command does not evaluate "
+            f"(the first: {strangers[0]!r}): give the --queries and --limit it was started with"
+        )
+    return kept
+
+
+@contextlib.contextmanager
+def _keeping_finished(out: str, evaluated: dict, kept: list[Record], n_queries: int) -> Iterator[Callable]:
+    """--out while the evaluation runs: `UNFINISHED_FILE` says what it evaluates, and records.jsonl gets each
+    query's record as it finishes (after `kept`, an unfinished evaluation's). Should the evaluation fail, what it
+    finished stays, with a line saying how to finish it; where nothing was finished, --out is left without
+    results, as before. The caller writes the whole results and removes `UNFINISHED_FILE` once it succeeded."""
+    from probdiff_callback.runs.run_files import write_json
+
+    path = Path(out)
+    records_path, marker = path / "records.jsonl", path / UNFINISHED_FILE
+    if not kept:
+        (path / "summary.json").unlink(missing_ok=True)  # --overwrite: the earlier summary is not this one
+        records_path.write_text("", encoding="utf-8")
+    write_json(marker, {**evaluated, "n_queries": n_queries})
+    finished = len(kept)
+    with open(records_path, "a", encoding="utf-8") as sink:
+
+        def add(records: list[Record]) -> None:
+            nonlocal finished
+            sink.write("".join(dumps(record) + "\n" for record in records))
+            sink.flush()
+            finished += len(records)
+
+        try:
+            yield add
+        except BaseException as err:
+            sink.flush()
+            if finished == 0:
+                records_path.unlink(missing_ok=True)
+                marker.unlink(missing_ok=True)
+                raise
+            write_json(marker, {**evaluated, "n_queries": n_queries, "error": str(err) or type(err).__name__})
+            print(
+                f"probdiff eval: {finished} of {n_queries} queries were evaluated before the error below; their "
+                f"records are in {records_path}. The same command with --resume evaluates the other "
+                f"{n_queries - finished} and writes the summary.",
+                file=sys.stderr,
+            )
+            raise
+
+
+def _in_query_order(records: Sequence[Record], queries: Sequence[Query]) -> list[Record]:
+    by_id = {record.id: record for record in records}
+    return [by_id[query.id] for query in queries]
 
 
 def _write_results(
@@ -274,7 +467,7 @@ def _vllm_engine(args, config: ProbDiffConfig, model, tokenizer) -> Iterator[Eng
 
 
 def cmd_eval(args) -> int:
-    from probdiff_callback.core.evaluator import evaluate, summarise
+    from probdiff_callback.core.evaluator import Evaluation, evaluate, summarise
     from probdiff_callback.core.queries import load_queries
     from probdiff_callback.core.reference_metrics import plan_references
 
@@ -286,16 +479,31 @@ def cmd_eval(args) -> int:
     plan = plan_references(queries)
     if plan.notice():
         print(f"note: {plan.notice()}", file=sys.stderr)
-    _prepare_out(args.out, args.overwrite)
+    _prepare_out(args.out, args.overwrite, args.resume)
+    evaluated = _evaluated(args, config)
+    kept = _kept_records(args.out, evaluated, queries) if args.resume else []
+    kept_ids = {record.id for record in kept}
+    remaining = [query for query in queries if query.id not in kept_ids]
+    if args.resume:
+        print(
+            f"--resume: {len(kept)} of {len(queries)} queries were evaluated in {args.out}; evaluating the other "
+            f"{len(remaining)}",
+            file=sys.stderr,
+        )
     model, tokenizer = _load(args)
     started = time.time()
-    with _vllm_engine(args, config, model, tokenizer) if config.use_vllm else contextlib.nullcontext() as engine:
-        evaluation, summary = summarise(
-            evaluate(model, tokenizer, queries, config, engine=engine), queries, config, plan
-        )
+    with _keeping_finished(args.out, evaluated, kept, len(queries)) as keep:
+        starts_vllm = config.use_vllm and remaining
+        with _vllm_engine(args, config, model, tokenizer) if starts_vllm else contextlib.nullcontext() as engine:
+            evaluation = evaluate(model, tokenizer, remaining, config, engine=engine, on_finished=keep)
+    whole = Evaluation(_in_query_order([*kept, *evaluation.records], queries), evaluation.cost)
+    evaluation, summary = summarise(whole, queries, config, plan)
     seconds = round(time.time() - started, 2)
     extra = {"model": args.model, "adapter": args.adapter, "queries": args.queries, "seconds": seconds}
+    if args.resume:
+        extra["resumed"] = len(kept)  # records kept from the unfinished evaluation; seconds and cost are this run's
     _write_results(EVAL, args.out, evaluation, summary, config, extra)
+    (Path(args.out) / UNFINISHED_FILE).unlink(missing_ok=True)
     print(format_summary(summary))
     if summary.n_truncated:
         print(
@@ -351,6 +559,11 @@ def cmd_compare(args) -> int:
 
     records = []
     for directory in (args.dir_a, args.dir_b):
+        if (Path(directory) / UNFINISHED_FILE).is_file():  # its records are some of its queries'
+            raise ValueError(
+                f"{directory} holds an unfinished evaluation ({_count_lines(Path(directory) / 'records.jsonl')} "
+                "queries' records, no summary.json): finish it first with the same `probdiff eval` and --resume"
+            )
         path = Path(directory) / "records.jsonl"
         if not path.is_file():
             raise FileNotFoundError(
@@ -419,6 +632,19 @@ def cmd_crosscheck(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    from probdiff_callback.watch import Watch, run_watch
+
+    if args.started_by_training and not args.follow:
+        raise ValueError("--started-by-training follows the run until training ends: leave out --no-follow")
+    if _own_process:
+        import torch
+
+        if not torch.cuda.is_available():
+            _reuse_freed_memory()
+    return run_watch(Watch(Path(args.run_dir), args.subdir, args.follow, args.started_by_training, args.poll_seconds))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; for programmatic use and tests (no process-wide settings change)."""
     return _dispatch(build_parser().parse_args(argv))
@@ -454,6 +680,7 @@ def _dispatch(args) -> int:
         "select": cmd_select,
         "plot": cmd_plot,
         "crosscheck": cmd_crosscheck,
+        "watch": cmd_watch,
     }[args.command]
     try:
         return handler(args)

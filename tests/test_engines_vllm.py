@@ -280,6 +280,31 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_rea
     assert generation.engine.process is None
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_a_real_server_counts_its_work_in_the_metrics_the_wait_watches(tiny_model, tmp_path, monkeypatch):
+    """The waiting rules read vLLM's own metric names (liveness.py): the installed vLLM serves them, and its counters
+    grow with the work it does."""
+    from probdiff_callback.core.engines.liveness import Progress
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model, tokenizer = tiny_model
+    generation = vllm.VLLMGeneration.start(ProbDiffConfig(max_new_tokens=8), model, tokenizer, dtype="float32")
+    try:
+        engine = generation.engine
+        before = Progress.from_metrics(engine.metrics(10))
+        prompt = tokenizer("Write a poem about autumn.", add_special_tokens=False)["input_ids"]
+        texts = engine.generate([GenerationRequest(prompt, seed, 0.7, 1.0) for seed in range(3)], 8)
+        after = Progress.from_metrics(engine.metrics(10))
+    finally:
+        generation.close()
+    assert before.work is not None and (before.running, before.waiting) == (0, 0)
+    generated = sum(text.n_tokens for text in texts)
+    # at least one prompt prefilled (the others may come from the prefix cache), the tokens, 3 requests finished
+    assert after.work - before.work >= len(prompt) + generated + 3
+    assert (after.running, after.waiting) == (0, 0)
+
+
 # ---- a server the user started (server) ----
 
 

@@ -7,7 +7,7 @@ from _records import make_record
 
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.decoding import sample_continuations
-from probdiff_callback.core.engines import hf
+from probdiff_callback.core.engines import Generated, GenerationError, hf
 from probdiff_callback.core.evaluator import Evaluation, build_record, evaluate, score_pairs, stage_clock, summarise
 from probdiff_callback.core.metric import summary_of
 from probdiff_callback.core.prompts import (
@@ -155,6 +155,65 @@ def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queri
     greedy = ProbDiffConfig(max_new_tokens=64, answer_temperature=0.0)
     roomy = evaluate(model, tokenizer, queries[:4], greedy, progress=False).records
     assert not all(r.response_capped for r in roomy), "the tiny model ends most answers within 64 tokens"
+
+
+class ScriptedEngine:
+    """Writes each request's text from its seed, `batch_size` requests at a time. At its `failing_call`-th call it
+    fails: with `finishing` (the indices of the requests it finished first) as an engine that finishes texts one by
+    one does, or, without, as any error."""
+
+    name = "scripted"
+
+    def __init__(self, batch_size=None, failing_call=None, finishing=None) -> None:
+        self.batch_size, self.failing_call, self.finishing, self.calls = batch_size, failing_call, finishing, 0
+
+    def generate(self, requests, max_new_tokens, should_stop=None, progress=None):
+        self.calls += 1
+        texts = [Generated(f"text {request.seed % 997}", False, 2) for request in requests]
+        if self.calls == self.failing_call:
+            if self.finishing is None:
+                raise RuntimeError("out of memory")
+            raise GenerationError("the engine died", {i: texts[i] for i in self.finishing})
+        return texts
+
+
+def assert_same_records(kept, whole):
+    """`kept` are `whole`'s records of the same queries: the same texts, the same scores (a batch of another
+    composition pads otherwise: equal within float error)."""
+    by_id = {record.id: record for record in whole}
+    for record in kept:
+        reference = by_id[record.id]
+        assert (record.response, record.revisions) == (reference.response, reference.revisions)
+        assert record.logp_response == pytest.approx(reference.logp_response, abs=1e-5)
+        assert record.logp_revised == pytest.approx(reference.logp_revised, abs=1e-5)
+
+
+def test_an_engine_that_fails_part_way_hands_on_the_queries_it_finished(tiny_model, queries):
+    """Revisions fail after the engine finished three of six chains (3 queries × 2 samples): the one query whose
+    both chains were finished is scored and handed on, then the engine's error goes up."""
+    model, tokenizer = tiny_model
+    config = ProbDiffConfig(max_new_tokens=8, n_samples=2)
+    some = queries[:3]
+    whole = evaluate(model, tokenizer, some, config, engine=ScriptedEngine(), progress=False).records
+    handed = []
+    with pytest.raises(GenerationError, match="the engine died"):
+        engine = ScriptedEngine(failing_call=2, finishing=[0, 1, 2])
+        evaluate(model, tokenizer, some, config, engine=engine, progress=False, on_finished=handed.append)
+    [kept] = handed
+    assert len(kept) == 1 and kept[0].responses is not None and len(kept[0].revisions_by_sample) == 2
+    assert_same_records(kept, whole)
+
+
+def test_an_evaluation_that_fails_hands_on_the_batches_it_finished(tiny_model, queries):
+    model, tokenizer = tiny_model
+    config = ProbDiffConfig(max_new_tokens=8)
+    whole = evaluate(model, tokenizer, queries[:6], config, engine=ScriptedEngine(2), progress=False).records
+    handed = []
+    with pytest.raises(RuntimeError, match="out of memory"):  # the third batch's answers
+        engine = ScriptedEngine(2, failing_call=5)
+        evaluate(model, tokenizer, queries[:6], config, engine=engine, progress=False, on_finished=handed.append)
+    assert [len(records) for records in handed] == [2, 2]
+    assert_same_records([r for records in handed for r in records], whole)
 
 
 def test_seed_changes_texts(tiny_model, queries, reference_records):

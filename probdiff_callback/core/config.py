@@ -150,7 +150,19 @@ class ProbDiffConfig:
         "http://127.0.0.1:8000", help="`server` mode: where your server listens", group=ENGINE, read_by=_GENERATING
     )
     vllm_server_timeout: float = _setting(
-        240.0, help="seconds to wait for a server to start or answer", group=ENGINE, read_by=_GENERATING
+        240.0,
+        help="seconds a server must answer within: a server you started (`server` mode) that does not answer at all, "
+        "its metrics, and a request that generates nothing (the model list, loading weights, sleep)",
+        group=ENGINE,
+        read_by=_GENERATING,
+    )
+    vllm_stall_timeout: float = _setting(
+        240.0,
+        help="a server's texts are waited for as long as it makes progress; it counts as stalled after this many "
+        "seconds without a token generated or a prompt processed (its /metrics; docs/vllm.md); a server this job "
+        "starts, after this many seconds without a line added to its log",
+        group=ENGINE,
+        read_by=_GENERATING,
     )
     # Not TRL's 0.3: Qwen-14B-Chat's bf16 weights alone are 0.35 of an 80 GB GPU; 0.55 leaves them 16 GB of KV cache
     # beside the model in training (docs/gpu.md)
@@ -253,8 +265,9 @@ class ProbDiffConfig:
                 problems.append(f"{name}={getattr(self, name)}: must be positive")
         if self.n_queries is not None and self.n_queries < 1:
             problems.append(f"n_queries={self.n_queries}: must be positive (or None for all)")
-        if self.vllm_server_timeout <= 0:
-            problems.append(f"vllm_server_timeout={self.vllm_server_timeout}: must be positive")
+        for name in ("vllm_server_timeout", "vllm_stall_timeout"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)}: must be positive")
         if self.wandb_table_rows < 0:
             problems.append(f"wandb_table_rows={self.wandb_table_rows}: must be >= 0")
         if self.refinement_prompt not in REFINEMENT_PROMPTS and not (

@@ -1,10 +1,11 @@
 """ProbDiff on a model: answer -> revise K times -> score both under the original query.
 
 `evaluate` works on whatever queries it is given, in batches, and returns an `Evaluation`: the records and what each
-stage cost (`records.Cost`). Distributed callers give every rank the same number of queries so every rank makes the
-same number of decoding and forward calls (ZeRO-3 with sharded parameters needs that). `summarise` turns the whole
-query set's records into the summary, with the reference metrics where the queries have them: the CLI and the callback
-call it.
+stage cost (`records.Cost`). As queries finish it can hand their records on (`on_finished`), so that an evaluation
+that fails part-way keeps what it finished (`probdiff eval` writes them as they come). Distributed callers give every
+rank the same number of queries so every rank makes the same number of decoding and forward calls (ZeRO-3 with
+sharded parameters needs that). `summarise` turns the whole query set's records into the summary, with the reference
+metrics where the queries have them: the CLI and the callback call it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.degenerate import answer_degenerate, merge_kinds, revision_degenerate
-from probdiff_callback.core.engines import Engine, Generated, GenerationRequest
+from probdiff_callback.core.engines import Engine, Generated, GenerationError, GenerationRequest
 from probdiff_callback.core.engines.hf import HFEngine
 from probdiff_callback.core.metric import discrepancy, finite_mean, is_confident, summary_of
 from probdiff_callback.core.prompts import (
@@ -157,6 +158,7 @@ class Chain:
 
     prepared: PreparedQuery
     sample: int = 0
+    answered: bool = False
     answer: str = ""
     answer_capped: bool = False
     answer_tokens: int = 0  # generated for the answer
@@ -172,6 +174,10 @@ class Chain:
 
     def last_text(self) -> str:
         return self.revisions[-1] if self.revisions else self.answer
+
+    def generated(self, config: ProbDiffConfig) -> bool:
+        """Its answer and every revision round are written."""
+        return self.answered and len(self.revisions) == config.n_revisions
 
 
 def make_chains(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[Chain]:
@@ -194,8 +200,12 @@ def generate_answers(
         )
         for c in chains
     ]
-    for chain, out in zip(chains, _generate(engine, requests, config, should_stop, progress)):
+
+    def take(chain: Chain, out: Generated) -> None:
         chain.answer, chain.answer_capped, chain.answer_tokens = out.text, out.capped, out.n_tokens
+        chain.answered = True
+
+    _generate_into(chains, requests, take, engine, config, should_stop, progress)
 
 
 def generate_revisions(
@@ -217,19 +227,36 @@ def generate_revisions(
         c.request_cut = c.request_cut or cut
         seed = c.seed(config, f"revision-{round_}")
         requests.append(GenerationRequest(ids, seed, config.revision_temperature, config.revision_top_p))
-    for chain, out in zip(chains, _generate(engine, requests, config, should_stop, progress)):
+
+    def take(chain: Chain, out: Generated) -> None:
         chain.revisions.append(out.text)
         chain.revision_capped = out.capped
         chain.revision_tokens += out.n_tokens
 
+    _generate_into(chains, requests, take, engine, config, should_stop, progress)
 
-def _generate(
-    engine: Engine, requests: list[GenerationRequest], config: ProbDiffConfig, should_stop, progress
-) -> list[Generated]:
+
+def _generate_into(
+    chains: Sequence[Chain],
+    requests: list[GenerationRequest],
+    take: Callable[[Chain, Generated], None],
+    engine: Engine,
+    config: ProbDiffConfig,
+    should_stop,
+    progress,
+) -> None:
+    """Each request's text handed to its chain by `take`; when the engine fails part-way, the texts it finished are
+    handed on before its error goes up."""
     raise_if_asked_to_stop(should_stop)
-    generated = engine.generate(requests, config.max_new_tokens, should_stop, progress)
+    try:
+        generated = engine.generate(requests, config.max_new_tokens, should_stop, progress)
+    except GenerationError as failure:
+        for index, out in sorted(failure.finished.items()):
+            take(chains[index], out)
+        raise
     raise_if_asked_to_stop(should_stop)
-    return generated
+    for chain, out in zip(chains, generated):
+        take(chain, out)
 
 
 def score_chains(
@@ -251,6 +278,25 @@ def score_chains(
             c.score_answer, c.score_revised = s_answer, s_revised
         if progress is not None:
             progress(len(batch))
+
+
+def hand_on_finished(
+    chains: Sequence[Chain], config: ProbDiffConfig, handed: set[str], on_finished: Callable[[list[Record]], object]
+) -> None:
+    """The records of the queries whose chains are all scored and that `handed` (their ids) does not hold yet, to
+    `on_finished`, in the chains' order; their ids join `handed`."""
+    by_query: dict[str, list[Chain]] = {}
+    for c in chains:
+        by_query.setdefault(c.prepared.query.id, []).append(c)
+    done = [
+        c
+        for query_id, mine in by_query.items()
+        if query_id not in handed and all(c.score_revised is not None for c in mine)
+        for c in mine
+    ]
+    if done:
+        handed.update(c.prepared.query.id for c in done)
+        on_finished(records_from_chains(done, config))
 
 
 def records_from_chains(chains: Sequence[Chain], config: ProbDiffConfig) -> list[Record]:
@@ -334,9 +380,15 @@ def evaluate(
     synced_gpus: bool = False,
     sync_n_chunks: Callable[[int], int] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_finished: Callable[[list[Record]], object] | None = None,
 ) -> Evaluation:
     """Records for `queries`, in their order, and what each stage cost. A query's texts depend only on (seed, query
     id, sample).
+
+    `on_finished` is handed the records of queries as they finish (after each batch, in the batch's order), so that
+    an evaluation that fails part-way keeps them: when the engine fails part-way (`GenerationError`), the queries
+    whose texts it had all written are scored and handed on before the error goes up. For one process: not with
+    `synced_gpus`, whose ranks must score together.
 
     `engine` generates the answers and revisions (default: HF `generate` on `model`, `HFEngine`); `model` scores
     them. `should_stop` (a preemption's flag) is checked between phases and, with the HF engine, at every generated
@@ -356,16 +408,24 @@ def evaluate(
     steps = len(chains) * (2 + config.n_revisions)
     bar = tqdm(total=steps, desc="ProbDiff", unit="text", disable=not progress, dynamic_ncols=True)
     cost, clock = Cost(), stage_clock(model)
-    with inference_mode(model):
+    handed: set[str] = set()
+    with inference_mode(model), contextlib.closing(bar):
         for batch in batches:
             raise_if_asked_to_stop(should_stop)
-            _generate_batch(batch, tokenizer, engine, config, bar, should_stop, cost, clock)
+            try:
+                _generate_batch(batch, tokenizer, engine, config, bar, should_stop, cost, clock)
+            except GenerationError:
+                if on_finished is not None:  # keep the queries the engine finished before it failed
+                    score_chains(model, tokenizer, [c for c in batch if c.generated(config)], config)
+                    hand_on_finished(chains, config, handed, on_finished)
+                raise
             raise_if_asked_to_stop(should_stop)
             bar.set_postfix_str("score")
             started = clock()
             score_chains(model, tokenizer, batch, config, sync_n_chunks, progress=bar.update)
             cost.scoring_seconds += clock() - started
-    bar.close()
+            if on_finished is not None:
+                hand_on_finished(chains, config, handed, on_finished)
     return Evaluation(records_from_chains(chains, config), cost)
 
 

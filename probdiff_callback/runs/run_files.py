@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -197,7 +197,7 @@ def read_eval_losses(path: str | os.PathLike) -> list[float]:
         raise DataFileError(f"{path}: not valid JSON ({err.msg})") from None
     losses = value.get("losses") if isinstance(value, dict) else None
     if not isinstance(losses, list) or not all(v is None or is_finite(v) for v in losses):
-        raise DataFileError(f"{path}: expected {{\"losses\": [numbers or null, ...]}}, one per eval conversation")
+        raise DataFileError(f'{path}: expected {{"losses": [numbers or null, ...]}}, one per eval conversation')
     return [math.nan if v is None else float(v) for v in losses]
 
 
@@ -278,17 +278,22 @@ class RunFiles:
     def row(self, step: int) -> HistoryRow | None:
         return self._rows.get(step)
 
-    def continue_from(self, resumed_step: int) -> tuple[list[HistoryRow], int]:
+    def continue_from(self, resumed_step: int, also_keep: Collection[int] = ()) -> tuple[list[HistoryRow], int]:
         """Take over the history for a training run that starts at `resumed_step`: the one time it is read.
 
         A fresh run (step 0) starts an empty history. A resumed run keeps the rows up to the checkpoint it resumed
         from and drops later ones: those steps belong to the interrupted run and are trained and evaluated again.
-        Returns (kept rows, number of dropped rows).
+        The rows of the steps `also_keep` are kept whatever their step (an evaluator started again keeps what it
+        evaluated for this training start). Returns (kept rows, number of dropped rows).
         """
         rows = read_history(self.history_path)
         for stale in self.directory.glob("**/.*.tmp*"):  # a process killed between writing and renaming
             stale.unlink()
-        kept = [row for row in rows if resumed_step > 0 and row.global_step <= resumed_step]
+
+        def kept_step(step: int) -> bool:
+            return (resumed_step > 0 and step <= resumed_step) or step in also_keep
+
+        kept = [row for row in rows if kept_step(row.global_step)]
         self._rows = {row.global_step: row for row in kept}
         # the file exists from the start, so a reader sees "no evaluations yet" rather than a missing history
         if len(kept) != len(rows) or not self.history_path.is_file():

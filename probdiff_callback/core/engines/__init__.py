@@ -11,7 +11,7 @@ being trained or evaluated (`scoring.py`), whichever engine wrote them. Nothing 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +34,15 @@ class Generated:
     n_tokens: int  # the tokens generated before the stop id: the text's ids (re-encoding the text need not give them)
 
 
+class GenerationError(RuntimeError):
+    """An engine that failed part-way through `generate`. `finished` holds the texts it had completed, by the index
+    of their request, so that a caller can keep what was done (`probdiff eval` scores and writes those queries)."""
+
+    def __init__(self, message: str, finished: Mapping[int, Generated] | None = None) -> None:
+        super().__init__(message)
+        self.finished = dict(finished or {})
+
+
 class Engine(Protocol):
     """Generates texts for requests; the evaluator hands it `batch_size` requests at a time (None: all at once,
     for engines that schedule their own batches)."""
@@ -49,7 +58,8 @@ class Engine(Protocol):
         progress: Callable[[int], object] | None = None,
     ) -> list[Generated]:
         """The texts of `requests`, in their order; `progress(n)` is told as texts finish. Once `should_stop()` is
-        true the engine may end early with fewer or shorter texts: the caller abandons the batch."""
+        true the engine may end early with fewer or shorter texts: the caller abandons the batch. An engine that
+        finishes texts one by one raises `GenerationError` with those it finished when it fails part-way."""
         ...
 
 

@@ -17,6 +17,10 @@ penalties, none of the model's generation_config defaults) with a per-request se
 query's text does not depend on its batch; the random stream is vLLM's, so the texts are not the HF engine's.
 Scoring does not go through vLLM: the model scores both texts itself, in fp32 (scoring.py).
 
+A request waits as long as the server is alive and making progress (`liveness.py`): its process, for a server this
+job started, and its metrics for any server; it fails once the server is gone or stalled, with the texts finished so
+far in the error (`GenerationError.finished`). Giving a wait up closes its connections, and vLLM aborts their requests.
+
 Callers hold a `VLLMGeneration` (at the end); `ServerEngine` speaks to a server, `start_colocated` starts one.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import http.client
 import importlib.util
 import json
 import os
@@ -33,15 +38,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from probdiff_callback.core.chat_format import stop_token_ids
-from probdiff_callback.core.engines import Generated, GenerationRequest, cut_at_stop
+from probdiff_callback.core.engines import Generated, GenerationError, GenerationRequest, cut_at_stop
+from probdiff_callback.core.engines.liveness import ServerWatch, StartWatch
 
 PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
 INSTALL_CPU = (
@@ -60,8 +66,9 @@ _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "
                        "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_DEEPSPEED")  # fmt: skip
 
 
-class EngineUnavailable(RuntimeError):
-    """vLLM is not installed, or its server cannot be reached; the message says what to do."""
+class EngineUnavailable(GenerationError):
+    """vLLM is not installed, or its server cannot be reached, is gone or stalled; the message says what to do.
+    Raised by `ServerEngine.generate`, it holds the texts finished before (`finished`)."""
 
 
 def sampling_settings(request: GenerationRequest, max_new_tokens: int, stop_ids: Sequence[int]) -> dict:
@@ -141,11 +148,51 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+class _InFlight:
+    """The connections of one wait's requests. Closing them gives the wait up: their threads return at once, and vLLM
+    aborts a request whose client went away; a request that would connect after that is refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()
+        self._closed = False
+
+    def add(self, connection: http.client.HTTPConnection) -> None:
+        """`connection`, connected, joins the wait (its socket exists, so `close` can reach it)."""
+        with self._lock:
+            if self._closed:
+                raise ConnectionAbortedError("the wait was given up")
+            self._open.add(connection)
+
+    def discard(self, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._open.discard(connection)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections = list(self._open)
+        for connection in connections:
+            if connection.sock is not None:
+                with contextlib.suppress(OSError):
+                    connection.sock.shutdown(socket.SHUT_RDWR)
+
+
+# How often a wait looks at its requests, the stop flag and the server's process.
+_WAIT_SLICE_SECONDS = 0.5
+
+
 class ServerEngine:
     """A vLLM server (OpenAI-compatible completions with vLLM's `return_token_ids`): one HTTP request per text, sent
     together so the server batches them. Adapters are loaded by path through `/v1/load_lora_adapter`; the path must
     be readable by the server. A server this job started (`start_colocated`) also reloads whole weights and sleeps
-    between evaluations (its development endpoints are on, on 127.0.0.1 only)."""
+    between evaluations (its development endpoints are on, on 127.0.0.1 only).
+
+    Texts are waited for as long as the server is alive and making progress (`liveness.ServerWatch`): a server this
+    job started until its process exits, any server until its metrics show no work for `stall_timeout` seconds or it
+    does not answer for `timeout` seconds. Every other request (the model list, loading weights, sleep) generates
+    nothing to watch and is bounded by `timeout`, as is connecting.
+    """
 
     name = "vllm-server"
     batch_size = None  # the server schedules its own batches
@@ -157,6 +204,7 @@ class ServerEngine:
         stop_ids: Sequence[int],
         *,
         timeout: float = 240.0,
+        stall_timeout: float = 240.0,
         parallel: int = 256,
         process: subprocess.Popen | None = None,
         log: Path | None = None,
@@ -168,36 +216,74 @@ class ServerEngine:
         self.process, self.log, self.model_path, self.gpu = process, log, model_path, gpu
         self.owned = process is not None
         self.name = "vllm-colocate" if self.owned else "vllm-server"
+        self.watch = ServerWatch(self.metrics, stall_seconds=stall_timeout, answer_seconds=timeout, process=process)
         self._sleeping = False
         self._reloaded = False  # whole weights replace the model's own
         self.base_model = self._call("GET", "/v1/models")["data"][0]["id"]
         self.model = self.base_model
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+    def _send(
+        self, method: str, path: str, body: dict | None, timeout: float, in_flight: _InFlight | None = None
+    ) -> tuple[int, str]:
+        """(status, text) of one HTTP request. `timeout` bounds connecting and, unless the request is one of a wait's
+        (`in_flight`, which can close it), the answer."""
+        parts = urllib.parse.urlsplit(self.base_url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.hostname, parts.port, timeout=timeout)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                text = response.read().decode()
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:500]
-            raise EngineUnavailable(f"vLLM server {self.base_url}{path}: HTTP {err.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            if self.owned:
-                raise EngineUnavailable(
-                    f"the vLLM server this job started stopped answering ({reason}){_log_tail(self.log)}"
-                ) from None
-            raise EngineUnavailable(
-                f"vLLM server {self.base_url} cannot be reached ({reason}). Start it with `vllm serve <base model> "
-                "--enable-lora` (docs/vllm.md), or set vllm_server_base_url=<its URL>"
-            ) from None
+            connection.connect()
+            if in_flight is not None:
+                connection.sock.settimeout(None)  # the wait decides how long
+                in_flight.add(connection)
+            data = None if body is None else json.dumps(body).encode()
+            connection.request(method, parts.path + path, body=data, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read().decode(errors="replace")
+        finally:
+            if in_flight is not None:
+                in_flight.discard(connection)
+            connection.close()
+
+    def _call(self, method: str, path: str, body: dict | None = None, in_flight: _InFlight | None = None) -> dict:
+        try:
+            status, text = self._send(method, path, body, self.timeout, in_flight)
+        except (OSError, http.client.HTTPException) as err:
+            raise EngineUnavailable(self._unreachable(err)) from None
+        if status >= 400:
+            raise EngineUnavailable(f"vLLM server {self.base_url}{path}: HTTP {status}: {text[:500]}")
         try:
             return json.loads(text)
         except json.JSONDecodeError:  # the LoRA and reset endpoints answer in plain text
             return {"text": text}
+
+    def metrics(self, timeout: float) -> str:
+        """The server's Prometheus metrics (empty where it serves none), for the watch."""
+        status, text = self._send("GET", "/metrics", None, timeout)
+        return text if status < 400 else ""
+
+    def _unreachable(self, err: BaseException) -> str:
+        """Why a request got no answer: a server this job started has exited or stopped answering (with its log's
+        end); a server you started cannot be reached."""
+        reason = str(err) or type(err).__name__
+        if self.owned:
+            if not isinstance(err, ConnectionRefusedError):  # a dropped connection is usually the process ending
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=1.0)
+            if self.process.returncode is not None:
+                return self._gone(f"exited (exit code {self.process.returncode})")
+            return f"the vLLM server this job started stopped answering ({reason}){_log_tail(self.log)}"
+        return (
+            f"vLLM server {self.base_url} cannot be reached ({reason}). Start it with `vllm serve <base model> "
+            "--enable-lora` (docs/vllm.md), or set vllm_server_base_url=<its URL>"
+        )
+
+    def _gone(self, problem: str) -> str:
+        """The error of a wait the watch gave up: what was seen, the setting that bounds it, the log's end."""
+        who = "the vLLM server this job started" if self.owned else f"vLLM server {self.base_url}"
+        window = ""
+        if problem.startswith("stalled"):
+            window = f" (vllm_stall_timeout={self.watch.stall_seconds:g}: raise it where one step takes longer)"
+        return f"{who} {problem}{window}{_log_tail(self.log) if self.owned else ''}"
 
     # ---- which weights ----
     def use_base(self) -> None:
@@ -241,14 +327,14 @@ class ServerEngine:
             self._sleeping = False
 
     # ---- generation ----
-    def _one(self, request: GenerationRequest, max_new_tokens: int) -> Generated:
+    def _one(self, request: GenerationRequest, max_new_tokens: int, in_flight: _InFlight) -> Generated:
         body = dict(
             model=self.model,
             prompt=list(request.prompt_ids),
             return_token_ids=True,
             **sampling_settings(request, max_new_tokens, self.stop_ids),
         )
-        choice = self._call("POST", "/v1/completions", body)["choices"][0]
+        choice = self._call("POST", "/v1/completions", body, in_flight)["choices"][0]
         return decoded(self.tokenizer, choice["token_ids"], choice.get("finish_reason"), self.stop_ids)
 
     def generate(
@@ -258,23 +344,39 @@ class ServerEngine:
         should_stop: Callable[[], bool] | None = None,
         progress: Callable[[int], object] | None = None,
     ) -> list[Generated]:
+        """The texts of `requests`, waited for while the server is alive and making progress. The first failure, or
+        the watch's verdict, ends the wait with `EngineUnavailable`, which holds the texts finished so far; the
+        requests still in flight are closed (vLLM aborts them), as they are when `should_stop()` ends the wait."""
         if not requests:
             return []
         self.wake()
+        in_flight = _InFlight()
         pool = concurrent.futures.ThreadPoolExecutor(min(self.parallel, len(requests)))
-        futures = [pool.submit(self._one, r, max_new_tokens) for r in requests]
+        index = {pool.submit(self._one, r, max_new_tokens, in_flight): i for i, r in enumerate(requests)}
+        finished: dict[int, Generated] = {}
+        self.watch.begin()
         try:
-            pending = set(futures)
+            pending = set(index)
             while pending:
-                done, pending = concurrent.futures.wait(pending, timeout=0.5, return_when="FIRST_COMPLETED")
+                done, pending = concurrent.futures.wait(pending, _WAIT_SLICE_SECONDS, "FIRST_COMPLETED")
+                failure = None
                 for future in done:
-                    future.result()  # the first failure ends the wait
+                    try:
+                        finished[index[future]] = future.result()
+                    except EngineUnavailable as err:
+                        failure = failure or err
+                        continue
                     if progress is not None:
                         progress(1)
+                if failure is not None:
+                    raise EngineUnavailable(str(failure), finished) from None
                 if should_stop is not None and should_stop():
-                    return []  # abandoned: the caller raises; the server finishes the requests in flight
-            return [f.result() for f in futures]
+                    return []  # abandoned: the caller raises
+                if pending and (problem := self.watch.problem()) is not None:
+                    raise EngineUnavailable(self._gone(problem), finished)
+            return [finished[i] for i in range(len(requests))]
         finally:
+            in_flight.close()
             pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
@@ -317,12 +419,15 @@ def start_colocated(
     max_lora_rank: int = 0,
     threads: int | None = None,
     timeout: float = 240.0,
+    stall_timeout: float = 240.0,
     log_dir: str | os.PathLike | None = None,
 ) -> ServerEngine:
     """A vLLM server on 127.0.0.1 for this job, on `model_path` (the base model), ready to answer.
 
-    Its log goes to `log_dir`/vllm-server.log (a temporary folder by default); a server that does not come up within
-    `timeout` seconds, or exits, is stopped and its log's end is in the error.
+    Its log goes to `log_dir`/vllm-server.log (a temporary folder by default). Its start is waited for as long as its
+    process lives and its log grows (`liveness.StartWatch`): one that exits (its log's end in the error) or whose log
+    does not grow for `stall_timeout` seconds (its last line in the error) is stopped. Once up, its texts are waited
+    for as `ServerEngine` says (`stall_timeout`: its stall window; `timeout`: its answer window).
     """
     python = vllm_python()
     gpu = on_gpu()
@@ -351,29 +456,50 @@ def start_colocated(
             command, stdout=sink, stderr=subprocess.STDOUT, env=environment, preexec_fn=_die_with_parent
         )
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
+
+    def connect() -> ServerEngine:
+        return ServerEngine(
+            base_url,
+            tokenizer,
+            stop_ids,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
+            process=process,
+            log=log,
+            model_path=model_path,
+            gpu=gpu,
+        )
+
+    try:
+        engine = wait_for_start(connect, StartWatch(process, log, stall_seconds=stall_timeout))
+    except EngineUnavailable as err:
+        _stop(process)
+        raise EngineUnavailable(f"the vLLM server ({python}) {err}") from None
+    weakref.finalize(engine, _stop, process)  # also when the job ends without closing it
+    return engine
+
+
+def wait_for_start(connect: Callable[[], ServerEngine], watch: StartWatch, poll_seconds: float = 1.0) -> ServerEngine:
+    """`connect()` once it answers, tried every `poll_seconds` while the server starts; an `EngineUnavailable` saying
+    why once `watch` finds its process exited (with its log's end) or its log stalled."""
     while True:
         try:
-            engine = ServerEngine(
-                base_url, tokenizer, stop_ids, timeout=timeout, process=process, log=log, model_path=model_path, gpu=gpu
-            )
-            weakref.finalize(engine, _stop, process)  # also when the job ends without closing it
-            return engine
+            return connect()
         except EngineUnavailable:
-            if process.poll() is None and time.monotonic() < deadline:
-                time.sleep(1.0)
+            problem = watch.problem()
+            if problem is None:
+                time.sleep(poll_seconds)
                 continue
-            why = "exited" if process.poll() is not None else f"did not answer within {timeout:.0f}s"
-            _stop(process)
-            raise EngineUnavailable(f"the vLLM server ({python}) {why}{_log_tail(log)}") from None
+            tail = _log_tail(watch.log) if problem.startswith("exited") else ""
+            raise EngineUnavailable(f"{problem}{tail}") from None
 
 
 def _server_environment(threads: int | None, gpu: bool) -> dict[str, str]:
-    """The server's environment: defaults for a CPU (each only where you have not set it), vLLM's logging at
-    warnings, the development endpoints (weights reload, sleep) and runtime LoRA loading, and none of the launcher's
-    variables."""
+    """The server's environment: defaults for a CPU (each only where you have not set it), vLLM's logging at INFO
+    (the stages of its start, which show it progressing: `liveness.StartWatch`), the development endpoints (weights
+    reload, sleep) and runtime LoRA loading, and none of the launcher's variables."""
     environment = dict(os.environ)
-    defaults = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    defaults = {"VLLM_LOGGING_LEVEL": "INFO"}  # at WARNING a start is silent for minutes on a busy CPU
     if not gpu:
         # KV cache in GiB; nobind: the cores are shared with training and other jobs
         defaults |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -472,7 +598,13 @@ class VLLMGeneration:
             adapter = getattr(model, "peft_config", {}).get("default")
             lora_rank = int(adapter.r) if adapter is not None and sync == "lora" else 0
         if config.vllm_mode == "server":
-            engine = ServerEngine(config.vllm_server_base_url, tokenizer, stop_ids, timeout=config.vllm_server_timeout)
+            engine = ServerEngine(
+                config.vllm_server_base_url,
+                tokenizer,
+                stop_ids,
+                timeout=config.vllm_server_timeout,
+                stall_timeout=config.vllm_stall_timeout,
+            )
         else:
             engine = start_colocated(
                 base.name_or_path,
@@ -485,6 +617,7 @@ class VLLMGeneration:
                 max_lora_rank=lora_rank,
                 threads=torch.get_num_threads(),
                 timeout=config.vllm_server_timeout,
+                stall_timeout=config.vllm_stall_timeout,
                 log_dir=log_dir,
             )
         return cls(engine, sync, scratch_parent)
