@@ -1,6 +1,7 @@
-"""What the side-by-side benchmarks share (`bench_eval.py`, `bench_checkouts.py`, `bench_vllm.py`): commands run as
-whole processes from the checkout (imports and model load included), each side once per pair, `pairs` times in
-alternating order, since the machine's speed drifts; the sides are compared by the ratio of their medians."""
+"""What the side-by-side benchmarks share (`bench_eval.py`, `bench_checkouts.py`, `bench_vllm.py`,
+`bench_throughput.py`): commands run as whole processes from the checkout (imports and model load included) or calls
+timed in one process, each side once per pair, `pairs` times in alternating order, since the machine's speed drifts;
+the sides are compared by the ratio of their medians."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER_DATA = ROOT.parent / "shared" / "data" / "probdiff-reference"  # the paper's data, where present
+# The paper's data, where present (never committed): ../shared/data/probdiff-reference beside the checkout, or where
+# PROBDIFF_REFERENCE_DATA says (a git worktree elsewhere)
+PAPER_DATA = Path(os.environ.get("PROBDIFF_REFERENCE_DATA", ROOT.parent / "shared" / "data" / "probdiff-reference"))
 MT_BENCH = PAPER_DATA / "mtbench" / "question.jsonl"
 SUMMARIZATION_SAMPLES = ROOT / "data" / "samples" / "summarization" / "heldout.jsonl"
 T = TypeVar("T")
@@ -46,6 +49,17 @@ def run(command: list[str], env: Mapping[str, str] | None = None, cwd: Path = RO
         sys.exit(f"failed: {' '.join(command)}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return Done(seconds, cpu, result.stdout, result.stderr)
+
+
+def checkout_env(checkout: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with another checkout's source first on PYTHONPATH; exits unless `probdiff_callback` then comes from it
+    (not from the installed copy)."""
+    theirs = {**env, "PYTHONPATH": str(checkout)}
+    code = [sys.executable, "-c", "import probdiff_callback; print(probdiff_callback.__file__)"]
+    found = run(code, env=theirs, cwd=checkout).last_line
+    if not found.startswith(str(checkout)):
+        sys.exit(f"probdiff_callback comes from {found}, not from {checkout}")
+    return theirs
 
 
 def prepare_model(model: str) -> None:

@@ -117,7 +117,8 @@ def main() -> int:
         "max_new_tokens": config.max_new_tokens,
         "generations_per_evaluation": generations,
         "decoding_loops": len(batch_sizes) * (1 + config.n_revisions),
-        "scoring_forwards": sum(math.ceil(2 * size / SCORE_ROWS_PER_FORWARD) for size in batch_sizes),
+        # two decoder calls (the prompts, then both texts from their cache) per group of SCORE_ROWS_PER_FORWARD / 2
+        "scoring_forwards": sum(2 * math.ceil(2 * size / SCORE_ROWS_PER_FORWARD) for size in batch_sizes),
         "generated_tokens": cost.generated_tokens,
         "evaluation_seconds_first": round(first.seconds, 2),
         "evaluation_seconds": round(warm.seconds, 2),

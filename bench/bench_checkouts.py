@@ -51,11 +51,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8, help="queries [8]")
     args = parser.parse_args()
     checkouts = {"before": args.before.resolve(), "after": args.after.resolve()}
-    for name, checkout in checkouts.items():  # not the installed copy
-        code = [sys.executable, "-c", "import probdiff_callback; print(probdiff_callback.__file__)"]
-        found = harness.run(code, env={**os.environ, "PYTHONPATH": str(checkout)}, cwd=checkout).last_line
-        if not found.startswith(str(checkout)):
-            sys.exit(f"{name}: probdiff_callback comes from {found}, not from {checkout}")
+    for checkout in checkouts.values():  # not the installed copy
+        harness.checkout_env(checkout, os.environ)
     print(f"load average {harness.load_average()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     with tempfile.TemporaryDirectory() as tmp_dir:
         for model in args.models:

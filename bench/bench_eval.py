@@ -11,9 +11,11 @@ of the same model in a process of its own.
            (`batched`); then one forward of 8 x 300 tokens in float32 and in bfloat16, the reason the presets run in
            float32 on a CPU.
 
-Both sides run on the CPU in float32 with the same thread rule.
+Both sides run on the CPU in float32 with the same thread rule; `--threads N` runs every process at N torch threads
+(OMP_NUM_THREADS). `--before DIR` adds `probdiff eval` from another checkout of the project (its source first on
+PYTHONPATH, run from its own directory) to the alternation, so that a change's gain is measured in the same run.
 
-Run: python bench/bench_eval.py tiny [--pairs 3] [--limit 32]
+Run: python bench/bench_eval.py tiny [--pairs 3] [--limit 32] [--threads 1] [--before DIR]
      python bench/bench_eval.py smollm2 [--pairs 3] [--limit 16] [--max-new-tokens 128] [--batch-size 8]
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -56,29 +59,40 @@ def queries_file(model: str, tmp: Path) -> tuple[Path, str]:
     return tmp / "blog.jsonl", "the shipped blog samples (held-out then train)"
 
 
-def side_by_side(model: str, preset: Preset, pairs: int) -> None:
+def side_by_side(model: str, preset: Preset, pairs: int, threads: int | None, before: Path | None) -> None:
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     harness.prepare_model(model)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         queries, source = queries_file(model, tmp)
         print(f"load average {harness.load_average()}; {model} (float32, CPU), first {preset.limit} queries of "
-              f"{source}, max_new_tokens {preset.max_new_tokens}, batch {preset.batch_size}, K = 1")  # fmt: skip
+              f"{source}, max_new_tokens {preset.max_new_tokens}, batch {preset.batch_size}, K = 1, "
+              f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}")  # fmt: skip
         settings = [str(preset.limit), str(preset.max_new_tokens), str(preset.batch_size)]
+        evaluation = ["eval", "--model", model, "--device", "cpu", "--dtype", "float32", "--queries", str(queries),
+                      "--limit", settings[0], "--overwrite", f"max_new_tokens={settings[1]}",
+                      f"batch_size={settings[2]}"]  # fmt: skip
         commands = {
-            "ours": ["probdiff", "eval", "--model", model, "--device", "cpu", "--dtype", "float32", "--queries",
-                     str(queries), "--limit", settings[0], "--out", str(tmp / "ours"), "--overwrite",
-                     f"max_new_tokens={settings[1]}", f"batch_size={settings[2]}"],
-            "plain": [sys.executable, "bench/_plain.py", preset.plain, model, str(queries), *settings,
-                      str(tmp / "plain.json")],
+            "ours": (["probdiff", *evaluation, "--out", str(tmp / "ours")], env, harness.ROOT),
+            "plain": ([sys.executable, "bench/_plain.py", preset.plain, model, str(queries), *settings,
+                       str(tmp / "plain.json")], env, harness.ROOT),
         }  # fmt: skip
-        seconds = harness.alternately(
-            pairs, {side: lambda _, c=command: run(c).seconds for side, command in commands.items()}
-        )
-        middle = harness.medians(seconds)
+        if before is not None:  # the same command from the other checkout, its source first on the path
+            command = [sys.executable, "-m", "probdiff_callback.cli", *evaluation, "--out", str(tmp / "before")]
+            commands["before"] = (command, harness.checkout_env(before, env), before)
+        done = harness.alternately(pairs, {side: lambda _, c=command: run(*c) for side, command in commands.items()})
         summary = harness.read_run(tmp / "ours")[1]
         plain = json.loads((tmp / "plain.json").read_text())
-    print(f"end to end   probdiff eval {middle['ours']:6.1f} s   plain {preset.plain} {middle['plain']:6.1f} s   "
-          f"ratio (plain / ours) {middle['plain'] / middle['ours']:4.2f}x   {harness.runs_note(seconds)}")  # fmt: skip
+    seconds = {side: [d.seconds for d in runs] for side, runs in done.items()}
+    cpu = {side: [d.cpu_seconds for d in runs] for side, runs in done.items()}
+    wall, busy = harness.medians(seconds), harness.medians(cpu)
+    for side, label in (("ours", "probdiff eval"), ("before", f"probdiff eval from {before}")):
+        if side in wall:
+            print(f"end to end   {label} {wall[side]:6.1f} s   plain {preset.plain} {wall['plain']:6.1f} s   "
+                  f"ratio (plain / ours) {wall['plain'] / wall[side]:4.2f}x; CPU time {busy[side]:6.1f} s against "
+                  f"{busy['plain']:6.1f} s, {busy['plain'] / busy[side]:4.2f}x")  # fmt: skip
+    print(f"             wall {harness.runs_note(seconds)}")
+    print(f"             CPU {harness.runs_note(cpu)}")
     print(f"             ours: n={summary['n']}, mean length of answers {summary['len_response_mean']:.1f} and "
           f"revisions {summary['len_revised_mean']:.1f} tokens ({summary['n_capped']} answers, "
           f"{summary['n_revision_capped']} revisions capped); plain: n={plain['n']}, mean length "
@@ -121,11 +135,16 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="queries [tiny 32, smollm2 16]")
     parser.add_argument("--max-new-tokens", type=int, help="cap of answers and revisions [tiny 64, smollm2 128]")
     parser.add_argument("--batch-size", type=int, help="queries per batch, both sides [tiny 32, smollm2 8]")
+    parser.add_argument("--threads", type=int, help="torch threads of every process (OMP_NUM_THREADS) [unset]")
+    parser.add_argument("--before", type=Path, help="another checkout whose `probdiff eval` joins the alternation")
+    parser.add_argument("--end-to-end-only", action="store_true", help="only the side-by-side run")
     args = parser.parse_args()
     preset = PRESETS[args.model]
     chosen = {"limit": args.limit, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size}
     preset = Preset(preset.plain, **{k: getattr(preset, k) if v is None else v for k, v in chosen.items()})
-    side_by_side(args.model, preset, args.pairs)
+    side_by_side(args.model, preset, args.pairs, args.threads, args.before and args.before.resolve())
+    if args.end_to_end_only:
+        return
     if args.model == "tiny":
         scoring_memory()
     else:

@@ -173,7 +173,10 @@ def test_decode_floor_counts_weights_per_step_and_kv_of_live_rows():
 def test_scoring_and_training_floors_count_their_flops():
     hardware = Hardware(bandwidth=1e12, flops=1000.0)
     # a 2-token prompt and a 3-token text: 2 x 50 x 5 decoder FLOPs, 2 x 1 x 25 attention, the head at 3 positions
-    assert scoring_floor(SMALL, hardware, [2], [3]) == pytest.approx((500 + 50 + 300) / 1000)
+    assert scoring_floor(SMALL, hardware, [2], [[3]]) == pytest.approx((500 + 50 + 300) / 1000)
+    # and a second text of 1 token after the same prompt: the prompt (2 x 50 x 2 + 2 x 1 x 4) counted once
+    prompt, whole = 200 + 8, (500 + 50 + 300) + (300 + 18 + 100)
+    assert scoring_floor(SMALL, hardware, [2], [[3, 1]]) == pytest.approx((whole - prompt) / 1000)
     # 4 tokens: three passes of every matmul, four of attention
     assert training_floor(SMALL, hardware, 4) == pytest.approx((3 * 2 * 100 * 4 + 4 * 2 * 16) / 1000)
 

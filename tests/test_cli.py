@@ -181,10 +181,13 @@ EVAL_KEYS = [
     *("delta", "sweep", "n_revisions", "refinement_prompt", "system_prompt"),
     *("answer_temperature", "answer_top_p", "answer_temperature_by_category", "revision_temperature"),
     *("revision_top_p", "n_samples", "seed", "max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens"),
+    "score_prompt_once",
     *("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_timeout", "vllm_stall_timeout"),
     *("vllm_gpu_memory_utilization", "vllm_weight_sync"),
 ]
-SCORE_KEYS = ["delta", "sweep", "system_prompt", "max_prompt_tokens", "batch_size", "score_chunk_tokens"]
+SCORE_KEYS = [
+    *("delta", "sweep", "system_prompt", "max_prompt_tokens", "batch_size", "score_chunk_tokens", "score_prompt_once")
+]
 CALLBACK_ONLY = [
     *("n_queries", "every", "baseline", "at_end", "gather_params", "fail_on_error", "wandb_table_rows"),
     *("output_subdir", "progress"),

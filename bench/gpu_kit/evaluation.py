@@ -73,7 +73,7 @@ class Floors:
 
 def floors_of(run: Measured, bench: Bench, queries: Sequence[Query], config: ProbDiffConfig) -> Floors:
     """Decoding: each call's rows as they ran; scoring: each record's two texts, as many tokens as were scored, after
-    its query's chat prompt (prepared as the evaluator prepares it)."""
+    its query's chat prompt (prepared as the evaluator prepares it), the prompt run once for both."""
     cap = config.max_new_tokens
 
     def decoding(calls: list[Call]) -> float:
@@ -86,8 +86,8 @@ def floors_of(run: Measured, bench: Bench, queries: Sequence[Query], config: Pro
         bench.tokenizer, queries, system_prompt=config.system_prompt, max_prompt_tokens=config.max_prompt_tokens
     )
     prompt_length = {p.query.id: len(p.prompt_ids) for p in prepared}
-    prompts = [prompt_length[r.id] for r in run.records] * 2
-    texts = [r.n_tokens_response for r in run.records] + [r.n_tokens_revised for r in run.records]
+    prompts = [prompt_length[r.id] for r in run.records]
+    texts = [[r.n_tokens_response, r.n_tokens_revised] for r in run.records]
     scoring = scoring_floor(bench.cost, bench.hardware, prompts, texts)
     return Floors(decoding(run.calls["answer"]), decoding(run.calls["revision"]), scoring)
 

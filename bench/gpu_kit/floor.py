@@ -86,10 +86,17 @@ def decode_floor(
 
 
 def scoring_floor(
-    cost: ModelCost, hardware: Hardware, prompt_lengths: Sequence[int], response_lengths: Sequence[int]
+    cost: ModelCost,
+    hardware: Hardware,
+    prompt_lengths: Sequence[int],
+    response_lengths: Sequence[Sequence[int]],
 ) -> float:
-    """Seconds the scoring forwards need at least: their FLOPs (the LM head on the response positions only)."""
-    flops = sum(cost.forward_flops(p + r, head_positions=r) for p, r in zip(prompt_lengths, response_lengths))
+    """Seconds the scoring forwards need at least: their FLOPs, each prompt run once for all its responses (as
+    `score_shared_prompts` does), the LM head on the response positions only."""
+    flops = 0.0
+    for p, responses in zip(prompt_lengths, response_lengths):
+        prompt = cost.forward_flops(p, head_positions=0)
+        flops += prompt + sum(cost.forward_flops(p + r, head_positions=r) - prompt for r in responses)
     return flops / hardware.flops
 
 

@@ -44,7 +44,7 @@ def computed_batch(
     return ComputedBatch(
         decode_floor(cost, hardware, answer_prompts, steps),
         decode_floor(cost, hardware, revision_prompts, steps),
-        scoring_floor(cost, hardware, answer_prompts * 2, [cap] * (2 * len(batch))),
+        scoring_floor(cost, hardware, answer_prompts, [[cap, cap]] * len(batch)),
         (sum(revision_prompts) + len(batch) * cap) * cost.kv_bytes_per_token,
     )
 

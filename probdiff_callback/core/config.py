@@ -126,6 +126,13 @@ class ProbDiffConfig:
     score_chunk_tokens: int = _setting(
         512, help="positions per LM-head chunk when scoring", group=LENGTHS, read_by=_EVERYWHERE
     )
+    score_prompt_once: bool = _setting(
+        True,
+        help="score an answer and its revision in one pass over their shared prompt (its KV cache once); false: each "
+        "as a whole sequence (docs/method.md)",
+        group=LENGTHS,
+        read_by=_EVERYWHERE,
+    )
     # --- the generation engine (docs/vllm.md); scoring always stays with the model itself, in fp32 ---
     use_vllm: bool = _setting(
         False,

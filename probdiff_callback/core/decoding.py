@@ -3,34 +3,25 @@
 `generate` brings left padding, positions, the KV cache, every architecture's attention (sliding windows, GQA) and,
 with `synced_gpus`, ZeRO-3 with sharded parameters (every rank runs the model until all ranks are done). Its own
 sampling draws every row from one global generator, so a query's text would depend on the batch it lands in; instead
-`RowSampler` draws each row's token from the row's own seed and hands generate scores that are -inf everywhere but at
-that token, so generate's greedy step takes it.
+`RowSampler` draws each row's token from the row's own seed and hands generate scores that are 1 at that token and 0
+everywhere else, so generate's greedy step takes it.
 
 Rows that have finished are skipped by the sampler (generate pads them): the sampler's work per row is a pass over
 the whole vocabulary whether the row is live or not, and on a small model with a large vocabulary that pass is a
-large part of a decoding step (docs/benchmarks.md).
+large part of a decoding step (docs/benchmarks.md). On a CPU the LM head skips them too (`LiveRowsHead`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from probdiff_callback.core.sampling import counter_uniforms, sample_tokens
-from probdiff_callback.core.scoring import NonFiniteLogits, split_model
-
-
-def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[i, width - len(prompt) :] = 1
-    return input_ids, attention_mask
+from probdiff_callback.core.scoring import NonFiniteLogits, left_padded, split_model
 
 
 class RowSampler(LogitsProcessor):
@@ -60,23 +51,75 @@ class RowSampler(LogitsProcessor):
         self.pad_token_id = pad_token_id
         self.n_valid_ids = n_valid_ids
         self.finished = torch.zeros(len(self.seeds), dtype=torch.bool, device=device)
+        # the rows that draw at the next step (None: all of them), for `LiveRowsHead`
+        self.drawing_next: torch.Tensor | None = None
         self.saw_nan = torch.zeros((), dtype=torch.bool, device=device)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
         if step > 0:
             self.finished |= torch.isin(input_ids[:, -1], self.stops)
-        chosen = torch.full((scores.shape[0],), self.pad_token_id, dtype=torch.long, device=scores.device)
+        chosen = torch.full(self.finished.shape, self.pad_token_id, dtype=torch.long, device=scores.device)
         live = (~self.finished).nonzero().squeeze(-1)
+        if scores.shape[0] not in (len(chosen), live.numel()):
+            raise RuntimeError(f"logits for {scores.shape[0]} rows: the batch has {len(chosen)}, {live.numel()} live")
         if live.numel():
-            logits = scores[live] if self.n_valid_ids is None else scores[live, : self.n_valid_ids]
-            self.saw_nan |= torch.isnan(logits).any()  # on the device: read once, after generate (no sync per step)
+            # Every row's logits from the model's own head, the live rows' only from `LiveRowsHead`. sample_tokens
+            # overwrites its input: generate hands us a float32 copy of the logits it does not reuse, so when these
+            # are the live rows' it works on `scores` itself, else on a copy of the live rows.
+            logits = scores.float() if live.numel() == scores.shape[0] else scores[live].float()
+            valid = logits if self.n_valid_ids is None else logits[:, : self.n_valid_ids]
+            # NaN anywhere makes a row's maximum NaN: one cheap reduction, kept on the device and read once, after
+            # generate (no sync per step)
+            self.saw_nan |= torch.isnan(valid.amax(dim=-1)).any()
             uniforms = counter_uniforms([self.seeds[i] for i in live.tolist()], step).to(scores.device)
-            # sample_tokens overwrites its input: a float32 copy of the live rows (generate does not reuse scores)
             chosen[live] = sample_tokens(
-                scores[live].float(), self.temperatures[live], self.top_ps[live], uniforms, n_valid_ids=self.n_valid_ids
+                logits, self.temperatures[live], self.top_ps[live], uniforms, n_valid_ids=self.n_valid_ids
             )
-        return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
+        self.drawing_next = ~(self.finished | torch.isin(chosen, self.stops))
+        # Each row's scores are 1 at the chosen id and 0 elsewhere, in int8: generate's argmax takes the chosen id
+        # and reads a quarter of what float scores of every row would be (it reads the whole vocabulary of every row
+        # at every step).
+        one_hot = torch.zeros((len(chosen), scores.shape[-1]), dtype=torch.int8, device=scores.device)
+        return one_hot.scatter_(1, chosen[:, None], 1)
+
+
+class LiveRowsHead(torch.nn.Module):
+    """An LM head that computes the logits of the rows still drawing only, in place of the model's own during
+    `generate`, and hands over those rows alone: `generate` passes the last position's logits to the sampler as they
+    are, and the sampler knows which rows they are (`RowSampler`, whose `drawing_next` says which rows draw next).
+
+    `generate` runs the whole batch at every step until its last row stops. On a CPU with a large vocabulary the LM
+    head is most of a step (152,064 x hidden products per row on a 2-layer model), so the rows that have already
+    stopped would cost nearly what the live ones do, and so would copying and reading their logits."""
+
+    def __init__(self, head: torch.nn.Module, sampler: RowSampler) -> None:
+        super().__init__()
+        self.head, self.sampler = head, sampler
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        drawing = self.sampler.drawing_next
+        if drawing is None or bool(drawing.all()) or not bool(drawing.any()):
+            return self.head(hidden)
+        return self.head(hidden[drawing.nonzero().squeeze(-1)])
+
+
+@contextlib.contextmanager
+def live_rows_head(model, sampler: RowSampler) -> Iterator[None]:
+    """`model`'s LM head replaced by a `LiveRowsHead` on `sampler` while the block runs (the base model's, under a
+    PEFT or DDP wrapper); the model's own head is put back after it, whatever happens. A model without an LM head
+    module of its own runs unchanged."""
+    base = getattr(model, "module", model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    head = base.get_output_embeddings()
+    if head is None:  # a model without a separate LM head module: it runs as it is
+        yield
+        return
+    base.set_output_embeddings(LiveRowsHead(head, sampler))
+    try:
+        yield
+    finally:
+        base.set_output_embeddings(head)
 
 
 class StopWhenAsked(StoppingCriteria):
@@ -144,14 +187,18 @@ def sample_continuations(
         bos_token_id=None,
         **(generation_options or {}),
     )
-    output = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=generation_config,
-        logits_processor=LogitsProcessorList([sampler]),
-        stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
-        synced_gpus=synced_gpus,
-    )
+    # On a GPU the finished rows' share of the head is cheap, and picking the live rows would make the host wait for
+    # the device at every step; with synced_gpus every rank must run the same head calls.
+    skip_finished = device.type == "cpu" and not synced_gpus
+    with live_rows_head(model, sampler) if skip_finished else contextlib.nullcontext():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            logits_processor=LogitsProcessorList([sampler]),
+            stopping_criteria=StoppingCriteriaList([StopWhenAsked(stop_early)] if stop_early is not None else []),
+            synced_gpus=synced_gpus,
+        )
     if sampler.saw_nan.item():  # a diverged or overflowing model: its texts are noise, and its scores would be too
         raise NonFiniteLogits("NaN in the model's logits while generating")
     stops = set(stop_ids)

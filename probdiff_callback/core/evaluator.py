@@ -34,7 +34,7 @@ from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Cost, Record, Summary
 from probdiff_callback.core.reference_metrics import ReferencePlan, score_records, summarize_references
 from probdiff_callback.core.sampling import row_seed
-from probdiff_callback.core.scoring import score_batch
+from probdiff_callback.core.scoring import score_batch, score_shared_prompts, shares_prompt_cache
 
 T = TypeVar("T")
 ABANDONED = "evaluation abandoned"  # in the error every rank sees when any rank abandoned its share
@@ -270,10 +270,11 @@ def score_chains(
     """Each chain's answer and last revision scored by `model` under the query's chat prompt, `batch_size` chains
     at a time; `progress(n)` is told as chains are scored."""
     for batch in _batches(list(chains), config.batch_size):
-        texts = [c.answer for c in batch] + [c.last_text() for c in batch]
-        prompts = [c.prepared.prompt_ids for c in batch] * 2
-        scores = score_texts(model, tokenizer, prompts, texts, config, sync_n_chunks)
-        for c, s_answer, s_revised in zip(batch, scores[: len(batch)], scores[len(batch) :]):
+        prompts = [c.prepared.prompt_ids for c in batch]
+        scores = score_texts(
+            model, tokenizer, prompts, [[c.answer, c.last_text()] for c in batch], config, sync_n_chunks
+        )
+        for c, (s_answer, s_revised) in zip(batch, scores):
             c.score_answer, c.score_revised = s_answer, s_revised
         if progress is not None:
             progress(len(batch))
@@ -449,13 +450,22 @@ def score_texts(
     model,
     tokenizer,
     prompts: Sequence[Sequence[int]],
-    texts: Sequence[str],
+    texts: Sequence[Sequence[str]],
     config: ProbDiffConfig,
     sync_n_chunks: Callable[[int], int] | None = None,
-) -> list[tuple[float, int]]:
-    """(mean log-prob, token count) of each text after its chat prompt; the text is tokenized on its own."""
-    response_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return score_batch(model, prompts, response_ids, tokenizer.pad_token_id, config.score_chunk_tokens, sync_n_chunks)
+) -> list[list[tuple[float, int]]]:
+    """(mean log-prob, token count) of each of `texts[i]` after the chat prompt `prompts[i]` (every prompt with the
+    same number of texts); a text is tokenized on its own. With `score_prompt_once` a prompt runs once for all its
+    texts (`score_shared_prompts`), else each text runs as a whole sequence (`score_batch`)."""
+    if any(isinstance(row, str) for row in texts):
+        raise TypeError("score_texts takes a list of texts per prompt, not one text")
+    ids = [[tokenizer(t, add_special_tokens=False)["input_ids"] for t in row] for row in texts]
+    pad, chunk = tokenizer.pad_token_id, config.score_chunk_tokens
+    if config.score_prompt_once and shares_prompt_cache(model):
+        return score_shared_prompts(model, prompts, ids, pad, chunk, sync_n_chunks)
+    k = len(ids[0]) if ids else 0  # the whole sequences in text-major order: all first texts, then all second ...
+    flat = score_batch(model, list(prompts) * k, [row[j] for j in range(k) for row in ids], pad, chunk, sync_n_chunks)
+    return [[flat[j * len(ids) + i] for j in range(k)] for i in range(len(ids))]
 
 
 def score_pairs(
@@ -478,20 +488,12 @@ def score_pairs(
     with inference_mode(model):
         for start in tqdm(range(0, len(pairs), config.batch_size), desc="Scoring", unit="batch", disable=not progress):
             chunk = list(range(start, min(start + config.batch_size, len(pairs))))
-            texts = [pairs[i][1] for i in chunk] + [pairs[i][2] for i in chunk]
-            prompts = [prepared[i].prompt_ids for i in chunk] * 2
+            prompts = [prepared[i].prompt_ids for i in chunk]
             started = clock()
-            batch_scores = score_texts(model, tokenizer, prompts, texts, config)
+            batch_scores = score_texts(model, tokenizer, prompts, [[pairs[i][1], pairs[i][2]] for i in chunk], config)
             cost.scoring_seconds += clock() - started
-            for j, i in enumerate(chunk):
+            for i, (s_response, s_revised) in zip(chunk, batch_scores):
                 records.append(
-                    build_record(
-                        prepared[i],
-                        [pairs[i][1]],
-                        [[pairs[i][2]]],
-                        [batch_scores[j]],
-                        [batch_scores[len(chunk) + j]],
-                        config.delta,
-                    )
+                    build_record(prepared[i], [pairs[i][1]], [[pairs[i][2]]], [s_response], [s_revised], config.delta)
                 )
     return Evaluation(records, cost)

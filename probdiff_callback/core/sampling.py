@@ -1,13 +1,18 @@
 """Exact temperature + top-p sampling that is reproducible per row and fast on a 152k vocabulary.
 
 HF `generate` samples every row from one global generator, so a query's text depends on
-the batch it lands in, the batch size and the rank. Here each row draws its uniform
-number from a counter-based hash of (row seed, decoding step), so a row's text depends
-only on its seed. The draw is an inverse-CDF lookup in the nucleus: exactly the
-distribution of temperature + top-p sampling. The nucleus is found without sorting the
-vocabulary: the top token alone when it holds top_p of the mass, else among the k
-heaviest tokens (found blockwise, see `largest`); only rows whose top 8,192 hold less
-than top_p of the mass fall back to a full sort.
+the batch it lands in, the batch size and the rank. Here each row draws from a counter-based
+hash of (row seed, decoding step), so a row's text depends only on its seed.
+
+At top_p 1 (the reference code's setting) the draw is an exponential race over the whole
+vocabulary in two stages: a block of 64 ids wins with probability its mass over the total,
+then an id of that block with probability its weight over the block's. Each stage races
+(the largest weight / Exp(1) wins) on noise hashed from the row's uniform, so a few thousand
+noise values per row and step instead of one per id; see `race`. With top_p < 1 the draw is
+an inverse-CDF lookup in the nucleus, found without sorting the vocabulary: the top token
+alone when it holds top_p of the mass, else among the k heaviest tokens (found blockwise,
+see `largest`); only rows whose top 8,192 hold less than top_p of the mass fall back to a
+full sort. Both are exactly the distribution of temperature + top-p sampling.
 """
 
 from __future__ import annotations
@@ -43,6 +48,57 @@ def counter_uniforms(seeds: Sequence[int], step: int) -> torch.Tensor:
     with np.errstate(over="ignore"):
         mixed = _splitmix64(_splitmix64(keys) ^ np.uint64(step))
     return torch.from_numpy((mixed >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+# The race's two noise streams, apart from each other and from `counter_uniforms`.
+_RACE_BLOCKS, _RACE_IDS = np.uint64(0x5241434542), np.uint64(0x52414345494)
+RACE_BLOCK = 64  # ids per block of the race: 2,376 blocks of Qwen's 152,064 ids
+
+
+def race_exponentials(keys: np.ndarray, counters: np.ndarray, stream: np.uint64) -> np.ndarray:
+    """Exp(1) noise [rows, len(counters)]: entry (r, j) hashed from (keys[r], stream, counters[j]) alone."""
+    with np.errstate(over="ignore"):
+        mixed = _splitmix64((_splitmix64(keys ^ stream))[:, None] ^ counters[None, :])
+    # (h + 0.5) / 2**53: uniform in (0, 1), never 0, so the exponential is finite
+    return -np.log(((mixed >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53)
+
+
+def block_sums(weights: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums of `weights` [rows, width] over consecutive blocks of `block` columns, the last block holding the
+    remainder of the width (no copy of `weights`)."""
+    n_rows, width = weights.shape
+    full = width // block
+    sums = weights[:, : full * block].reshape(n_rows, full, block).sum(-1)
+    if width % block:
+        sums = torch.cat([sums, weights[:, full * block :].sum(-1, keepdim=True)], dim=1)
+    return sums
+
+
+def race(weights: torch.Tensor, sums: torch.Tensor, keys: torch.Tensor, block: int = RACE_BLOCK) -> torch.Tensor:
+    """An id per row of `weights` [rows, width] (unnormalised, >= 0), id i with probability weights[i] / total.
+
+    An exponential race: with E_i ~ Exp(1) independent, argmax_i w_i / E_i is i with probability w_i / sum(w).
+    Run over all 152k ids it costs one random number per id and step, most of a decoding step on a small model. Run
+    in two stages it is the same distribution for far less: block b (of `block` ids, `sums` [rows, blocks] their
+    masses, `block_sums`) wins with probability W_b / total, then id i of the winning block with probability
+    w_i / W_b. Each stage's noise is hashed from the row's key ([rows] int64) and the block's index or the id's
+    place in the block, so a row's draw depends on its own logits and key alone.
+
+    Unlike inverting a CDF over the vocabulary, where the rounding of every weight ranked before the drawn id moves
+    the boundary, a race's winner moves only when two ratios tie to within rounding: so a row's token does not
+    change with the batch it is decoded in, whose logits differ from its own in the last bits.
+    """
+    n_rows, width = weights.shape
+    host_keys = keys.cpu().numpy().astype(np.uint64)
+    block_noise = race_exponentials(host_keys, np.arange(sums.shape[1], dtype=np.uint64), _RACE_BLOCKS)
+    id_noise = race_exponentials(host_keys, np.arange(block, dtype=np.uint64), _RACE_IDS)
+    device = weights.device
+    winner = torch.argmax(sums.double() / torch.from_numpy(block_noise).to(device), dim=-1)
+    ids = winner[:, None] * block + torch.arange(block, device=device)
+    inside = ids < width  # the last block may be shorter
+    candidates = weights.gather(1, ids.clamp(max=width - 1)).double() * inside
+    pick = torch.argmax(candidates / torch.from_numpy(id_noise).to(device), dim=-1)
+    return ids.gather(1, pick[:, None]).squeeze(1)
 
 
 def _pick_in_nucleus(probs_desc: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -137,13 +193,15 @@ def sample_tokens(
     blocks = weights.view(n_rows, vocab // block, block)
     block_max = blocks.amax(dim=-1)
     # weights = exp((logit - max) / T), in place, not torch.softmax (slower on CPU, and a copy).
-    # The top token weighs 1, so 1 / total is its probability. An fp32 sum over the vocabulary
-    # is exact to ~1e-7 relative (pairwise summation); fp64 would cost several times as much.
+    # The top token weighs 1, so 1 / total is its probability.
     weights.sub_(block_max.amax(dim=-1, keepdim=True)).mul_((1.0 / temperatures[rows, None]).to(weights.dtype))
     weights.clamp_(min=LOWEST_EXPONENT).exp_()
     if n_valid_ids is not None:
         weights[:, n_valid_ids:] = 0.0  # exactly: the clamp gave them the floor weight
-    total = weights.sum(dim=-1).double()
+    # The race's block masses, in fp32 (exact to ~1e-7 relative; an fp64 pass over the vocabulary would cost
+    # several times as much), and their total in fp64.
+    sums = block_sums(weights, RACE_BLOCK)
+    total = sums.double().sum(dim=-1)
     top_p = top_ps[rows].double()
     u = uniforms[rows]
 
@@ -155,17 +213,13 @@ def sample_tokens(
         best_block = block_max[alone].argmax(dim=-1)
         result[alone] = best_block * block + blocks[alone, best_block].argmax(dim=-1)
     pending = (result < 0).nonzero().squeeze(-1)
-    # top_p = 1 (the reference code's setting): the whole vocabulary, drawn by an exponential race, no
-    # sort. Id i wins (has the largest w_i / E_i, E_i ~ Exp(1)) with probability w_i / total. Inverting a
-    # CDF over 152k ids instead would let the rounding of every weight before the drawn id move the
-    # boundary, so a row's text would change with the batch it is decoded in; the race's winner moves
-    # only when two ratios tie to within rounding. Each row's race is seeded by its own uniform.
+    # top_p = 1 (the reference code's setting): the whole vocabulary, by a race (no sort), its noise keyed by the
+    # row's uniform: the uniform's 53 bits identify (row seed, step).
     whole = pending[top_p[pending] >= 1.0]
-    for row in whole.tolist():
-        generator = torch.Generator(device=weights.device).manual_seed(int(u[row].item() * 2.0**53))
-        # fp64: an fp32 draw rounds to exactly 0 (an infinite ratio) about once per 150 rows of 152k ids
-        race = torch.empty(vocab, dtype=torch.float64, device=weights.device).exponential_(generator=generator)
-        result[row] = torch.argmax(weights[row].double() / race)
+    if whole.numel():
+        keys = (u[whole] * 2.0**53).to(torch.int64)
+        every = whole.numel() == n_rows  # all rows race (the default settings): no copy of the weights
+        result[whole] = race(weights if every else weights[whole], sums if every else sums[whole], keys)
     pending = pending[top_p[pending] < 1.0]
     # Otherwise widen the candidate set only for rows that need it: when the k heaviest
     # tokens hold top_p of the mass, the nucleus lies among them. Flat rows (an untrained

@@ -12,6 +12,7 @@ coarser than the thresholds (0.02-0.05) we compare against.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -216,3 +217,142 @@ def _logprob_sums(
         0, torch.tensor(rows, dtype=torch.long), logprobs.double()
     )
     return sums.tolist()
+
+
+def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of `prompts` padded on the left, as `generate` takes them: each prompt ends in
+    the last column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[i, width - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+def shares_prompt_cache(model) -> bool:
+    """Whether `score_shared_prompts` can score `model`: its KV cache, as the model builds it from its config, can be
+    copied along the batch. Every attention layer's can (full, sliding window, quantized); the linear-attention and
+    recurrent layers of hybrid models cannot, and those are scored as whole sequences (`score_batch`)."""
+    from transformers import DynamicCache
+
+    decoder, _ = split_model(model)
+    return all(hasattr(layer, "batch_repeat_interleave") for layer in DynamicCache(config=decoder.config).layers)
+
+
+@torch.no_grad()
+def score_shared_prompts(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[Sequence[int]]],
+    pad_token_id: int,
+    chunk_size: int = 512,
+    sync_n_chunks: Callable[[int], int] | None = None,
+    rows_per_forward: int = SCORE_ROWS_PER_FORWARD,
+) -> list[list[tuple[float, int]]]:
+    """For each prompt, (mean log-prob, token count) of each of its continuations, as `score_batch` gives them, with
+    the prompt run once: its KV cache, copied for each continuation, then the continuations from it.
+
+    An answer and its revision share the query's chat prompt, usually the longer part (an XSum document: ~500 tokens
+    against 30-60): scoring both as whole sequences runs the prompt twice. Every prompt has the same number of
+    continuations (k). `rows_per_forward // k` prompts run together, in order of length; each group is two decoder
+    calls (the prompts, left-padded as `generate` pads them, then their continuations, right-padded) and its LM-head
+    chunks, so the number of calls depends only on the number of prompts, as ZeRO-3 with sharded parameters needs.
+    The empty-response and non-finite rules are `score_batch`'s.
+    """
+    k = len(continuations[0]) if continuations else 0
+    if any(len(texts) != k for texts in continuations) or len(continuations) != len(prompt_ids):
+        raise ValueError("score_shared_prompts: every prompt needs the same number of continuations")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("score_shared_prompts: an empty prompt has no position to predict a first token from")
+    decoder, lm_head = split_model(model)
+    device = lm_head.weight.device if hasattr(lm_head, "weight") else next(model.parameters()).device
+    order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), max(map(len, continuations[i]))))
+    sums: list[list[float]] = [[] for _ in prompt_ids]
+    per_forward = max(1, rows_per_forward // max(k, 1))
+    for start in range(0, len(order), per_forward):
+        group = order[start : start + per_forward]
+        group_sums = _shared_prompt_sums(
+            decoder,
+            lm_head,
+            device,
+            [prompt_ids[i] for i in group],
+            [continuations[i] for i in group],
+            pad_token_id,
+            chunk_size,
+            sync_n_chunks,
+        )
+        for i, totals in zip(group, group_sums):
+            sums[i] = totals
+    lengths = [[len(text) for text in texts] for texts in continuations]
+    broken = sum(1 for row, ns in zip(sums, lengths) for total, n in zip(row, ns) if n and not math.isfinite(total))
+    if broken:
+        raise NonFiniteLogits(
+            f"the log-probability of {broken} of {len(prompt_ids) * k} responses is not finite: the model's "
+            "logits hold NaN or infinity"
+        )
+    return [[(total / n if n else math.nan, n) for total, n in zip(row, ns)] for row, ns in zip(sums, lengths)]
+
+
+def _cache_keyword(decoder) -> str:
+    """The name of a decoder's KV cache, in its forward's arguments and its output: transformers 5.24 renamed
+    `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def _shared_prompt_sums(
+    decoder, lm_head, device, prompt_ids, continuations, pad_token_id, chunk_size, sync_n_chunks
+) -> list[list[float]]:
+    """Sum of log p(token) of each continuation of each prompt: the prompts in one left-padded forward that keeps
+    its KV cache, then every continuation in one right-padded forward from the cache, copied k times."""
+    from transformers import Cache
+
+    k = len(continuations[0])
+    long = dict(dtype=torch.long, device=device)
+    cache_keyword = _cache_keyword(decoder)
+    input_ids, prompt_mask = (t.to(device) for t in left_padded(prompt_ids, pad_token_id))
+    prompt = decoder(
+        input_ids=input_ids,
+        attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),  # as generate: positions count real tokens only
+        use_cache=True,
+    )
+    cache = getattr(prompt, cache_keyword)
+    if not isinstance(cache, Cache) or not all(hasattr(layer, "batch_repeat_interleave") for layer in cache.layers):
+        raise TypeError(
+            f"{type(decoder).__name__} returned a KV cache ({type(cache).__name__}) that cannot be copied along the "
+            "batch: score this model with score_prompt_once=false"
+        )
+    cache.batch_repeat_interleave(k)  # rows: prompt 0's k continuations, then prompt 1's, ...
+    last_prompt_state = prompt.last_hidden_state[:, -1].repeat_interleave(k, dim=0)  # predicts each first token
+    del prompt
+    texts = [text for texts in continuations for text in texts]
+    width = max(1, max(map(len, texts)))  # one padding position where all are empty: every rank runs this call
+    text_ids = torch.full((len(texts), width), pad_token_id, dtype=torch.long)
+    text_mask = torch.zeros((len(texts), width), dtype=torch.long)
+    for row, text in enumerate(texts):
+        text_ids[row, : len(text)] = torch.tensor(text, dtype=torch.long)
+        text_mask[row, : len(text)] = 1
+    prompt_lengths = prompt_mask.sum(-1).repeat_interleave(k)
+    hidden = decoder(
+        input_ids=text_ids.to(device),
+        attention_mask=torch.cat([prompt_mask.repeat_interleave(k, dim=0), text_mask.to(device)], dim=1),
+        position_ids=prompt_lengths[:, None] + torch.arange(width, device=device),
+        use_cache=True,
+        **{cache_keyword: cache},
+    ).last_hidden_state
+    del cache
+    # token t of a text is predicted by the state before it: the prompt's last for t = 0, else the text's own t - 1
+    states = torch.cat([last_prompt_state[:, None], hidden[:, :-1]], dim=1)
+    del hidden
+    rows = [row for row, text in enumerate(texts) for _ in text]
+    positions = [t for text in texts for t in range(len(text))]
+    targets = [token for text in texts for token in text]
+    selected = states[torch.tensor(rows, **long), torch.tensor(positions, **long)]
+    del states
+    logprobs = token_logprobs_chunked(selected, torch.tensor(targets, **long), lm_head, chunk_size, sync_n_chunks).cpu()
+    sums = torch.zeros(len(texts), dtype=torch.float64).index_add_(
+        0, torch.tensor(rows, dtype=torch.long), logprobs.double()
+    )
+    return sums.view(len(continuations), k).tolist()
