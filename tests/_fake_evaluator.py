@@ -3,7 +3,8 @@ the real one: it speaks the queue's contract (`runs/queue.py`) and nothing more.
 reads the spec and the queries, takes the requests in step order, checks each request's weights as an evaluator would
 load them (`weights_problem`), writes the step's row and made-up records through `RunFiles` (no model: each step's
 confidence comes from `FAKE_CONFIDENCES`) and marks the request done; it exits once `training-ended` is there and
-nothing is pending, or on SIGTERM (the step in progress stays pending).
+nothing is pending, or on SIGTERM (the step in progress stays pending). Started before training, it waits for the
+spec.
 
     python tests/_fake_evaluator.py RUN_DIR [--started-by-training] [--subdir probdiff]
 
@@ -60,6 +61,8 @@ def main() -> int:
         set_parent_death_signal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     queue = q.queue_dir(options.run_dir, options.subdir)
+    while not (queue / q.SPEC_FILE).is_file():  # started before training wrote its spec
+        time.sleep(0.2)
     lock = FileLock(queue / q.LOCK_FILE, timeout=0, thread_local=False, fallback_to_soft=False, preserve_lock_file=True)
     try:
         lock.acquire()

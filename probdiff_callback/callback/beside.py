@@ -575,13 +575,23 @@ class BesideTraining:
                 if not stop and now - said_at >= PROGRESS_SECONDS:
                     said_at = now
                     bound = "until they are done" if limit is None else f"up to {limit:g}s (end_wait_seconds)"
+                    nobody = (
+                        f"; no evaluator is running: start `probdiff watch {self.run_dir}`"
+                        if evaluator_holder(self.queue_path) is None and not self._local_running()
+                        else ""
+                    )
                     logger.info(
                         f"ProbDiff: waiting for {left} evaluation{'s' if left > 1 else ''} (steps "
                         f"{describe_steps(self.awaiting)}) before training ends: {now - started:.0f}s so far, {bound}"
+                        f"{nobody}"
                     )
             if self._broadcast(stop):
                 return
             time.sleep(POLL_SECONDS)
+
+    def _local_running(self) -> bool:
+        """The local evaluator's process is alive (it may not hold the lock yet: it is loading)."""
+        return self.evaluator is not None and self.evaluator.running()
 
     def end(self, args: TrainingArguments, state: TrainerState, stopped: bool) -> None:
         """Training ends (every rank): without a stop, what is left is waited for (see `wait`); the evaluator is
