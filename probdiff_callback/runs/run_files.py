@@ -197,7 +197,7 @@ def read_eval_losses(path: str | os.PathLike) -> list[float]:
         raise DataFileError(f"{path}: not valid JSON ({err.msg})") from None
     losses = value.get("losses") if isinstance(value, dict) else None
     if not isinstance(losses, list) or not all(v is None or is_finite(v) for v in losses):
-        raise DataFileError(f"{path}: expected {{\"losses\": [numbers or null, ...]}}, one per eval conversation")
+        raise DataFileError(f'{path}: expected {{"losses": [numbers or null, ...]}}, one per eval conversation')
     return [math.nan if v is None else float(v) for v in losses]
 
 
