@@ -46,7 +46,7 @@ from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.eval_losses import ExampleLosses
 from probdiff_callback.callback.evaluator_process import LocalEvaluator, describe_steps, evaluator_holder
-from probdiff_callback.callback.ranks import broadcast
+from probdiff_callback.callback.ranks import broadcast, is_zero3
 from probdiff_callback.callback.wandb_records import WandbRecords
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
@@ -66,8 +66,10 @@ IDLE_EXIT_SECONDS = 30.0  # at the end, the local evaluator's time to exit by it
 # What an evaluator needs of a checkpoint (the adapter or the whole model); `model*.safetensors` shards besides
 CHECKPOINT_WEIGHT_FILES = (
     "adapter_model.safetensors",
+    "adapter_model.bin",
     "adapter_config.json",
     "model.safetensors.index.json",
+    "pytorch_model.bin",
     "config.json",
     "generation_config.json",
 )
@@ -124,6 +126,21 @@ def checkpoint_weight_files(checkpoint: Path) -> list[str]:
     names = set(os.listdir(checkpoint)) if checkpoint.is_dir() else set()
     shards = {n for n in names if n.startswith("model") and n.endswith(".safetensors")}
     return sorted((names & set(CHECKPOINT_WEIGHT_FILES)) | shards)
+
+
+def whole_weights_problem(accelerator) -> str | None:
+    """Why the weights saved at a step would not be whole (the evaluator loads them): ZeRO-3 gathers them for a save
+    only with `stage3_gather_16bit_weights_on_model_save`; else None."""
+    if not is_zero3(accelerator):
+        return None
+    plugin = accelerator.state.deepspeed_plugin
+    zero = (plugin.deepspeed_config or {}).get("zero_optimization", {})
+    if plugin.zero3_save_16bit_model or zero.get("stage3_gather_16bit_weights_on_model_save") is True:
+        return None
+    return (
+        "ProbDiff: async_eval under ZeRO-3 needs whole weights at every queued step: set "
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (accelerate: zero3_save_16bit_model: true)"
+    )
 
 
 def finite_or_none(values: Iterable[float]) -> list[float | None]:
@@ -244,6 +261,8 @@ class BesideTraining:
     # ---- train begin ----
     def begin(self, args: TrainingArguments, state: TrainerState) -> None:
         """Take the queue and the Trainer's rotation over, write the spec, start the evaluator (main process)."""
+        if problem := whole_weights_problem(self.trainer.accelerator):
+            raise ValueError(problem)
         self.save_total_limit, args.save_total_limit = args.save_total_limit, None
         self._deadline = None
         known, evaluated = self._take_over(args, state) if self._is_main() else (set(), {})
@@ -403,8 +422,8 @@ class BesideTraining:
                 )
 
     def _link_or_save(self, request: q.Request) -> None:
-        """The step's weights in the queue: hard links to its checkpoint's files, or (a checkpoint without whole
-        weights, e.g. ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`) the model saved there."""
+        """The step's weights in the queue: hard links to its checkpoint's files, or, where they are not whole weights
+        (a checkpoint in another layout), the model saved there."""
         whole = False
         if self._is_main():
             checkpoint = Path(request.checkpoint or "")
