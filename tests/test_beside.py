@@ -201,7 +201,7 @@ def test_an_evaluator_that_keeps_dying_is_started_again_a_few_times_then_the_use
         evaluator.check(lambda: q.pending(queue))
     restarts = [r.message for r in caplog.records if "starting it again" in r.message]
     assert len(restarts) == evaluator_process.MAX_RESTARTS
-    assert restarts[0].endswith("exited with status 3 while steps 0 await evaluation (its last line: -); starting "
+    assert restarts[0].endswith("exited with status 3 while step 0 awaits evaluation (its last line: -); starting "
                                 "it again (1 of 3)")  # fmt: skip
     assert evaluator.gave_up and evaluator.process is None
     assert f"training goes on without it: run `probdiff watch {tmp_path}` to evaluate the queue" in caplog.text

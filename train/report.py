@@ -110,9 +110,11 @@ def not_evaluated(run_dir: Path, subdir: str) -> str | None:
     steps = [request.global_step for request in pending(queue_dir(run_dir, subdir))]
     if not steps:
         return None
+    listed = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+    them = "them" if len(steps) > 1 else "it"
     return (
-        f"(steps {', '.join(map(str, steps))} not evaluated yet: `probdiff watch {run_dir}` evaluates them, then "
-        f"`probdiff select {run_dir}` ranks every step)"
+        f"({listed} not evaluated yet: `probdiff watch {run_dir}` evaluates {them}, then `probdiff select {run_dir}` "
+        "ranks every step)"
     )
 
 

@@ -45,7 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort
 from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.eval_losses import ExampleLosses
-from probdiff_callback.callback.evaluator_process import LocalEvaluator, describe_steps, evaluator_holder
+from probdiff_callback.callback.evaluator_process import LocalEvaluator, describe_steps, evaluator_holder, several
 from probdiff_callback.callback.ranks import broadcast, is_zero3
 from probdiff_callback.callback.wandb_records import WandbRecords
 from probdiff_callback.core.config import ProbDiffConfig
@@ -165,7 +165,7 @@ class LateResult:
     error: str | None
     confidence: float
     records: str | None  # the step's records file, relative to the probdiff directory (W&B's histogram and table)
-    seconds: float
+    seconds: float | None  # what the evaluator took, for an evaluation since this training start (else None)
 
 
 @contextlib.contextmanager
@@ -248,6 +248,7 @@ class BesideTraining:
         self.queue_seconds = 0.0  # what queueing cost training: weights, each conversation's eval loss
         self.evaluator_seconds: list[float] = []  # each result's evaluation, in the evaluator
         self._deadline: float | None = None
+        self._started_at = time.time()  # this training start's
         self._resolution_said = False
         self._wandb = WandbRecords(config.wandb_table_rows)
         self._alerts = DisagreementAlerts()
@@ -264,7 +265,7 @@ class BesideTraining:
         if problem := whole_weights_problem(self.trainer.accelerator):
             raise ValueError(problem)
         self.save_total_limit, args.save_total_limit = args.save_total_limit, None
-        self._deadline = None
+        self._deadline, self._started_at = None, time.time()
         known, evaluated = self._take_over(args, state) if self._is_main() else (set(), {})
         self.known, self.evaluated = self._broadcast((known, evaluated))
         if not self._is_main():
@@ -317,7 +318,8 @@ class BesideTraining:
         if baseline is not None and 0 in logged:
             self._say_resolution(baseline.confidence)
         if requests:
-            logger.info(f"ProbDiff: steps {describe_steps(requests)} are queued from before; the evaluator takes them")
+            them = "them" if several(requests) else "it"
+            logger.info(f"ProbDiff: {describe_steps(requests)} queued before this start: the evaluator takes {them}")
         metrics = {s: self.metrics_of(row.summary, row.vs_base) for s, row in rows.items()}
         return set(rows) | set(requests), metrics
 
@@ -486,7 +488,9 @@ class BesideTraining:
                 error = f"the evaluator marked step {step} done, but {self.files.history_path} has no row for it"
                 row = HistoryRow(step, error=error)
             mark = q.done(self.queue_path, step)
-            seconds = mark.seconds if mark is not None and mark.seconds is not None else row.seconds
+            seconds = None
+            if mark is not None and mark.finished_at >= self._started_at:  # not a result logged again on resuming
+                seconds = float(mark.seconds) if is_finite(mark.seconds) else float(row.seconds)
             arrived.append(
                 LateResult(
                     step=step,
@@ -496,7 +500,7 @@ class BesideTraining:
                     error=row.error if row.failed else None,
                     confidence=row.confidence,
                     records=row.records if not row.failed else None,
-                    seconds=float(seconds) if is_finite(seconds) else 0.0,
+                    seconds=seconds,
                 )
             )
         return arrived
@@ -517,7 +521,8 @@ class BesideTraining:
             if os.path.isdir(best):
                 trainer.state.best_model_checkpoint = best
         if self._is_main():
-            self.evaluator_seconds.append(result.seconds)
+            if result.seconds is not None:
+                self.evaluator_seconds.append(result.seconds if math.isfinite(result.seconds) else 0.0)
             if result.kind == "baseline":
                 self._say_resolution(result.confidence)
             if result.error is not None:
@@ -600,8 +605,8 @@ class BesideTraining:
                         else ""
                     )
                     logger.info(
-                        f"ProbDiff: waiting for {left} evaluation{'s' if left > 1 else ''} (steps "
-                        f"{describe_steps(self.awaiting)}) before training ends: {now - started:.0f}s so far, {bound}"
+                        f"ProbDiff: waiting for {left} evaluation{'s' if left > 1 else ''} "
+                        f"({describe_steps(self.awaiting)}) before training ends: {now - started:.0f}s so far, {bound}"
                         f"{nobody}"
                     )
             if self._broadcast(stop):
@@ -630,15 +635,17 @@ class BesideTraining:
         self.rotate(args, state)
         if not self.awaiting:
             return
-        steps = describe_steps(self.awaiting)
+        steps, many = describe_steps(self.awaiting), several(self.awaiting)
+        them = "them" if many else "it"
         holder = evaluator_holder(self.queue_path)
         if stopped:
-            logger.info(f"ProbDiff: steps {steps} stay queued: resuming the run evaluates them (or `probdiff watch "
+            stay = "stay" if many else "stays"
+            logger.info(f"ProbDiff: {steps} {stay} queued: resuming the run evaluates {them} (or `probdiff watch "
                         f"{self.run_dir}`)")  # fmt: skip
         elif holder is not None:
-            logger.info(f"ProbDiff: steps {steps} not evaluated yet: the evaluator ({holder}) goes on with them")
+            logger.info(f"ProbDiff: {steps} not evaluated yet: the evaluator ({holder}) goes on with {them}")
         else:
-            logger.warning(f"ProbDiff: steps {steps} not evaluated yet: `probdiff watch {self.run_dir}` evaluates them")
+            logger.warning(f"ProbDiff: {steps} not evaluated yet: `probdiff watch {self.run_dir}` evaluates {them}")
 
     def summary(self) -> str | None:
         """What evaluating beside training cost, for the end of the run."""
@@ -649,5 +656,5 @@ class BesideTraining:
             "(weights, each conversation's eval loss)"
         )
         if self.awaiting:
-            text += f"; steps {describe_steps(self.awaiting)} not evaluated yet"
+            text += f"; {describe_steps(self.awaiting)} not evaluated yet"
         return text

@@ -35,7 +35,13 @@ LAUNCHER_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "PET_")
 
 
 def describe_steps(steps: Iterable[int]) -> str:
-    return ", ".join(str(step) for step in sorted(steps))
+    """`step 4` or `steps 3, 4`."""
+    ordered = sorted(steps)
+    return f"step{'s' if len(ordered) != 1 else ''} {', '.join(map(str, ordered))}"
+
+
+def several(steps: Iterable[int]) -> bool:
+    return len(list(steps)) != 1
 
 
 def evaluator_holder(queue: Path) -> str | None:
@@ -143,10 +149,11 @@ class LocalEvaluator:
         if not left or evaluator_holder(self.queue) is not None:
             return
         steps = describe_steps(r.global_step for r in left)
+        awaits = "await" if several(left) else "awaits"
         if code is not None and (code != 0 or any(r.queued_at <= self.started_at for r in left)):
             self.failures += 1
             last = last_line(self.log_path)
-            said = f"exited with status {code} while steps {steps} await evaluation (its last line: {last or '-'})"
+            said = f"exited with status {code} while {steps} {awaits} evaluation (its last line: {last or '-'})"
             if self.failures > MAX_RESTARTS:
                 self.gave_up = True
                 logger.error(
@@ -157,7 +164,7 @@ class LocalEvaluator:
             logger.warning(f"ProbDiff: the evaluator (pid {pid}) {said}; starting it again ({self.failures} of "
                            f"{MAX_RESTARTS})")  # fmt: skip
         elif code is None:
-            logger.info(f"ProbDiff: no evaluator holds {self.run_dir}'s queue any more; starting one for steps {steps}")
+            logger.info(f"ProbDiff: no evaluator holds {self.run_dir}'s queue any more; starting one for {steps}")
         self.start()
 
     def running(self) -> bool:
