@@ -7,9 +7,9 @@ process, never waits for it, and logs its results when they arrive.
 - the queue (`runs/queue.py`): the spec and the selected queries at train begin, then a request per step with the
   Trainer's eval loss and each conversation's, after the step's weights: hard links to the checkpoint the Trainer saves
   at that step, else `Trainer.save_model` into the queue at that hook (on every rank: ZeRO-3 gathers there);
-- the local evaluator (`probdiff watch RUN_DIR --started-by-training`, `LocalEvaluator`): started at train begin unless
-  another evaluator already holds the run's lock (`evaluator=external`: none, the user starts it), started again when
-  it dies with work left (`MAX_RESTARTS` times, then the user is told the command), stopped at the end;
+- the local evaluator (`evaluator_process`: `probdiff watch RUN_DIR --started-by-training`): started at train begin
+  unless another evaluator already holds the run's lock (`evaluator=external`: none, the user starts it), started again
+  when it dies with work left (a few times, then the user is told the command), stopped at the end;
 - late results: each done step's history row (the evaluator is the history's one writer) logged at its own step
   through the Trainer's `log` with its step set to it for the call (the log history, W&B's `train/global_step` step
   metric, every `report_to`), W&B's histogram and table, the best-model record as the Trainer would have set it,
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 ENDED_FILE = "training-ended"  # `queue/training-ended`: "completed" or "stopped"; an evaluator then ends when idle
 POLL_SECONDS = 2.0  # how often the end's wait looks for results
-PROGRESS_SECONDS = 15.0  # and says what it waits for
+PROGRESS_SECONDS = 30.0  # and says what it waits for
 IDLE_EXIT_SECONDS = 30.0  # at the end, the local evaluator's time to exit by itself once nothing is pending
 # What an evaluator needs of a checkpoint (the adapter or the whole model); `model*.safetensors` shards besides
 CHECKPOINT_WEIGHT_FILES = (
@@ -147,7 +147,7 @@ def finite_or_none(values: Iterable[float]) -> list[float | None]:
     return [float(v) if is_finite(v) else None for v in values]
 
 
-def training_ended(queue: Path, how: str) -> None:
+def write_training_ended(queue: Path, how: str) -> None:
     """Tell the evaluator that training queues nothing more (`how`: completed or stopped)."""
     queue.mkdir(parents=True, exist_ok=True)
     (queue / ENDED_FILE).write_text(how + "\n", encoding="utf-8")
@@ -317,9 +317,9 @@ class BesideTraining:
         baseline = next((row for row in rows.values() if row.kind == "baseline" and not row.failed), None)
         if baseline is not None and 0 in logged:
             self._say_resolution(baseline.confidence)
-        if requests:
-            them = "them" if several(requests) else "it"
-            logger.info(f"ProbDiff: {describe_steps(requests)} queued before this start: the evaluator takes {them}")
+        if left := [r.global_step for r in q.pending(queue)]:
+            them = "them" if several(left) else "it"
+            logger.info(f"ProbDiff: {describe_steps(left)} queued before this start: the evaluator takes {them}")
         metrics = {s: self.metrics_of(row.summary, row.vs_base) for s, row in rows.items()}
         return set(rows) | set(requests), metrics
 
@@ -585,7 +585,7 @@ class BesideTraining:
         is left to evaluate them; a progress line on the main process."""
         self._flush_held()
         if self._is_main():
-            training_ended(self.queue_path, "completed")
+            write_training_ended(self.queue_path, "completed")
         limit = self.config.end_wait_seconds
         started = time.monotonic()
         if self._deadline is None:
@@ -623,7 +623,7 @@ class BesideTraining:
         if stopped:
             self._flush_held()
             if self._is_main():
-                training_ended(self.queue_path, "stopped")
+                write_training_ended(self.queue_path, "stopped")
             self.poll(state)
         else:
             self.wait(state)
