@@ -8,6 +8,7 @@ from pathlib import Path
 
 from probdiff_callback.analysis.crosscheck import LABELS
 from probdiff_callback.analysis.report import fmt, format_p, format_table, format_win_tie_lose, pct
+from probdiff_callback.runs.queue import pending, queue_dir
 from probdiff_callback.runs.run_files import HistoryRow
 from train.recipe import Recipe
 
@@ -63,6 +64,8 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     print(format_table([*header, *[METRIC_LABELS[name] for name in references]], table))
     if rows and not references:
         print("(no reference metric for these queries: blog and AlignBench answers have none)")
+    if left := not_evaluated(run_dir, recipe.probdiff.output_subdir):
+        print(left)
     try:
         rows = run.successful_or_raise("; was the run trained with ProbDiffCallback?")
         print(one_line(crosscheck(rows, run.records)) + f"; details: probdiff crosscheck {run_dir}")
@@ -100,6 +103,19 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     print(f"  cross-check          probdiff crosscheck {run_dir}")
     if wandb_sync:
         print(f"  W&B run (offline)    upload it with: {wandb_sync}")
+
+
+def not_evaluated(run_dir: Path, subdir: str) -> str | None:
+    """With async_eval: the queued steps the evaluator has not evaluated yet, and how to have them evaluated."""
+    steps = [request.global_step for request in pending(queue_dir(run_dir, subdir))]
+    if not steps:
+        return None
+    listed = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+    them = "them" if len(steps) > 1 else "it"
+    return (
+        f"({listed} not evaluated yet: `probdiff watch {run_dir}` evaluates {them}, then `probdiff select {run_dir}` "
+        "ranks every step)"
+    )
 
 
 def one_line(report: Mapping) -> str:

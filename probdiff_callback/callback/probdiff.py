@@ -5,7 +5,9 @@ which steps), `trainer_evaluation` (the model in training evaluated across ranks
 `core.evaluator` (the evaluation), `runs.run_files` (the history, step records and checkpoint summaries), `metrics`
 (the Trainer's), `wandb_records`, `alerts` (the disagreement alarm), `cost` (what evaluating adds to the run's time)
 and `preemption` (a signal's stop, which abandons an evaluation in progress), `eval_losses` (each held-out
-conversation's eval loss, for the alarm's paired test). It says everything through `logger` or `trainer.log`.
+conversation's eval loss, for the alarm's paired test). With `async_eval` the same schedule queues the steps for an
+evaluator process instead, and `beside` owns the queue, the evaluator and the late results. It says everything
+through `logger` or `trainer.log`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
+from probdiff_callback.callback.beside import BesideTraining
 from probdiff_callback.callback.cost import CostReport
 from probdiff_callback.callback.eval_losses import ExampleLosses, PerExampleLossUnavailable, per_example_eval_losses
 from probdiff_callback.callback.metrics import metrics_from_summary, vs_base_metrics
@@ -93,6 +96,11 @@ class ProbDiffCallback(TrainerCallback):
         preemption (`PreemptionCallback`, *optional*): when it is asked to stop, an evaluation in progress is
             abandoned, the Trainer saves a checkpoint and stops, and the step is evaluated when the run resumes.
 
+    With `config.async_eval` the callback never evaluates: it queues each of these steps for an evaluator process
+    (`probdiff watch`, started beside training unless `config.evaluator="external"`) and logs the results at their
+    own steps when they arrive; the Trainer's metrics at its evaluation hold NaN under the ProbDiff keys until then
+    (docs/async.md).
+
     On several processes every rank evaluates an equal share and all ranks hand the Trainer the same metrics.
     Added with `trainer.add_callback`, it moves itself before any `EarlyStoppingCallback` when training
     begins, since early stopping reads the metric in its own `on_evaluate`.
@@ -129,11 +137,15 @@ class ProbDiffCallback(TrainerCallback):
         self._alerts = DisagreementAlerts()
         self._cost = CostReport()
         self._vllm = None  # VLLMGeneration (use_vllm), on the main process: started when training begins
+        # async_eval: the queue, the evaluator process and the late results (None: evaluated in the loop)
+        self._beside = (
+            BesideTraining(trainer, self.config, self.queries, self._metrics) if self.config.async_eval else None
+        )
 
     @property
     def evaluated(self) -> dict[int, dict[str, float]]:
-        """The metrics of every step evaluated so far, by global step."""
-        return self.state.evaluated
+        """The metrics of every step evaluated so far, by global step (with async_eval: those that arrived)."""
+        return self.state.evaluated if self._beside is None else self._beside.evaluated
 
     @property
     def categories(self) -> list[str]:
@@ -141,21 +153,43 @@ class ProbDiffCallback(TrainerCallback):
 
     def cost_summary(self) -> str | None:
         """What the evaluations added to the run's time, measured (for the end of the run)."""
-        return self._cost.totals()
+        return self._cost.totals() if self._beside is None else self._beside.summary()
 
     def _is_main(self) -> bool:
         return self.trainer.state.is_world_process_zero
+
+    def _known(self, step: int) -> bool:
+        """The step is evaluated (with async_eval: queued or evaluated): the schedule does not take it again."""
+        return step in (self.evaluated if self._beside is None else self._beside.known)
 
     # ---- hooks: when to evaluate ----
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         place_before_early_stopping(self.trainer.callback_handler, self)
-        check_selection_setup(args, self.config)
-        if self.config.use_vllm and self._vllm is None:
-            self._vllm = self._start_vllm()
+        check_selection_setup(args, self.config, self.trainer.callback_handler.callbacks)
         if (notice := self.reference_plan.notice()) and self._is_main():
             logger.info(f"ProbDiff: {notice}")
+        kept = self._begin_in_loop(args, state) if self._beside is None else []
+        if self._beside is not None:
+            self.state = CallbackState()
+            self.schedule.resume(args, state)
+            self._beside.begin(args, state)  # says the resolution when the baseline's result arrives
+        self.state.baseline_due = self.config.baseline and state.global_step == 0 and not self._known(0)
+        # With eval_on_start the Trainer evaluates step 0 next: the baseline runs in that on_evaluate, so its row is
+        # written once, with the base model's eval loss. The numbers are the same either way: the evaluation draws
+        # from its own seeds and leaves the training RNG as it found it.
+        if self.state.baseline_due and not args.eval_on_start:
+            self._evaluate(self._row(state, "baseline"))
+        elif not self.state.baseline_due and self._beside is None:  # else the baseline's evaluation says it
+            baseline = next((row for row in kept if row.kind == "baseline" and not row.failed), None)
+            self._say_resolution(None if baseline is None else baseline.confidence)
+        self._cost.training_started(state.global_step)
+
+    def _begin_in_loop(self, args: TrainingArguments, state: TrainerState) -> list[HistoryRow]:
+        """vLLM started, the history taken over and the resumed step completed; returns the history rows kept."""
+        if self.config.use_vllm and self._vllm is None:
+            self._vllm = self._start_vllm()
         kept, baseline_records = broadcast(self.trainer.accelerator, self._history_to_continue(state))
         self.state = CallbackState(
             evaluated={row.global_step: self._metrics(row.summary, row.vs_base) for row in kept if not row.abandoned},
@@ -164,16 +198,15 @@ class ProbDiffCallback(TrainerCallback):
         )
         self.schedule.resume(args, state)
         self._complete_resumed_step(state, kept)
-        self.state.baseline_due = self.config.baseline and state.global_step == 0 and 0 not in self.evaluated
-        # With eval_on_start the Trainer evaluates step 0 next: the baseline runs in that on_evaluate, so its row is
-        # written once, with the base model's eval loss. The numbers are the same either way: the evaluation draws
-        # from its own seeds and leaves the training RNG as it found it.
-        if self.state.baseline_due and not args.eval_on_start:
-            self._run(self._row(state, "baseline"))
-        elif not self.state.baseline_due:  # else the baseline's evaluation says it, with its confidence
-            baseline = next((row for row in kept if row.kind == "baseline" and not row.failed), None)
-            self._say_resolution(None if baseline is None else baseline.confidence)
-        self._cost.training_started(state.global_step)
+        return kept
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Late results between steps: a log now resets no log the Trainer has planned (its `on_log` clears
+        # `should_log`, which the step's end sets)
+        if self._beside is not None:
+            self._beside.poll(state)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         message = self._cost.message(args, state, self.config.every)
@@ -185,11 +218,13 @@ class ProbDiffCallback(TrainerCallback):
             self.config.at_end
             and control.should_training_stop
             and not self._stopping()
-            and state.global_step not in self.evaluated
+            and not self._known(state.global_step)
             and not control.should_evaluate
             and not (args.eval_strategy == "no" and control.should_save)
         ):
-            self._run(self._row(state, "end", checkpoint=checkpoint_to_come(args, state, control)))
+            self._evaluate(
+                self._row(state, "end", checkpoint=checkpoint_to_come(args, state, control)), control=control
+            )
             self._stop_if_abandoned(state, control)
 
     def on_evaluate(
@@ -209,38 +244,49 @@ class ProbDiffCallback(TrainerCallback):
         dataloader = kwargs.get("eval_dataloader")
         if step == 0 and self.state.baseline_due:
             losses = self._example_losses(metrics, dataloader)
-            self._run(self._row(state, "baseline", eval_loss=eval_loss), losses)
-        elif step not in self.evaluated:
+            self._evaluate(self._row(state, "baseline", eval_loss=eval_loss), losses, control)
+        elif not self._known(step):
             if not self.schedule.is_due(state, control, self._stopping()):
                 return
             checkpoint = checkpoint_to_come(args, state, control)
             losses = self._example_losses(metrics, dataloader)
-            self._run(self._row(state, "evaluate", checkpoint=checkpoint, eval_loss=eval_loss), losses)
+            self._evaluate(self._row(state, "evaluate", checkpoint=checkpoint, eval_loss=eval_loss), losses, control)
             self._stop_if_abandoned(state, control)
-        else:  # evaluated already: at the end of training, or the row of a resumed run
+        elif self._beside is None:  # evaluated already: at the end of training, or the row of a resumed run
             losses = None
             if step in self.state.without_eval_loss:  # the same on every rank: each runs its share
                 self.state.without_eval_loss.discard(step)
                 losses = self._example_losses(metrics, dataloader)
             if self._is_main():
                 self._files.set_eval_loss(step, eval_loss, None if losses is None else losses.losses)
+        if self._beside is not None:  # the step's own metrics arrive later: NaN, never the best, until then
+            metrics.update(self._beside.placeholders(step))
+            return
         metrics.update(self.evaluated[step])
         self._say_disagreements()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
         checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if self._beside is not None:
+            self._beside.saved(args, state)  # a step queued at this step's evaluation: its checkpoint's weights
         if self._stopping() and not is_scheduled_save(args, state):
             return  # the preemption's own checkpoint: an uninterrupted run neither saves nor evaluates here
         if (
-            step not in self.evaluated
+            not self._known(step)
             and args.eval_strategy == "no"
             and self.schedule.is_due(state, control, self._stopping())
         ):
-            self._run(self._row(state, "save", checkpoint=checkpoint))  # abandoned at once when stopping: on resume
+            # abandoned at once when stopping: on resume
+            self._evaluate(self._row(state, "save", checkpoint=checkpoint), control=control, saved_now=True)
             self._stop_if_abandoned(state, control)
-        elif step in self.evaluated and self._is_main() and os.path.isdir(checkpoint):
+        elif self._beside is None and step in self.evaluated and self._is_main() and os.path.isdir(checkpoint):
             self._files.link_checkpoint(step, checkpoint)
+        if self._beside is not None:
+            self._beside.poll(state)
+            self._beside.rotate(args, state)
+            if control.should_training_stop and not self._stopping():  # before the Trainer loads the best model
+                self._beside.wait(state)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -250,9 +296,12 @@ class ProbDiffCallback(TrainerCallback):
             self.config.at_end
             and not args.load_best_model_at_end
             and not self._stopping()
-            and state.global_step not in self.evaluated
+            and not self._known(state.global_step)
         ):
-            self._run(self._row(state, "end"))
+            self._evaluate(self._row(state, "end"))
+        if self._beside is not None:
+            self._beside.end(args, state, stopped=self._stopping())
+            return
         self._say_disagreements()
         self.close_engine()
 
@@ -384,6 +433,23 @@ class ProbDiffCallback(TrainerCallback):
     ) -> HistoryRow:
         """The row of the step being evaluated, before its evaluation fills it."""
         return HistoryRow(state.global_step, state.epoch, kind, kind == "baseline", checkpoint, eval_loss=eval_loss)
+
+    def _evaluate(
+        self,
+        row: HistoryRow,
+        example_losses: ExampleLosses | None = None,
+        control: TrainerControl | None = None,
+        saved_now: bool = False,
+    ) -> None:
+        """The step of `row` evaluated in the loop (`_run`), or with async_eval queued for the evaluator (`control`: the
+        Trainer's, which says whether a checkpoint of the step is to come; `saved_now`: it is on disk, this is its
+        on_save)."""
+        if self._beside is None:
+            self._run(row, example_losses)
+            return
+        self._beside.queue(row, example_losses, self.trainer.args, control, saved_now)
+        if row.kind == "baseline":
+            self.state.baseline_due = False
 
     def _run(self, row: HistoryRow, example_losses: ExampleLosses | None = None) -> EvaluationOutcome:
         """Evaluate for `row` (its step, kind and checkpoint), then hand the outcome, with the step's eval loss of

@@ -91,9 +91,31 @@ def place_before_early_stopping(handler, callback) -> None:
         logger.info("ProbDiff: moved ProbDiffCallback before EarlyStoppingCallback so early stopping sees its metric")
 
 
-def check_selection_setup(args: TrainingArguments, config: ProbDiffConfig) -> None:
+def check_selection_setup(args: TrainingArguments, config: ProbDiffConfig, callbacks: Sequence[object] = ()) -> None:
     """Selecting checkpoints by a ProbDiff metric needs that metric at every evaluation (the rule is the config's, so
-    a recipe states it the same way)."""
+    a recipe states it the same way); with `async_eval` it arrives after the evaluation, so what decides at the
+    evaluation itself (`save_strategy="best"`, an `EarlyStoppingCallback` among `callbacks`) cannot use it."""
     problem = config.selection_problem(args.metric_for_best_model) if args.eval_strategy != "no" else None
+    if problem is None and config.async_eval:
+        problem = beside_selection_problem(args, callbacks)
     if problem is not None:
         raise ValueError(problem)
+
+
+def beside_selection_problem(args: TrainingArguments, callbacks: Sequence[object]) -> str | None:
+    """Why `metric_for_best_model` cannot decide at the Trainer's evaluation with async_eval, or None."""
+    metric = args.metric_for_best_model or ""
+    if not metric.removeprefix("eval_").startswith(("probdiff_", "ref_")):
+        return None
+    later = "with async_eval=true it arrives after the evaluation, from the evaluator"
+    if args.save_strategy == "best":
+        return (
+            f'metric_for_best_model={metric} with save_strategy="best" needs the metric at the evaluation, but '
+            f'{later}: use save_strategy="steps" (the best checkpoint is still kept and loaded), or async_eval=false'
+        )
+    if any(isinstance(callback, EarlyStoppingCallback) for callback in callbacks):
+        return (
+            f"EarlyStoppingCallback on metric_for_best_model={metric} needs the metric at the evaluation, but {later}: "
+            "stop early on eval_loss, or set async_eval=false"
+        )
+    return None

@@ -1,0 +1,188 @@
+"""The evaluator process a training run with `async_eval` starts beside itself on its node (`evaluator="local"`):
+`probdiff watch RUN_DIR --started-by-training`, on the GPUs `evaluator_gpus` names (none: the CPU) with
+`evaluator_threads`, outside the training's ranks and its process group; started again when it dies with work left,
+a few times; stopped at the end. One evaluator per run: a live one holds `queue/evaluator.lock`, and training uses an
+evaluator you started instead of starting its own."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from probdiff_callback.core.config import DEFAULT_SUBDIR, ProbDiffConfig
+from probdiff_callback.runs import queue as q
+
+logger = logging.getLogger(__name__)
+
+EVALUATOR_LOG = "evaluator.log"  # `queue/evaluator.log`: the local evaluator's output, appended at each start
+MAX_RESTARTS = 3  # the local evaluator is started again this often after dying with work left
+STOP_SECONDS = 10.0  # a terminated evaluator's time to leave before it is killed
+# Set by `accelerate launch`, torchrun and train/sft.py's launcher for the training processes: the evaluator is none
+LAUNCHER_VARIABLES = frozenset(
+    "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE ROLE_RANK ROLE_NAME ROLE_WORLD_SIZE "
+    "MASTER_ADDR MASTER_PORT PROBDIFF_LAUNCHER_PID".split()
+)
+LAUNCHER_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "PET_")
+
+
+def describe_steps(steps: Iterable[int]) -> str:
+    """`step 4` or `steps 3, 4`."""
+    ordered = sorted(steps)
+    return f"step{'s' if len(ordered) != 1 else ''} {', '.join(map(str, ordered))}"
+
+
+def several(steps: Iterable[int]) -> bool:
+    return len(list(steps)) != 1
+
+
+def evaluator_holder(queue: Path) -> str | None:
+    """The text of the run's evaluator lock while a live evaluator holds it (who it is), else None. filelock's `flock`
+    is released by the kernel when its process ends, so only a live evaluator holds it."""
+    path = queue / q.LOCK_FILE
+    if not path.is_file():
+        return None
+    probe = FileLock(path, timeout=0, thread_local=False, fallback_to_soft=False, preserve_lock_file=True)
+    try:
+        with probe:
+            return None
+    except Timeout:
+        text = path.read_text(encoding="utf-8", errors="replace").strip()
+        return text or "another evaluator"
+    except OSError:  # a file system without locks: nothing to learn from it
+        return None
+
+
+def evaluator_command(run_dir: Path, subdir: str) -> list[str]:
+    """`probdiff watch RUN_DIR --started-by-training` with this interpreter (the training's environment)."""
+    command = [sys.executable, "-m", "probdiff_callback.cli", "watch", str(run_dir), "--started-by-training"]
+    return command if subdir == DEFAULT_SUBDIR else [*command, "--subdir", subdir]
+
+
+def evaluator_environment(environ: Mapping[str, str], gpus: str | None, threads: int) -> dict[str, str]:
+    """The training's environment less what makes a process one of the training's ranks, with the evaluator's devices
+    (`gpus` as CUDA_VISIBLE_DEVICES takes them; none: the CPU) and CPU threads."""
+    env = {k: v for k, v in environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)}
+    env["CUDA_VISIBLE_DEVICES"] = gpus or ""
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log, "" when there is none."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    except FileNotFoundError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
+class LocalEvaluator:
+    """The evaluator this training command starts on its node: `evaluator_command` in a session of its own (a Ctrl-C
+    or a signal to the training's process group is training's to pass on), with `evaluator_environment`, its output
+    appended to `queue/evaluator.log`. The command sets its own parent-death signal; training stops it at its end, and
+    at the exit of the process whatever the exit."""
+
+    def __init__(self, run_dir: Path, queue: Path, config: ProbDiffConfig, threads: int) -> None:
+        self.run_dir, self.queue = run_dir, queue
+        self.command = evaluator_command(run_dir, config.output_subdir)
+        self.gpus = config.evaluator_gpus
+        self.threads = config.evaluator_threads or threads
+        self.env = evaluator_environment(os.environ, self.gpus, self.threads)
+        self.process: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.failures = 0
+        self.gave_up = False
+
+    @property
+    def log_path(self) -> Path:
+        return self.queue / EVALUATOR_LOG
+
+    def start(self) -> None:
+        self.queue.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.started_at = time.time()
+        atexit.register(self.stop)
+        where = f"GPU {self.gpus}" if self.gpus else f"the CPU, {self.threads} thread{'s' if self.threads > 1 else ''}"
+        logger.info(
+            f"ProbDiff: evaluating beside training: `probdiff watch {self.run_dir}` runs as pid {self.process.pid} on "
+            f"{where}; its log: {self.log_path}"
+        )
+
+    def start_unless_held(self) -> None:
+        """At train begin: an evaluator already running for this run (one you started) is used as it is."""
+        holder = evaluator_holder(self.queue)
+        if holder is None:
+            self.start()
+        else:
+            logger.info(f"ProbDiff: an evaluator already runs for {self.run_dir} ({holder}); it evaluates the queue")
+
+    def check(self, pending: Callable[[], list[q.Request]]) -> None:
+        """Start the evaluator again when it has exited with requests pending and no other evaluator took them. An exit
+        that left work it had seen counts as a failure; after `MAX_RESTARTS` the user is told the command to run."""
+        if self.gave_up:
+            return
+        code = None
+        if self.process is not None:
+            code = self.process.poll()
+            if code is None:
+                return
+            pid, self.process = self.process.pid, None
+            atexit.unregister(self.stop)
+        left = pending()
+        if not left or evaluator_holder(self.queue) is not None:
+            return
+        steps = describe_steps(r.global_step for r in left)
+        awaits = "await" if several(left) else "awaits"
+        if code is not None and (code != 0 or any(r.queued_at <= self.started_at for r in left)):
+            self.failures += 1
+            last = last_line(self.log_path)
+            said = f"exited with status {code} while {steps} {awaits} evaluation (its last line: {last or '-'})"
+            if self.failures > MAX_RESTARTS:
+                self.gave_up = True
+                logger.error(
+                    f"ProbDiff: the evaluator (pid {pid}) {said}; it died {self.failures} times, so training goes on "
+                    f"without it: run `probdiff watch {self.run_dir}` to evaluate the queue (log: {self.log_path})"
+                )
+                return
+            logger.warning(f"ProbDiff: the evaluator (pid {pid}) {said}; starting it again ({self.failures} of "
+                           f"{MAX_RESTARTS})")  # fmt: skip
+        elif code is None:
+            logger.info(f"ProbDiff: no evaluator holds {self.run_dir}'s queue any more; starting one for {steps}")
+        self.start()
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Let the evaluator exit by itself for `grace` seconds (nothing pending and training ended), then SIGTERM (it
+        leaves the step in progress pending) and, `STOP_SECONDS` later, SIGKILL."""
+        process, self.process = self.process, None
+        atexit.unregister(self.stop)
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace)
+            return
+        process.terminate()
+        try:
+            process.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

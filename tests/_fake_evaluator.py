@@ -1,0 +1,131 @@
+"""A FAKE evaluator for the training side's tests, standing in for `probdiff watch RUN_DIR` until the tests run against
+the real one: it speaks the queue's contract (`runs/queue.py`) and nothing more. It takes the run's evaluator lock,
+reads the spec and the queries, takes the requests in step order, checks each request's weights as an evaluator would
+load them (`weights_problem`), writes the step's row and made-up records through `RunFiles` (no model: each step's
+confidence comes from `FAKE_CONFIDENCES`) and marks the request done; it exits once `training-ended` is there and
+nothing is pending, or on SIGTERM (the step in progress stays pending). Started before training, it waits for the
+spec.
+
+    python tests/_fake_evaluator.py RUN_DIR [--started-by-training] [--subdir probdiff]
+
+Its behaviour for a test, from the environment:
+- `FAKE_CONFIDENCES`: JSON {"step": confidence}; 0.5 where a step is not named. The step's records are one per query,
+  that share of them confident (d 0.2, else -0.3).
+- `FAKE_SECONDS`: seconds each evaluation takes (default 0).
+- `FAKE_DIE_AT`: a step at which the evaluator exits with status 1 before writing anything, once per marker file
+  (`FAKE_DIE_MARKER`, created at the first death), or every time without a marker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _records import make_record  # noqa: E402
+from filelock import FileLock, Timeout  # noqa: E402
+
+from probdiff_callback.core.config import ProbDiffConfig  # noqa: E402
+from probdiff_callback.core.metric import compare_to_base, summary_of  # noqa: E402
+from probdiff_callback.core.queries import load_queries  # noqa: E402
+from probdiff_callback.runs import queue as q  # noqa: E402
+from probdiff_callback.runs.checkpoints import weights_problem  # noqa: E402
+from probdiff_callback.runs.run_files import HistoryRow, RunFiles  # noqa: E402
+from probdiff_callback.runtime.parent import set_parent_death_signal  # noqa: E402
+
+ENDED_FILE = "training-ended"
+
+
+def records_for(queries, confidence: float, delta: float):
+    confident = round(confidence * len(queries))
+    return [
+        make_record(query.id, 0.2 if i < confident else -0.3, delta=delta, query=query.text, category=query.category)
+        for i, query in enumerate(queries)
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--started-by-training", action="store_true")
+    parser.add_argument("--subdir", default="probdiff")
+    options = parser.parse_args()
+    if options.started_by_training:
+        set_parent_death_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    queue = q.queue_dir(options.run_dir, options.subdir)
+    while not (queue / q.SPEC_FILE).is_file():  # started before training wrote its spec
+        time.sleep(0.2)
+    lock = FileLock(queue / q.LOCK_FILE, timeout=0, thread_local=False, fallback_to_soft=False, preserve_lock_file=True)
+    try:
+        lock.acquire()
+    except Timeout:
+        print("another evaluator holds the queue", flush=True)
+        return 2
+    spec = q.read_spec(queue)
+    config = ProbDiffConfig.from_values(spec.config, "spec")
+    queries = load_queries(queue / spec.queries)
+    files = RunFiles(options.run_dir, options.subdir)
+    files.continue_from(sys.maxsize)  # every row: training dropped the stale ones when it started
+    confidences = {int(k): v for k, v in json.loads(os.environ.get("FAKE_CONFIDENCES", "{}")).items()}
+    seconds = float(os.environ.get("FAKE_SECONDS", "0"))
+    die_at = int(os.environ.get("FAKE_DIE_AT", "-1"))
+    marker = Path(os.environ["FAKE_DIE_MARKER"]) if os.environ.get("FAKE_DIE_MARKER") else None
+    print(
+        f"fake evaluator pid {os.getpid()}: {len(queries)} queries, started at step {spec.started_at_step}", flush=True
+    )
+    while True:
+        ended = (queue / ENDED_FILE).is_file()
+        pending = q.pending(queue)
+        if not pending:
+            if ended:
+                return 0
+            time.sleep(0.2)
+            continue
+        request = pending[0]
+        step = request.global_step
+        if step == die_at and (marker is None or not marker.exists()):
+            if marker is not None:
+                marker.touch()
+            print(f"dying at step {step}", flush=True)
+            return 1
+        time.sleep(seconds)
+        started = time.time()
+        folder = None if request.base_model else q.step_dir(queue, step) / (request.weights or q.WEIGHTS_DIR)
+        problem = None if folder is None else weights_problem(folder)
+        row = HistoryRow(
+            step,
+            request.epoch,
+            request.kind,
+            request.base_model,
+            request.checkpoint,
+            eval_loss=math.nan if request.eval_loss is None else request.eval_loss,
+        )
+        records = None
+        if problem is not None:
+            row.error = f"the weights of step {step} are gone ({problem})"
+        else:
+            records = records_for(queries, confidences.get(step, 0.5), config.delta)
+            row.summary = summary_of(records, config.delta, config.sweep)
+            row.vs_base = (
+                None if request.base_model else compare_to_base(records, files.baseline_records(), config.delta)
+            )
+        row.seconds = seconds
+        losses = None if request.eval_losses is None else [math.nan if v is None else v for v in request.eval_losses]
+        files.add(row, records, losses)
+        status = "failed" if problem is not None else "evaluated"
+        q.mark_done(
+            queue, q.Done(global_step=step, status=status, error=row.error, seconds=time.time() - started + seconds)
+        )
+        print(f"step {step}: {status}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

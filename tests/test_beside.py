@@ -1,0 +1,425 @@
+"""The training side of the evaluation beside training (`async_eval`): `ProbDiffCallback` queues the loop's steps with
+their eval losses and weights, starts (and restarts) the local evaluator, logs the late results at their own steps
+(the Trainer's log, W&B, the best checkpoint), guards rotation and waits at the end; a preemption stops without
+waiting and a resumed run evaluates what is left.
+
+The evaluator here is the FAKE one, `tests/_fake_evaluator.py` (the queue's contract, made-up records), until the
+real `probdiff watch` exists on this branch: the local evaluator's command is replaced by it (`fake_evaluator`), or it
+runs as a user's `probdiff watch` would, beside an `evaluator=external` run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from _distributed_eval import build_trainer, held_out_queries, probdiff_config
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
+
+import probdiff_callback.callback.beside as beside
+import probdiff_callback.callback.evaluator_process as evaluator_process
+from probdiff_callback.analysis.select import point_best, select
+from probdiff_callback.callback.beside import BesideTraining, move_into_step_order, query_rows, record_best_at
+from probdiff_callback.callback.evaluator_process import LocalEvaluator, evaluator_command, evaluator_environment
+from probdiff_callback.callback.preemption import PreemptionCallback
+from probdiff_callback.callback.probdiff import ProbDiffCallback
+from probdiff_callback.callback.schedule import check_selection_setup
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.queries import Query, load_queries
+from probdiff_callback.runs import queue as q
+from probdiff_callback.runs import run_files
+from probdiff_callback.runs.checkpoints import checkpoints, weights_problem
+
+FAKE = Path(__file__).with_name("_fake_evaluator.py")
+LOG = "probdiff_callback"
+CONFIDENCES = {0: 0.25, 1: 0.5, 2: 1.0, 3: 0.5, 4: 0.75}  # what the FAKE evaluator finds at each step: 2 is the best
+
+
+def exiting(code: int):
+    """An evaluator command that exits at once with `code`."""
+    return lambda run_dir, subdir: [sys.executable, "-c", f"exit({code})"]
+
+
+def fake_command(run_dir: Path, subdir: str) -> list[str]:
+    return [sys.executable, str(FAKE), str(run_dir), "--started-by-training", "--subdir", subdir]
+
+
+@pytest.fixture
+def fake_evaluator(monkeypatch):
+    """The local evaluator is the FAKE one; `fake_evaluator(**env)` sets its FAKE_* behaviour."""
+    monkeypatch.setattr(evaluator_process, "evaluator_command", fake_command)
+
+    def configure(**env: str) -> None:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+
+    return configure
+
+
+def run_fake_evaluator(run_dir: Path, **env: str) -> subprocess.CompletedProcess:
+    """The FAKE evaluator started as a user starts `probdiff watch RUN_DIR`: it evaluates what is pending and exits."""
+    return subprocess.run(
+        [sys.executable, str(FAKE), str(run_dir)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def history_of(run_dir: Path) -> list[run_files.HistoryRow]:
+    return run_files.read_history(run_files.history_path(run_dir))
+
+
+def probdiff_logs(trainer) -> list[tuple[int, float]]:
+    return [
+        (e["step"], e["eval_probdiff_confidence"]) for e in trainer.state.log_history if "eval_probdiff_confidence" in e
+    ]
+
+
+# ---- no training ----
+def test_the_queries_file_reads_back_as_the_same_queries_in_their_order(tmp_path):
+    queries = [
+        Query("b", "second text", "数学计算", "a reference"),  # AlignBench's Chinese name: canonical on reading
+        Query("a", "first text"),
+        *held_out_queries()[:3],
+    ]
+    q.write_spec(tmp_path, q.EvaluatorSpec(model="m", dtype=None), query_rows(queries))
+    assert load_queries(tmp_path / q.QUERIES_FILE) == queries
+
+
+def test_the_evaluator_is_no_rank_of_the_training_and_gets_its_own_devices(tmp_path):
+    training = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_PORT": "29500",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "TORCHELASTIC_RUN_ID": "x",
+        "PROBDIFF_LAUNCHER_PID": "12",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PATH": "/usr/bin",
+    }
+    env = evaluator_environment(training, "7", 4)
+    assert env == {
+        "CUDA_VISIBLE_DEVICES": "7",
+        "OMP_NUM_THREADS": "4",
+        "MKL_NUM_THREADS": "4",
+        "HF_HUB_OFFLINE": "1",
+        "PATH": "/usr/bin",
+    }
+    assert evaluator_environment(training, None, 1)["CUDA_VISIBLE_DEVICES"] == ""  # the CPU
+    assert evaluator_command(tmp_path, "probdiff")[-3:] == ["watch", str(tmp_path), "--started-by-training"]
+    assert evaluator_command(tmp_path, "pd")[-2:] == ["--subdir", "pd"]
+
+
+def args_for(metric: str = "probdiff_confidence", save_strategy: str = "steps") -> TrainingArguments:
+    return TrainingArguments(
+        output_dir="unused", metric_for_best_model=metric, save_strategy=save_strategy, eval_strategy="steps",
+        use_cpu=True, report_to="none",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "greater", "best"),
+    [
+        ([(2, 0.5), (4, 0.75), (6, 0.75)], True, (4, 0.75)),  # in order: an equal value later does not replace
+        ([(6, 0.75), (4, 0.75), (2, 0.5)], True, (4, 0.75)),  # out of order: the earlier of equals still wins
+        ([(2, math.nan), (4, 0.25)], True, (4, 0.25)),  # NaN (a failed evaluation) never
+        ([(2, 1.5), (4, 1.2), (6, 1.4)], False, (4, 1.2)),  # a loss: lower is better
+    ],
+)
+def test_a_late_result_records_the_best_as_in_order_arrivals_would(arrivals, greater, best):
+    args = args_for("probdiff_confidence" if greater else "probdiff_d_mean")
+    args.greater_is_better = greater
+    state = SimpleNamespace(best_metric=None, best_global_step=None)
+    key = args.metric_for_best_model
+    for step, value in arrivals:
+        record_best_at(state, args, {f"eval_{key}": value}, step)
+    assert (state.best_global_step, state.best_metric) == best
+
+
+def test_a_late_entry_goes_among_the_log_history_by_its_step():
+    history = [{"step": 0, "a": 1}, {"step": 2, "loss": 1}, {"step": 3, "loss": 1}, {"step": 2, "late": 1}]
+    move_into_step_order(history)
+    assert history == [{"step": 0, "a": 1}, {"step": 2, "loss": 1}, {"step": 2, "late": 1}, {"step": 3, "loss": 1}]
+
+
+def test_what_decides_at_the_evaluation_cannot_select_by_a_metric_that_comes_later():
+    config = ProbDiffConfig(async_eval=True)
+    with pytest.raises(ValueError, match='save_strategy="best" needs the metric at the evaluation'):
+        check_selection_setup(args_for(save_strategy="best"), config)
+    with pytest.raises(ValueError, match="EarlyStoppingCallback on metric_for_best_model=probdiff_confidence"):
+        check_selection_setup(args_for(), config, [EarlyStoppingCallback(early_stopping_patience=2)])
+    check_selection_setup(args_for("eval_loss", "best"), config, [EarlyStoppingCallback()])  # the loss is in time
+    check_selection_setup(args_for(save_strategy="best"), ProbDiffConfig())  # in the loop it is there
+
+
+def fake_trainer(output_dir: Path) -> SimpleNamespace:
+    return SimpleNamespace(
+        args=SimpleNamespace(output_dir=str(output_dir)), state=SimpleNamespace(is_world_process_zero=True)
+    )
+
+
+def test_rotation_keeps_the_newest_the_best_and_every_checkpoint_awaiting_its_result(tmp_path):
+    for step in range(1, 8):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    queue = BesideTraining(fake_trainer(tmp_path), ProbDiffConfig(async_eval=True), [Query("a", "x")], dict)
+    queue.save_total_limit = 2
+    queue.awaiting = {3: str(tmp_path / "checkpoint-3"), 6: str(tmp_path / "checkpoint-6")}
+    state = SimpleNamespace(best_model_checkpoint=str(tmp_path / "checkpoint-2"))
+    queue.rotate(SimpleNamespace(output_dir=str(tmp_path)), state)
+    assert [c.name for c in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3", "checkpoint-6", "checkpoint-7"]
+    queue.awaiting = {}  # the results arrived: the limit applies, the best and the newest kept
+    queue.rotate(SimpleNamespace(output_dir=str(tmp_path)), state)
+    assert [c.name for c in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-7"]
+
+
+def test_an_evaluator_that_keeps_dying_is_started_again_a_few_times_then_the_user_is_told(
+    tmp_path, monkeypatch, caplog
+):
+    queue = q.queue_dir(tmp_path, "probdiff")
+    q.submit(queue, q.Request(global_step=0, epoch=0.0, kind="baseline", base_model=True, weights=None))
+    monkeypatch.setattr(evaluator_process, "evaluator_command", exiting(3))
+    evaluator = LocalEvaluator(tmp_path, queue, ProbDiffConfig(async_eval=True), threads=1)
+    caplog.set_level(logging.INFO, logger=LOG)
+    evaluator.start()
+    for _ in range(evaluator_process.MAX_RESTARTS + 2):
+        evaluator.process.wait(30) if evaluator.process is not None else None
+        evaluator.check(lambda: q.pending(queue))
+    restarts = [r.message for r in caplog.records if "starting it again" in r.message]
+    assert len(restarts) == evaluator_process.MAX_RESTARTS
+    assert restarts[0].endswith("exited with status 3 while step 0 awaits evaluation (its last line: -); starting "
+                                "it again (1 of 3)")  # fmt: skip
+    assert evaluator.gave_up and evaluator.process is None
+    assert f"training goes on without it: run `probdiff watch {tmp_path}` to evaluate the queue" in caplog.text
+
+
+def test_an_evaluator_that_finished_is_started_again_for_what_was_queued_after(tmp_path, monkeypatch, caplog):
+    queue = q.queue_dir(tmp_path, "probdiff")
+    monkeypatch.setattr(evaluator_process, "evaluator_command", exiting(0))
+    evaluator = LocalEvaluator(tmp_path, queue, ProbDiffConfig(async_eval=True), threads=1)
+    evaluator.start()
+    evaluator.process.wait(30)
+    q.submit(queue, q.Request(global_step=4, epoch=1.0, kind="end"))  # queued after it ended
+    evaluator.check(lambda: q.pending(queue))
+    assert evaluator.failures == 0 and evaluator.process is not None
+    evaluator.stop()
+
+
+# ---- training on `tiny` (the FAKE evaluator beside it) ----
+SCHEDULES = {
+    # eval loss at every step, checkpoints at 2 and 4: weights linked there, saved into the queue at 1 and 3
+    "evaluate": dict(eval_strategy="steps", eval_steps=1, save_steps=2, eval_on_start=True),
+    # no evaluations: the saves at 2 and 4 are evaluated, the base model before the first step
+    "save": dict(eval_strategy="no", save_steps=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
+    schedule, tmp_path, tiny_model_path, caplog
+):
+    """The steps, kinds, checkpoints and eval losses (the mean and each conversation's) of the requests equal the
+    rows the loop writes for the same training; a checkpoint's weights are hard links to it, other steps' are saved
+    whole into the queue; what the end leaves is said, and an evaluator started later (as `probdiff watch` would be)
+    evaluates it."""
+    settings = dict(max_steps=4, eval_rows=range(8, 11), **SCHEDULES[schedule])
+    queries = held_out_queries()
+
+    loop_run = tmp_path / "loop"
+    trainer = build_trainer(tiny_model_path, loop_run, **settings)
+    trainer.add_callback(ProbDiffCallback(trainer, queries, probdiff_config(n_queries=2, max_new_tokens=4)))
+    trainer.train()
+    expected = history_of(loop_run)
+
+    run = tmp_path / "beside"
+    trainer = build_trainer(tiny_model_path, run, **settings)
+    config = probdiff_config(n_queries=2, async_eval=True, evaluator="external", end_wait_seconds=0)
+    trainer.add_callback(ProbDiffCallback(trainer, queries, config))
+    caplog.set_level(logging.INFO, logger=LOG)
+    trainer.train()
+    queue = q.queue_dir(run, "probdiff")
+    requests = q.pending(queue)
+    assert [(r.global_step, r.kind, r.base_model) for r in requests] == [
+        (row.global_step, row.kind, row.base_model) for row in expected
+    ]
+    for request, row in zip(requests, expected):
+        assert (request.checkpoint and Path(request.checkpoint).name) == (row.checkpoint and Path(row.checkpoint).name)
+        assert request.eval_loss == (pytest.approx(row.eval_loss, abs=1e-5) if math.isfinite(row.eval_loss) else None)
+        losses = run_files.read_eval_losses(loop_run / "probdiff" / row.eval_losses) if row.eval_losses else None
+        assert request.eval_losses == (None if losses is None else pytest.approx(losses, abs=1e-5))
+        weights = q.step_dir(queue, request.global_step) / q.WEIGHTS_DIR
+        if request.base_model:
+            assert request.weights is None and not weights.exists()
+            continue
+        assert weights_problem(weights) is None
+        adapter = weights / "adapter_model.safetensors"
+        if request.checkpoint is not None:  # linked: the same file as the checkpoint's
+            assert os.path.samefile(adapter, Path(request.checkpoint) / "adapter_model.safetensors")
+    assert history_of(run) == []  # the evaluator writes the history; none ran
+    spec = q.read_spec(queue)
+    assert (spec.model, spec.dtype, spec.started_at_step, spec.training_pid) == (
+        str(tiny_model_path),
+        "float32",
+        0,
+        None,
+    )
+    assert spec.config == json.loads(json.dumps(spec.config)) and spec.config["n_queries"] == 2
+    steps = ", ".join(str(row.global_step) for row in expected)
+    assert f"steps {steps} not evaluated yet: `probdiff watch {run}` evaluates them" in caplog.text
+    assert (queue / beside.ENDED_FILE).read_text() == "completed\n"
+
+    evaluated = run_fake_evaluator(run)  # a user's `probdiff watch RUN_DIR` later
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    assert [row.global_step for row in history_of(run) if not row.failed] == [r.global_step for r in requests]
+    assert q.pending(queue) == []
+
+
+class Observer(TrainerCallback):
+    """After ProbDiff's on_save: which checkpoints exist, and which queued steps await their result."""
+
+    def __init__(self, queue: Path) -> None:
+        self.queue = queue
+        self.at_saves: list[tuple[set[str], list[q.Request]]] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        present = {c.name for c in checkpoints(args.output_dir)}
+        self.at_saves.append((present, q.pending(self.queue)))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_late_results_land_at_their_steps_and_select_the_best_checkpoint_everywhere(
+    tmp_path, tiny_model_path, fake_evaluator, fresh_wandb, caplog
+):
+    """Confidences 25/50/100/50/75% at steps 0-4, each result a second late, the evaluator dying once at step 2:
+    every result is in the Trainer's log at its step and in W&B at its `train/global_step`; step 2's checkpoint is the
+    best for the Trainer (and the weights loaded at the end), for `probdiff select` and for RUN_DIR/best, while
+    `save_total_limit=1` deleted no checkpoint that awaited its result."""
+    wandb = fresh_wandb
+    run = tmp_path / "run"
+    confidences = CONFIDENCES
+    fake_evaluator(FAKE_CONFIDENCES=json.dumps(confidences), FAKE_SECONDS="1", FAKE_DIE_AT="2",
+                   FAKE_DIE_MARKER=str(tmp_path / "died"))  # fmt: skip
+    trainer = build_trainer(tiny_model_path, run, max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=1,
+                            eval_on_start=True, save_total_limit=1, load_best_model_at_end=True,
+                            metric_for_best_model="probdiff_confidence", report_to="wandb")  # fmt: skip
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=4, async_eval=True)))
+    observer = Observer(q.queue_dir(run, "probdiff"))
+    trainer.add_callback(observer)
+    rows: list[dict] = []
+
+    class SpyOnWandb(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # after the W&B integration's init
+            logged = wandb.log
+
+            def log(data, *more, **options):
+                logged(data, *more, **options)
+                rows.append({**data, "_step": wandb.run.step - 1})
+
+            wandb.log = log
+
+    trainer.add_callback(SpyOnWandb())
+    caplog.set_level(logging.INFO, logger=LOG)
+    try:
+        trainer.train()
+    finally:
+        wandb.finish()
+
+    assert probdiff_logs(trainer) == sorted(confidences.items())
+    steps = [e["step"] for e in trainer.state.log_history]
+    assert steps == sorted(steps), "the late entries sit among the others by their step"
+    at_step = {row["train/global_step"]: row for row in rows if "eval/probdiff_confidence" in row}
+    assert {step: row["eval/probdiff_confidence"] for step, row in at_step.items()} == confidences
+    assert sorted(row["train/global_step"] for row in rows if "eval/probdiff_d" in row) == list(confidences)
+    eval_loss_rows = {row["train/global_step"]: row["_step"] for row in rows if "eval/loss" in row}
+    assert all(at_step[step]["_step"] > eval_loss_rows[step] for step in confidences), "each logged after its step"
+
+    best = str(run / "checkpoint-2")
+    assert (trainer.state.best_model_checkpoint, trainer.state.best_metric) == (best, 1.0)
+    selection = select(run_files.read_run(run))
+    assert Path(selection.best_checkpoint.checkpoint).resolve() == Path(best).resolve()
+    assert point_best(run, selection.best_checkpoint.checkpoint).resolve() == Path(best).resolve()
+    loaded = get_peft_model_state_dict(trainer.model)
+    for step, same in ((2, True), (4, False)):
+        saved = load_file(run / f"checkpoint-{step}" / "adapter_model.safetensors")
+        assert all(loaded[k].equal(v) for k, v in saved.items()) is same, "load_best_model_at_end loaded step 2's"
+
+    for present, pending in observer.at_saves:
+        for request in pending:
+            assert request.checkpoint is None or Path(request.checkpoint).name in present, (present, request)
+    assert [c.name for c in checkpoints(run)] == ["checkpoint-2", "checkpoint-4"]  # the best and the newest
+    assert trainer.args.save_total_limit == 1, "the user's limit put back"
+
+    assert "starting it again (1 of 3)" in caplog.text
+    history = history_of(run)
+    assert [row.global_step for row in history] == list(confidences) and not any(row.failed for row in history)
+    assert "ProbDiff resolution: with 4 queries and a confidence of 25.0%" in caplog.text
+
+
+class SignalAt(TrainerCallback):
+    """A preemption's SIGTERM, received while step `step` trains."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_stop_keeps_the_queue_and_the_resumed_run_evaluates_what_is_left_once(
+    tmp_path, tiny_model_path, fake_evaluator
+):
+    """Stopped by SIGTERM at step 3 with nothing evaluated (no evaluator ran), the queue is kept; a user's evaluator
+    then evaluates steps 0-3; the run resumes from checkpoint-2: step 3's row and request belong to the interrupted
+    run and are dropped, steps 0-2 are logged from the history they have, steps 3 and 4 are queued and evaluated by
+    the local evaluator. Each step is in the Trainer's log once, and the history ends as an uninterrupted run's."""
+    run = tmp_path / "run"
+    settings = dict(max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=1, eval_on_start=True,
+                    metric_for_best_model="probdiff_confidence")  # fmt: skip
+
+    trainer = build_trainer(tiny_model_path, run, **settings)
+    preemption = PreemptionCallback(trainer)
+    trainer.add_callback(preemption)
+    config = probdiff_config(n_queries=4, async_eval=True, evaluator="external")
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config, preemption=preemption))
+    trainer.add_callback(SignalAt(3))
+    trainer.train()
+    queue = q.queue_dir(run, "probdiff")
+    assert preemption.stopping and preemption.checkpoint == str(run / "checkpoint-3")
+    assert [r.global_step for r in q.pending(queue)] == [0, 1, 2, 3]
+    assert (queue / beside.ENDED_FILE).read_text() == "stopped\n"
+    # the interrupted run's step 3 got 0%: the resumed run's step 3 is another model
+    evaluated = run_fake_evaluator(run, FAKE_CONFIDENCES=json.dumps({**CONFIDENCES, 3: 0.0}))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert [row.global_step for row in history_of(run)] == [0, 1, 2, 3]
+
+    fake_evaluator(FAKE_CONFIDENCES=json.dumps(CONFIDENCES))
+    trainer = build_trainer(tiny_model_path, run, **{**settings, "eval_on_start": False})
+    config = probdiff_config(n_queries=4, async_eval=True)
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
+    trainer.train(resume_from_checkpoint=str(run / "checkpoint-2"))
+    assert probdiff_logs(trainer) == sorted(CONFIDENCES.items())
+    assert [(row.global_step, row.confidence) for row in history_of(run)] == sorted(CONFIDENCES.items())
+    assert [(r.global_step, q.done(queue, r.global_step).status) for r in q.requests(queue)] == [
+        (step, "evaluated") for step in CONFIDENCES
+    ]
+    assert trainer.state.best_model_checkpoint == str(run / "checkpoint-2")
