@@ -26,10 +26,9 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
 
-import probdiff_callback.callback.beside as beside
 import probdiff_callback.callback.evaluator_process as evaluator_process
 from probdiff_callback.analysis.select import point_best, select
-from probdiff_callback.callback.beside import BesideTraining, move_into_step_order, query_rows, record_best_at
+from probdiff_callback.callback.beside import BesideTraining, move_into_step_order, record_best_at
 from probdiff_callback.callback.evaluator_process import LocalEvaluator, evaluator_command, evaluator_environment
 from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
@@ -94,7 +93,7 @@ def test_the_queries_file_reads_back_as_the_same_queries_in_their_order(tmp_path
         Query("a", "first text"),
         *held_out_queries()[:3],
     ]
-    q.write_spec(tmp_path, q.EvaluatorSpec(model="m", dtype=None), query_rows(queries))
+    q.write_spec(tmp_path, q.EvaluatorSpec(model="m", dtype=None), queries)
     assert load_queries(tmp_path / q.QUERIES_FILE) == queries
 
 
@@ -282,7 +281,7 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
     assert spec.config == json.loads(json.dumps(spec.config)) and spec.config["n_queries"] == 2
     steps = ", ".join(str(row.global_step) for row in expected)
     assert f"steps {steps} not evaluated yet: `probdiff watch {run}` evaluates them" in caplog.text
-    assert (queue / beside.ENDED_FILE).read_text() == "completed\n"
+    assert (queue / q.ENDED_FILE).read_text() == "completed\n"
 
     evaluated = run_fake_evaluator(run)  # a user's `probdiff watch RUN_DIR` later
     assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
@@ -406,7 +405,7 @@ def test_a_stop_keeps_the_queue_and_the_resumed_run_evaluates_what_is_left_once(
     queue = q.queue_dir(run, "probdiff")
     assert preemption.stopping and preemption.checkpoint == str(run / "checkpoint-3")
     assert [r.global_step for r in q.pending(queue)] == [0, 1, 2, 3]
-    assert (queue / beside.ENDED_FILE).read_text() == "stopped\n"
+    assert (queue / q.ENDED_FILE).read_text() == "stopped\n"
     # the interrupted run's step 3 got 0%: the resumed run's step 3 is another model
     evaluated = run_fake_evaluator(run, FAKE_CONFIDENCES=json.dumps({**CONFIDENCES, 3: 0.0}))
     assert evaluated.returncode == 0, evaluated.stderr

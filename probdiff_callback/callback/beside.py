@@ -45,7 +45,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort
 from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.eval_losses import ExampleLosses
-from probdiff_callback.callback.evaluator_process import LocalEvaluator, describe_steps, evaluator_holder, several
+from probdiff_callback.callback.evaluator_process import LocalEvaluator, describe_steps, several
 from probdiff_callback.callback.ranks import broadcast, is_zero3
 from probdiff_callback.callback.wandb_records import WandbRecords
 from probdiff_callback.core.config import ProbDiffConfig
@@ -55,11 +55,11 @@ from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Comparison, Summary
 from probdiff_callback.runs import queue as q
 from probdiff_callback.runs.checkpoints import weights_problem
+from probdiff_callback.runs.evaluator_lock import describe_holder, evaluator_holder
 from probdiff_callback.runs.run_files import HistoryRow, RunFiles, read_eval_losses, read_history, read_records
 
 logger = logging.getLogger(__name__)
 
-ENDED_FILE = "training-ended"  # `queue/training-ended`: "completed" or "stopped"; an evaluator then ends when idle
 POLL_SECONDS = 2.0  # how often the end's wait looks for results
 PROGRESS_SECONDS = 30.0  # and says what it waits for
 IDLE_EXIT_SECONDS = 30.0  # at the end, the local evaluator's time to exit by itself once nothing is pending
@@ -96,7 +96,6 @@ def lora_rank_of(model) -> int | None:
 def evaluator_spec(model, config: ProbDiffConfig, run_dir: Path, started_at_step: int, local: bool) -> q.EvaluatorSpec:
     """The spec of this training start: the base model's folder and dtype, the settings, the step it starts from."""
     base = base_model_of(model)
-    rank = lora_rank_of(model)
     return q.EvaluatorSpec(
         model=str(base.name_or_path),
         dtype=str(base.dtype).removeprefix("torch."),
@@ -104,21 +103,8 @@ def evaluator_spec(model, config: ProbDiffConfig, run_dir: Path, started_at_step
         output_dir=str(run_dir),
         started_at_step=started_at_step,
         training_pid=os.getpid() if local else None,
-        extra={} if rank is None else {"lora_rank": rank},
+        lora_rank=lora_rank_of(model),
     )
-
-
-def query_rows(queries: Iterable[Query]) -> list[dict[str, str]]:
-    """The queries as `queries.jsonl` holds them: rows `load_queries` reads back as the same queries, in order."""
-    rows = []
-    for query in queries:
-        row = {"id": query.id, "query": query.text}
-        if query.category is not None:
-            row["category"] = query.category
-        if query.reference is not None:
-            row["reference"] = query.reference
-        rows.append(row)
-    return rows
 
 
 def checkpoint_weight_files(checkpoint: Path) -> list[str]:
@@ -150,7 +136,7 @@ def finite_or_none(values: Iterable[float]) -> list[float | None]:
 def write_training_ended(queue: Path, how: str) -> None:
     """Tell the evaluator that training queues nothing more (`how`: completed or stopped)."""
     queue.mkdir(parents=True, exist_ok=True)
-    (queue / ENDED_FILE).write_text(how + "\n", encoding="utf-8")
+    (queue / q.ENDED_FILE).write_text(how + "\n", encoding="utf-8")
 
 
 # ---- late results ----
@@ -299,9 +285,9 @@ class BesideTraining:
         else:
             kept = [row for row in read_history(self.files.history_path) if step > 0 and row.global_step <= step]
         q.drop_after(queue, step if step > 0 else -1)
-        (queue / ENDED_FILE).unlink(missing_ok=True)
+        (queue / q.ENDED_FILE).unlink(missing_ok=True)
         spec = evaluator_spec(self.trainer.model, self.config, self.run_dir, step, self.config.evaluator == "local")
-        q.write_spec(queue, spec, query_rows(self.queries))
+        q.write_spec(queue, spec, self.queries)
         requests = {r.global_step: r for r in q.requests(queue)}
         logged = logged_steps(state.log_history)
         for row in kept:
@@ -451,7 +437,7 @@ class BesideTraining:
     def _submit(self, request: q.Request) -> None:
         if not self._is_main():
             return
-        (self.queue_path / ENDED_FILE).unlink(missing_ok=True)  # training queues again: it has not ended
+        (self.queue_path / q.ENDED_FILE).unlink(missing_ok=True)  # training queues again: it has not ended
         q.submit(self.queue_path, request)
         self.awaiting[request.global_step] = request.checkpoint
 
@@ -643,7 +629,8 @@ class BesideTraining:
             logger.info(f"ProbDiff: {steps} {stay} queued: resuming the run evaluates {them} (or `probdiff watch "
                         f"{self.run_dir}`)")  # fmt: skip
         elif holder is not None:
-            logger.info(f"ProbDiff: {steps} not evaluated yet: the evaluator ({holder}) goes on with {them}")
+            who = describe_holder(holder)
+            logger.info(f"ProbDiff: {steps} not evaluated yet: the evaluator ({who}) goes on with {them}")
         else:
             logger.warning(f"ProbDiff: {steps} not evaluated yet: `probdiff watch {self.run_dir}` evaluates {them}")
 

@@ -16,10 +16,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
 from probdiff_callback.core.config import DEFAULT_SUBDIR, ProbDiffConfig
 from probdiff_callback.runs import queue as q
+from probdiff_callback.runs.evaluator_lock import describe_holder, evaluator_holder
 
 logger = logging.getLogger(__name__)
 
@@ -42,23 +41,6 @@ def describe_steps(steps: Iterable[int]) -> str:
 
 def several(steps: Iterable[int]) -> bool:
     return len(list(steps)) != 1
-
-
-def evaluator_holder(queue: Path) -> str | None:
-    """The text of the run's evaluator lock while a live evaluator holds it (who it is), else None. filelock's `flock`
-    is released by the kernel when its process ends, so only a live evaluator holds it."""
-    path = queue / q.LOCK_FILE
-    if not path.is_file():
-        return None
-    probe = FileLock(path, timeout=0, thread_local=False, fallback_to_soft=False, preserve_lock_file=True)
-    try:
-        with probe:
-            return None
-    except Timeout:
-        text = path.read_text(encoding="utf-8", errors="replace").strip()
-        return text or "another evaluator"
-    except OSError:  # a file system without locks: nothing to learn from it
-        return None
 
 
 def evaluator_command(run_dir: Path, subdir: str) -> list[str]:
@@ -131,7 +113,8 @@ class LocalEvaluator:
         if holder is None:
             self.start()
         else:
-            logger.info(f"ProbDiff: an evaluator already runs for {self.run_dir} ({holder}); it evaluates the queue")
+            who = describe_holder(holder)
+            logger.info(f"ProbDiff: an evaluator already runs for {self.run_dir} ({who}); it evaluates the queue")
 
     def check(self, pending: Callable[[], list[q.Request]]) -> None:
         """Start the evaluator again when it has exited with requests pending and no other evaluator took them. An exit

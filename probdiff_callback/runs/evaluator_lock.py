@@ -22,11 +22,14 @@ class EvaluatorBusy(ValueError):
     """The run already has an evaluator; the message names it."""
 
 
+def describe_holder(holder: dict) -> str:
+    """`host H, pid P, started S (`command`)`: who holds the lock, as messages name it."""
+    started = holder.get("started")
+    return f"host {holder.get('host')}, pid {holder.get('pid')}, started {started} (`{holder.get('command')}`)"
+
+
 def busy_message(queue: Path, holder: dict | None) -> str:
-    who = "another evaluator" if holder is None else (
-        f"another evaluator: host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')} "
-        f"(`{holder.get('command')}`)"
-    )  # fmt: skip
+    who = "another evaluator" if holder is None else f"another evaluator: {describe_holder(holder)}"
     stop = "" if holder is None else f" (kill {holder.get('pid')} on {holder.get('host')})"
     return (
         f"{queue / LOCK_FILE}: the run {queue.parent.parent} is evaluated by {who}. One evaluator per run: it takes "

@@ -1,0 +1,145 @@
+"""The evaluation beside training against the loop's, as whole `train/sft.py` commands (issue 33's table).
+
+The smollm2 summarization preset (40 steps of 4 documents, ProbDiff at step 0 and every 20 steps) on the paper's XSum
+split (`data/prepare.py summarization --split-test 200`), N held-out documents per evaluation, one torch thread for
+training and one for the evaluator:
+
+  (a) ProbDiff off: no step evaluated (baseline, at_end off, `every` past the run; the eval loss stays, and selects)
+  (b) in the loop: training waits for each evaluation
+  (c) beside training: `probdiff.async_eval=true`, the evaluator on a thread of its own
+
+(a) and (b) run at the same time (one core each), then (c) alone (its two processes on the two cores): every
+command has one core to itself. For each: the whole command's wall time, the time until the bar reaches the last
+step, the evaluator's busy time (the history's seconds per evaluation), the 95% interval at the last step.
+
+    python bench/bench_async.py [--n-queries 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _side_by_side import PAPER_DATA, ROOT, load_average, prepare_model
+
+sys.path.insert(0, str(ROOT))
+from probdiff_callback.runs.run_files import read_history  # noqa: E402
+
+OFF = ["probdiff.baseline=false", "probdiff.at_end=false", "probdiff.every=1000", "metric_for_best_model=eval_loss"]
+SIDES = {"a: ProbDiff off": OFF, "b: in the loop": [], "c: beside training": ["probdiff.async_eval=true"]}
+
+
+class Timed:
+    """A command started now; its output read as it comes, the time the bar first shows `last_step` noted."""
+
+    def __init__(self, command: list[str], log: Path, last_step: int, env: dict[str, str]) -> None:
+        self.started = time.monotonic()
+        self.last_step_at: float | None = None
+        self.log = log
+        self.bar = re.compile(rf"\|\s*{last_step}/{last_step} \[")
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        tail = ""
+        with open(self.log, "wb") as log:
+            for chunk in iter(lambda: self.process.stdout.read1(65536), b""):
+                log.write(chunk)
+                tail = (tail + chunk.decode("utf-8", "replace"))[-400:]
+                if self.last_step_at is None and self.bar.search(tail):
+                    self.last_step_at = time.monotonic() - self.started
+
+    def wait(self) -> float:
+        code = self.process.wait()
+        self.reader.join()
+        if code != 0:
+            sys.exit(f"failed ({code}): see {self.log}")
+        return time.monotonic() - self.started
+
+
+def figures(run_dir: Path, wall: float, last_step: float | None) -> dict:
+    rows = [r for r in read_history(run_dir / "probdiff" / "history.jsonl") if not r.failed]
+    last = max(rows, key=lambda r: r.global_step) if rows else None
+    return {
+        "wall_s": round(wall, 1),
+        "last_step_s": None if last_step is None else round(last_step, 1),
+        "evaluations": len(rows),
+        "evaluator_busy_s": round(sum(r.seconds for r in rows), 1),
+        "steps": [r.global_step for r in rows],
+        "last_interval": None if last is None else [round(x, 3) for x in last.summary.confidence_ci],
+        "last_confidence": None if last is None else round(last.summary.confidence, 3),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-queries", type=int, default=32, help="held-out documents per evaluation [32]")
+    parser.add_argument("--max-steps", type=int, default=40, help="training steps [40, the preset's]")
+    parser.add_argument("--work", type=Path, default=None, help="where the data and runs go [a temporary folder]")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    options = parser.parse_args()
+
+    work = options.work or Path(tempfile.mkdtemp(prefix="bench_async_"))
+    data = work / "data"
+    if not (data / "summarization" / "heldout.jsonl").is_file():
+        prepare = [sys.executable, "data/prepare.py", "summarization", "--source", str(PAPER_DATA), "--split-test",
+                   "200", "--out", str(data)]  # fmt: skip
+        subprocess.run(prepare, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    prepare_model("smollm2")
+    common = [
+        sys.executable, "train/sft.py", "recipe=summarization", "model=smollm2", "threads=1",
+        f"train_file={data / 'summarization/train.jsonl'}", f"heldout_file={data / 'summarization/heldout.jsonl'}",
+        f"max_steps={options.max_steps}", f"probdiff.n_queries={options.n_queries}", "probdiff.evaluator_threads=1",
+        "report_to=wandb",
+    ]  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def start(name: str) -> tuple[Timed, Path]:
+        run_dir = work / name.split(":")[0]
+        command = [*common, f"output_dir={run_dir}", *SIDES[name]]
+        print(f"{name}: {' '.join(command[1:])}", flush=True)
+        return Timed(command, work / f"{run_dir.name}.log", options.max_steps, env), run_dir
+
+    results, loads = {}, [load_average()]
+    first = {name: start(name) for name in list(SIDES)[:2]}  # a and b side by side, one core each
+    for name, (timed, run_dir) in first.items():
+        results[name] = figures(run_dir, timed.wait(), timed.last_step_at)
+    loads.append(load_average())
+    name = list(SIDES)[2]
+    timed, run_dir = start(name)
+    results[name] = figures(run_dir, timed.wait(), timed.last_step_at)
+    loads.append(load_average())
+
+    a, b, c = results.values()
+    ratios = {
+        "c last step / a last step": c["last_step_s"] / a["last_step_s"],
+        "c whole / max(a whole, c evaluator busy)": c["wall_s"] / max(a["wall_s"], c["evaluator_busy_s"]),
+        "c whole / b whole": c["wall_s"] / b["wall_s"],
+    }
+    print(f"\n{options.n_queries} documents per evaluation, {options.max_steps} steps; load (1 min) before, after a+b, "
+          f"after c: {', '.join(loads)}")  # fmt: skip
+    print(f"{'':22} {'wall':>8} {'last step':>10} {'evaluator busy':>15} {'evaluations':>12}  95% interval, last step")
+    for name, r in results.items():
+        interval = "-" if r["last_interval"] is None else f"{r['last_confidence']:.1%} [{r['last_interval'][0]:.1%}, " \
+                                                             f"{r['last_interval'][1]:.1%}]"  # fmt: skip
+        print(f"{name:22} {r['wall_s']:7.0f}s {r['last_step_s'] or float('nan'):9.0f}s "
+              f"{r['evaluator_busy_s']:14.0f}s {r['evaluations']:12d}  {interval}")  # fmt: skip
+    for what, ratio in ratios.items():
+        print(f"{what}: {ratio:.2f}")
+    if options.json:
+        options.json.write_text(json.dumps({"results": results, "ratios": ratios, "loads": loads}, indent=1) + "\n")
+    print(f"runs and logs: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
