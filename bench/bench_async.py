@@ -54,6 +54,7 @@ class Timed:
         with open(self.log, "wb") as log:
             for chunk in iter(lambda: self.process.stdout.read1(65536), b""):
                 log.write(chunk)
+                log.flush()  # the log shows where a run is while it runs
                 tail = (tail + chunk.decode("utf-8", "replace"))[-400:]
                 if self.last_step_at is None and self.bar.search(tail):
                     self.last_step_at = time.monotonic() - self.started

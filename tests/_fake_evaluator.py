@@ -1,10 +1,12 @@
-"""A FAKE evaluator for the training side's tests, standing in for `probdiff watch RUN_DIR` until the tests run against
-the real one: it speaks the queue's contract (`runs/queue.py`) and nothing more. It takes the run's evaluator lock,
-reads the spec and the queries, takes the requests in step order, checks each request's weights as an evaluator would
-load them (`weights_problem`), writes the step's row and made-up records through `RunFiles` (no model: each step's
-confidence comes from `FAKE_CONFIDENCES`) and marks the request done; it exits once `training-ended` is there and
-nothing is pending, or on SIGTERM (the step in progress stays pending). Started before training, it waits for the
-spec.
+"""A stand-in evaluator for the training side's tests whose outcome a test chooses: `probdiff watch` on `tiny` gives
+whatever confidences the model earns, so a test of "step 2 is the best everywhere" or of an evaluator that dies at a
+given step cannot steer it. It speaks the queue's contract (`runs/queue.py`) and nothing more: it takes the run's
+evaluator lock, reads the spec and the queries, takes the requests in step order, checks each request's weights as an
+evaluator would load them (`weights_problem`), writes the step's row and made-up records through `RunFiles` (no
+model: each step's confidence comes from `FAKE_CONFIDENCES`) and marks the request done; it exits once
+`training-ended` is there and nothing is pending, or on SIGTERM (the step in progress stays pending). Started before
+training, it waits for the spec. The tests with the real evaluator: tests/test_watch.py, tests/test_beside.py's
+schedule test and tests/e2e/test_async_eval.py.
 
     python tests/_fake_evaluator.py RUN_DIR [--started-by-training] [--subdir probdiff]
 
@@ -39,8 +41,6 @@ from probdiff_callback.runs import queue as q  # noqa: E402
 from probdiff_callback.runs.checkpoints import weights_problem  # noqa: E402
 from probdiff_callback.runs.run_files import HistoryRow, RunFiles  # noqa: E402
 from probdiff_callback.runtime.parent import set_parent_death_signal  # noqa: E402
-
-ENDED_FILE = "training-ended"
 
 
 def records_for(queries, confidence: float, delta: float):
@@ -82,7 +82,7 @@ def main() -> int:
         f"fake evaluator pid {os.getpid()}: {len(queries)} queries, started at step {spec.started_at_step}", flush=True
     )
     while True:
-        ended = (queue / ENDED_FILE).is_file()
+        ended = (queue / q.ENDED_FILE).is_file()
         pending = q.pending(queue)
         if not pending:
             if ended:

@@ -5,6 +5,8 @@ a checkpoint's weights and its trainer state. Production code neither imports no
 `PROBDIFF_FAULT=<place>[:<n>][=<fault>]` acts the n-th time (1 by default) the process gets to `place`. The fault is a
 real signal sent to the process itself, `KILL` (the default: kill -9, the OOM killer, a node lost), `TERM` or `USR1` (a
 preemption arriving there), or `OOM`, a `torch.OutOfMemoryError` raised there. Several faults are separated by commas.
+With `PROBDIFF_FAULT_ONCE=<file>` a fault acts only in the first process to create that file: a process started again
+after the fault (an evaluator restarted by training) inherits the plan but does not fail again.
 
 A place is a boundary between public functions, wrapped here: a process that a test starts with `fault_env(plan)` in
 its environment loads `fault_site/sitecustomize.py` at start-up, which wraps the boundaries as their modules load (the
@@ -28,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 FAULT_ENV = "PROBDIFF_FAULT"
+ONCE_ENV = "PROBDIFF_FAULT_ONCE"
 SITE = Path(__file__).resolve().with_name("fault_site")  # its sitecustomize.py loads this module
 PLACES = {
     "answers-done": "an evaluation batch's answers generated, its revisions not yet (`generate_answers` returned)",
@@ -79,12 +82,24 @@ class Faults:
         """Act out the fault planned for this visit to `place`, if any."""
         self.visits[place] += 1
         for planned_place, nth, fault in self.planned:
-            if planned_place == place and nth == self.visits[place]:
+            if planned_place == place and nth == self.visits[place] and self.first_to_fail():
                 if fault == "OOM":
                     import torch
 
                     raise torch.OutOfMemoryError(f"{FAULT_ENV}: out of memory at {place} (visit {nth})")
                 os.kill(os.getpid(), signal.Signals[f"SIG{fault}"])
+
+    @staticmethod
+    def first_to_fail() -> bool:
+        """Without PROBDIFF_FAULT_ONCE, always; with it, only for the process that creates its file."""
+        marker = os.environ.get(ONCE_ENV)
+        if not marker:
+            return True
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
     def modules(self) -> list[str]:
         """The modules whose boundaries the plan's places lie on."""

@@ -3,9 +3,11 @@ their eval losses and weights, starts (and restarts) the local evaluator, logs t
 (the Trainer's log, W&B, the best checkpoint), guards rotation and waits at the end; a preemption stops without
 waiting and a resumed run evaluates what is left.
 
-The evaluator here is the FAKE one, `tests/_fake_evaluator.py` (the queue's contract, made-up records), until the
-real `probdiff watch` exists on this branch: the local evaluator's command is replaced by it (`fake_evaluator`), or it
-runs as a user's `probdiff watch` would, beside an `evaluator=external` run.
+The schedule test hands the queue to the real evaluator (`probdiff watch`) and finds the loop's records. The tests of
+late results, of the best checkpoint and of a resumed run need outcomes they choose (which step is the best, where the
+evaluator dies): there the evaluator is a stand-in, `tests/_fake_evaluator.py` (the queue's contract, made-up
+records), as the local evaluator's command (`fake_evaluator`) or as a user's `probdiff watch` beside an
+`evaluator=external` run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from probdiff_callback.callback.evaluator_process import LocalEvaluator, evaluat
 from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import check_selection_setup
+from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query, load_queries
 from probdiff_callback.runs import queue as q
@@ -218,7 +221,7 @@ def test_an_evaluator_that_finished_is_started_again_for_what_was_queued_after(t
     evaluator.stop()
 
 
-# ---- training on `tiny` (the FAKE evaluator beside it) ----
+# ---- training on `tiny` ----
 SCHEDULES = {
     # eval loss at every step, checkpoints at 2 and 4: weights linked there, saved into the queue at 1 and 3
     "evaluate": dict(eval_strategy="steps", eval_steps=1, save_steps=2, eval_on_start=True),
@@ -231,12 +234,12 @@ SCHEDULES = {
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
-    schedule, tmp_path, tiny_model_path, caplog
+    schedule, tmp_path, tiny_model_path, caplog, monkeypatch
 ):
     """The steps, kinds, checkpoints and eval losses (the mean and each conversation's) of the requests equal the
     rows the loop writes for the same training; a checkpoint's weights are hard links to it, other steps' are saved
-    whole into the queue; what the end leaves is said, and an evaluator started later (as `probdiff watch` would be)
-    evaluates it."""
+    whole into the queue; what the end leaves is said, and `probdiff watch` started later evaluates it into the
+    loop's records and summaries."""
     settings = dict(max_steps=4, eval_rows=range(8, 11), **SCHEDULES[schedule])
     queries = held_out_queries()
 
@@ -248,7 +251,7 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
 
     run = tmp_path / "beside"
     trainer = build_trainer(tiny_model_path, run, **settings)
-    config = probdiff_config(n_queries=2, async_eval=True, evaluator="external", end_wait_seconds=0)
+    config = probdiff_config(n_queries=2, max_new_tokens=4, async_eval=True, evaluator="external", end_wait_seconds=0)
     trainer.add_callback(ProbDiffCallback(trainer, queries, config))
     caplog.set_level(logging.INFO, logger=LOG)
     trainer.train()
@@ -283,10 +286,17 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
     assert f"steps {steps} not evaluated yet: `probdiff watch {run}` evaluates them" in caplog.text
     assert (queue / q.ENDED_FILE).read_text() == "completed\n"
 
-    evaluated = run_fake_evaluator(run)  # a user's `probdiff watch RUN_DIR` later
-    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
-    assert [row.global_step for row in history_of(run) if not row.failed] == [r.global_step for r in requests]
+    # a user's `probdiff watch RUN_DIR` later (the real evaluator, at the loop's one thread): the loop's records
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["watch", str(run), "--no-follow"]) == 0
     assert q.pending(queue) == []
+    rows = history_of(run)
+    assert [(r.global_step, r.kind, r.checkpoint) for r in rows] == [
+        (r.global_step, r.kind, r.checkpoint and str(run / Path(r.checkpoint).name)) for r in expected
+    ]
+    for row, loop in zip(rows, expected, strict=True):
+        assert (row.summary, row.vs_base, row.failed) == (loop.summary, loop.vs_base, False)
+        assert (run / "probdiff" / row.records).read_text() == (loop_run / "probdiff" / loop.records).read_text()
 
 
 class Observer(TrainerCallback):
@@ -351,6 +361,9 @@ def test_late_results_land_at_their_steps_and_select_the_best_checkpoint_everywh
 
     best = str(run / "checkpoint-2")
     assert (trainer.state.best_model_checkpoint, trainer.state.best_metric) == (best, 1.0)
+    state = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())  # written again after the wait
+    assert state["best_model_checkpoint"] == best
+    assert sorted(e["step"] for e in state["log_history"] if "eval_probdiff_confidence" in e) == list(confidences)
     selection = select(run_files.read_run(run))
     assert Path(selection.best_checkpoint.checkpoint).resolve() == Path(best).resolve()
     assert point_best(run, selection.best_checkpoint.checkpoint).resolve() == Path(best).resolve()

@@ -63,3 +63,17 @@ def test_the_wrapping_lasts_as_long_as_the_patch(tmp_path, monkeypatch):
         assert all(hasattr(getattr(owner, name), "__wrapped__") for owner, name in wrapped)
     assert not any(hasattr(getattr(owner, name), "__wrapped__") for owner, name in wrapped)
     add_steps(tmp_path, 2)  # unarmed: nothing acts
+
+
+def test_a_fault_once_acts_only_in_the_first_process_to_reach_it(tmp_path, monkeypatch):
+    """PROBDIFF_FAULT_ONCE: the process started again after the fault (an evaluator restarted by training) inherits the
+    plan, and goes on."""
+    monkeypatch.setenv("PROBDIFF_FAULT_ONCE", str(tmp_path / "acted"))
+    with monkeypatch.context() as first:
+        inject("records-written=OOM", first.setattr)
+        with pytest.raises(torch.OutOfMemoryError, match="records-written"):
+            add_steps(tmp_path / "first", 1)
+    assert (tmp_path / "acted").is_file()
+    inject("records-written=OOM", monkeypatch.setattr)  # the same plan, as a started-again process has it
+    add_steps(tmp_path / "again", 2)
+    assert len(read_history(tmp_path / "again/probdiff/history.jsonl")) == 2

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
 from probdiff_callback.analysis.report import resolution_line
@@ -598,6 +599,12 @@ class BesideTraining:
             if self._broadcast(stop):
                 return
             time.sleep(POLL_SECONDS)
+
+    def rewrite_trainer_state(self, checkpoint: str, state: TrainerState) -> None:
+        """The last checkpoint's `trainer_state.json` again, now that the results that came after its save are in the
+        state: its log history and `best_model_checkpoint` agree with the run's, as a checkpoint's do in the loop."""
+        if self._is_main() and os.path.isdir(checkpoint):
+            state.save_to_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
 
     def _local_running(self) -> bool:
         """The local evaluator's process is alive (it may not hold the lock yet: it is loading)."""

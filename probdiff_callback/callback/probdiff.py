@@ -287,6 +287,7 @@ class ProbDiffCallback(TrainerCallback):
             self._beside.rotate(args, state)
             if control.should_training_stop and not self._stopping():  # before the Trainer loads the best model
                 self._beside.wait(state)
+                self._beside.rewrite_trainer_state(checkpoint, state)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
