@@ -9,8 +9,9 @@ training and one for the evaluator:
   (c) beside training: `probdiff.async_eval=true`, the evaluator on a thread of its own
 
 (a) and (b) run at the same time (one core each), then (c) alone (its two processes on the two cores): every
-command has one core to itself. For each: the whole command's wall time, the time until the bar reaches the last
-step, the evaluator's busy time (the history's seconds per evaluation), the 95% interval at the last step.
+process has one core to itself (`--sides c` runs (c) alone: a rerun of one part). For each: the whole command's wall
+time, the time until the bar reaches the last step, the evaluator's busy time (the history's seconds per evaluation),
+the 95% interval at the last step.
 
     python bench/bench_async.py [--n-queries 32] [--json out.json]
 """
@@ -87,6 +88,7 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=40, help="training steps [40, the preset's]")
     parser.add_argument("--work", type=Path, default=None, help="where the data and runs go [a temporary folder]")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    parser.add_argument("--sides", default="abc", help="which commands to run: a and b side by side, then c [abc]")
     options = parser.parse_args()
 
     work = options.work or Path(tempfile.mkdtemp(prefix="bench_async_"))
@@ -111,29 +113,32 @@ def main() -> int:
         return Timed(command, work / f"{run_dir.name}.log", options.max_steps, env), run_dir
 
     results, loads = {}, [load_average()]
-    first = {name: start(name) for name in list(SIDES)[:2]}  # a and b side by side, one core each
+    first = {name: start(name) for name in SIDES if name[0] in "ab" and name[0] in options.sides}  # one core each
     for name, (timed, run_dir) in first.items():
         results[name] = figures(run_dir, timed.wait(), timed.last_step_at)
-    loads.append(load_average())
-    name = list(SIDES)[2]
-    timed, run_dir = start(name)
-    results[name] = figures(run_dir, timed.wait(), timed.last_step_at)
+    if "c" in options.sides:
+        loads.append(load_average())
+        name = list(SIDES)[2]
+        timed, run_dir = start(name)
+        results[name] = figures(run_dir, timed.wait(), timed.last_step_at)
     loads.append(load_average())
 
-    a, b, c = results.values()
-    ratios = {
-        "c last step / a last step": c["last_step_s"] / a["last_step_s"],
-        "c whole / max(a whole, c evaluator busy)": c["wall_s"] / max(a["wall_s"], c["evaluator_busy_s"]),
-        "c whole / b whole": c["wall_s"] / b["wall_s"],
-    }
-    print(f"\n{options.n_queries} documents per evaluation, {options.max_steps} steps; load (1 min) before, after a+b, "
-          f"after c: {', '.join(loads)}")  # fmt: skip
+    print(f"\n{options.n_queries} documents per evaluation, {options.max_steps} steps; load (1 min) at the start, "
+          f"between the parts, at the end: {', '.join(loads)}")  # fmt: skip
     print(f"{'':22} {'wall':>8} {'last step':>10} {'evaluator busy':>15} {'evaluations':>12}  95% interval, last step")
     for name, r in results.items():
         interval = "-" if r["last_interval"] is None else f"{r['last_confidence']:.1%} [{r['last_interval'][0]:.1%}, " \
                                                              f"{r['last_interval'][1]:.1%}]"  # fmt: skip
         print(f"{name:22} {r['wall_s']:7.0f}s {r['last_step_s'] or float('nan'):9.0f}s "
               f"{r['evaluator_busy_s']:14.0f}s {r['evaluations']:12d}  {interval}")  # fmt: skip
+    ratios = {}
+    if len(results) == len(SIDES):
+        a, b, c = results.values()
+        ratios = {
+            "c last step / a last step": c["last_step_s"] / a["last_step_s"],
+            "c whole / max(a whole, c evaluator busy)": c["wall_s"] / max(a["wall_s"], c["evaluator_busy_s"]),
+            "c whole / b whole": c["wall_s"] / b["wall_s"],
+        }
     for what, ratio in ratios.items():
         print(f"{what}: {ratio:.2f}")
     if options.json:
