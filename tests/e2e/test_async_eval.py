@@ -34,8 +34,9 @@ ARGS = [
     "probdiff.async_eval=true",
     "output_dir=run",
 ]
-FINISHED = re.compile(r"^step (\d+): \d+ queries in ", re.MULTILINE)  # probdiff watch's line for a step it evaluated
-STARTED = re.compile(r"^step (\d+) \(", re.MULTILINE)
+# probdiff watch's lines for a step it finished and for one it started
+FINISHED = re.compile(r"^probdiff watch: step (\d+): \d+ queries in ", re.MULTILINE)
+STARTED = re.compile(r"^probdiff watch: step (\d+) \(", re.MULTILINE)
 
 
 @pytest.mark.parametrize("processes", [1, 2], ids=["1 process", "2 processes"])
