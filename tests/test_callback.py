@@ -316,7 +316,8 @@ def test_tied_confidences_select_the_checkpoint_the_trainer_keeps(tmp_path, tiny
         metric_for_best_model="probdiff_confidence",
         load_best_model_at_end=True,
     )
-    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=2))
+    # seed 2: every trained step 100% confident, and a later step with the higher mean d (the sampler's stream decides)
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=2, seed=2))
     trainer.add_callback(callback)
     trainer.train()
     # the baseline ran after training began (in the step-0 evaluation) and still counts as before it
