@@ -134,6 +134,20 @@ def finite_or_none(values: Iterable[float]) -> list[float | None]:
     return [float(v) if is_finite(v) else None for v in values]
 
 
+def request_for(row: HistoryRow, eval_losses: list[float | None] | None) -> q.Request:
+    """The request for the step of `row`: its weights in the step's queue folder (none for the base model)."""
+    return q.Request(
+        global_step=row.global_step,
+        epoch=row.epoch,
+        kind=row.kind,
+        base_model=row.base_model,
+        checkpoint=row.checkpoint,
+        weights=None if row.base_model else q.WEIGHTS_DIR,
+        eval_loss=row.eval_loss if is_finite(row.eval_loss) else None,
+        eval_losses=eval_losses,
+    )
+
+
 def write_training_ended(queue: Path, how: str) -> None:
     """Tell the evaluator that training queues nothing more (`how`: completed or stopped)."""
     queue.mkdir(parents=True, exist_ok=True)
@@ -315,15 +329,8 @@ class BesideTraining:
         still at hand (the base model, or the checkpoint resumed from); else it stays failed, as in the loop."""
         if row.base_model or row.global_step == resumed_step:
             losses = self.files.directory / row.eval_losses if row.eval_losses else None
-            request = q.Request(
-                global_step=row.global_step,
-                epoch=row.epoch,
-                kind=row.kind,
-                base_model=row.base_model,
-                checkpoint=row.checkpoint,
-                weights=None if row.base_model else q.WEIGHTS_DIR,
-                eval_loss=row.eval_loss if is_finite(row.eval_loss) else None,
-                eval_losses=finite_or_none(read_eval_losses(losses)) if losses and losses.is_file() else None,
+            request = request_for(
+                row, finite_or_none(read_eval_losses(losses)) if losses and losses.is_file() else None
             )
             checkpoint = Path(row.checkpoint or self.run_dir / f"{PREFIX_CHECKPOINT_DIR}-{row.global_step}")
             if not row.base_model:
@@ -357,16 +364,7 @@ class BesideTraining:
         on_save, or the next step, to name the checkpoint or none."""
         started = time.perf_counter()
         losses = None if example_losses is None else finite_or_none(example_losses.losses)
-        request = q.Request(
-            global_step=row.global_step,
-            epoch=row.epoch,
-            kind=row.kind,
-            base_model=row.base_model,
-            checkpoint=row.checkpoint,
-            weights=None if row.base_model else q.WEIGHTS_DIR,
-            eval_loss=row.eval_loss if is_finite(row.eval_loss) else None,
-            eval_losses=losses,
-        )
+        request = request_for(row, losses)
         self.known.add(row.global_step)
         best_decides = args.save_strategy == SaveStrategy.BEST and not saved_now
         if row.base_model:
