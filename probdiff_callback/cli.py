@@ -57,6 +57,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a count (0 or more)")
+    return value
+
+
 def _add_model_args(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument(
         "--model",
@@ -195,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=2.0,
         help="how often to look for new requests while following [2]",
+    )
+    watch.add_argument(
+        "--helpers-after-training",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="on the CPU: once training has queued its last step or ended, evaluate each request in shares with N "
+        "helper processes, on the cores training freed (training's local evaluator sets it) [0]",
     )
     return parser
 
@@ -642,7 +657,9 @@ def cmd_watch(args) -> int:
 
         if not torch.cuda.is_available():
             _reuse_freed_memory()
-    return run_watch(Watch(Path(args.run_dir), args.subdir, args.follow, args.started_by_training, args.poll_seconds))
+    options = Watch(Path(args.run_dir), args.subdir, args.follow, args.started_by_training, args.poll_seconds)
+    options.helpers_after_training = args.helpers_after_training
+    return run_watch(options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,12 @@ The base model is loaded once. A request's weights are the base model (`base_mod
 adapter (loaded onto the one base model, and swapped for the next step's), or whole weights (loaded for the request).
 With `use_vllm=true` one vLLM engine is started for the base model and handed each request's weights.
 
+Once training has queued its last step (the request says so) or ended, the cores it trained on are idle: an evaluator
+given `helpers_after_training` (training's local evaluator on the CPU is) evaluates each request from then on in
+shares of whole generation batches, its own and one per helper process, each process on as many threads as the
+evaluator (unless the previous evaluation was too short to gain from a helper's start). Each query meets the batch
+partners it meets in one process, so the records are the same; a helper that fails leaves its share to the evaluator.
+
 One evaluator per run (`runs/evaluator_lock.py`). SIGTERM and SIGINT stop it at once, leaving the step in progress
 pending (it is evaluated next time): exit status 0 for SIGTERM (a stop asked for), 130 for SIGINT (Ctrl-C). A step's
 row and done mark are written together: a signal that comes while they are written acts right after.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -41,10 +48,15 @@ from probdiff_callback.runs.run_files import HistoryRow, RunFiles, existing_run_
 
 if TYPE_CHECKING:
     from probdiff_callback.core.engines.vllm import VLLMGeneration
+    from probdiff_callback.core.evaluator import Evaluation
     from probdiff_callback.core.queries import Query
     from probdiff_callback.core.records import Cost, Record, Summary
 
 POLL_SECONDS = 2.0
+STOP_HELPER_SECONDS = 10.0  # a helper process's time to leave when stopped
+# A helper starts an interpreter and loads the model (10-20 s for `tiny` or `smollm2` on 2 busy cores): worth it only
+# when an evaluation takes longer than this (the previous one's time tells)
+HELPER_WORTH_SECONDS = 60.0
 EXIT_ON_SIGNAL = {signal.SIGTERM: 0, signal.SIGINT: 130}  # a stop asked for; Ctrl-C as shells report it
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
@@ -251,10 +263,15 @@ class Outcome:
 
 
 def evaluate_request(
-    session: Session, weights: Weights, vllm: VLLMGeneration | None, folder: Path | None, request: q.Request
+    session: Session,
+    weights: Weights,
+    vllm: VLLMGeneration | None,
+    folder: Path | None,
+    request: q.Request,
+    helpers: int = 0,
 ) -> Outcome:
-    """The loop's evaluation of the request's weights (`folder`; None: the base model); a failure is an outcome
-    with its error (never raised)."""
+    """The loop's evaluation of the request's weights (`folder`; None: the base model), in shares with `helpers`
+    processes (the HF engine only); a failure is an outcome with its error (never raised)."""
     from probdiff_callback.core.evaluator import evaluate, summarise
 
     started = time.perf_counter()
@@ -267,13 +284,116 @@ def evaluate_request(
                 engine = engine_scope.enter_context(
                     vllm.holding(model, base_model=folder is None, adapter=adapter)  # type: ignore[arg-type]
                 )
-            evaluation = evaluate(
-                model, weights.tokenizer, session.queries, config, engine=engine, progress=config.progress
-            )
+            if helpers and engine is None:
+                evaluation = evaluate_in_shares(session, weights, model, folder, request.global_step, helpers)
+            else:
+                evaluation = evaluate(
+                    model, weights.tokenizer, session.queries, config, engine=engine, progress=config.progress
+                )
         evaluation, summary = summarise(evaluation, session.queries, config, session.plan)
     except Exception:
         return Outcome(error=traceback.format_exc(), seconds=time.perf_counter() - started)
     return Outcome(evaluation.records, summary, evaluation.cost, None, time.perf_counter() - started)
+
+
+# ---- shares on the cores training freed ----
+def split_batches(batches: list[list[Query]], parts: int) -> list[list[Query]]:
+    """`parts` shares of whole batches, dealt in turn (the batches come longest prompts first: each share gets long
+    and short ones)."""
+    return [[query for batch in batches[i::parts] for query in batch] for i in range(parts)]
+
+
+def evaluate_share(
+    spec: q.EvaluatorSpec, config: ProbDiffConfig, queries: list[Query], folder: str | None, threads: int, connection
+) -> None:
+    """A helper process (spawned): the base model and the request's weights loaded as the evaluator loads them,
+    `queries` evaluated, (evaluation, None) or (None, the error) sent back. It ends with the evaluator."""
+    from probdiff_callback.runtime.parent import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the evaluator's to act on: it stops its helpers
+    try:
+        import torch
+
+        from probdiff_callback.core.evaluator import evaluate
+
+        torch.set_num_threads(threads)
+        weights = Weights.load(spec, "cpu")
+        with weights.holding(None if folder is None else Path(folder)) as model:
+            connection.send((evaluate(model, weights.tokenizer, queries, config, progress=False), None))
+    except Exception:
+        connection.send((None, traceback.format_exc()))
+    finally:
+        connection.close()
+
+
+class Helper:
+    """One helper process evaluating a share; `result()` is its evaluation, or None when it failed (said)."""
+
+    def __init__(self, session: Session, folder: Path | None, share: list[Query], threads: int) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or model
+        self.share = share
+        self.reader, writer = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=evaluate_share,
+            args=(session.spec, session.config, share, None if folder is None else str(folder), threads, writer),
+            daemon=True,
+        )
+        self.process.start()
+        writer.close()  # the helper's end only: its exit without a result is an EOFError here
+
+    def result(self) -> Evaluation | None:
+        try:
+            evaluation, error = self.reader.recv()
+        except (EOFError, OSError):
+            self.process.join(timeout=STOP_HELPER_SECONDS)
+            evaluation, error = None, f"it exited with status {self.process.exitcode} before sending its records"
+        if error is not None:
+            last = error.strip().splitlines()[-1] if error.strip() else "-"
+            say(f"a helper's share of {len(self.share)} queries failed ({last}): evaluating it here")
+        return evaluation
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=STOP_HELPER_SECONDS)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.reader.close()
+
+
+def evaluate_in_shares(
+    session: Session, weights: Weights, model, folder: Path | None, step: int, helpers: int
+) -> Evaluation:
+    """`session.queries` evaluated in shares of whole batches: the first here on `model`, one per helper process; the
+    records in the queries' order, each stage's cost the slowest share's (as ranks side by side)."""
+    import torch
+
+    from probdiff_callback.core.evaluator import Evaluation, evaluate, query_batches
+    from probdiff_callback.core.records import Cost
+
+    config = session.config
+    batches = query_batches(weights.tokenizer, session.queries, config)
+    shares = split_batches(batches, min(helpers + 1, len(batches)))
+    threads = torch.get_num_threads()
+    started = [Helper(session, folder, share, threads) for share in shares[1:]]
+    if started:
+        said = "1 helper process evaluates" if len(started) == 1 else f"{len(started)} helper processes evaluate"
+        say(
+            f"step {step}: training has freed its cores: {said} {len(session.queries) - len(shares[0])} of "
+            f"the {len(session.queries)} queries beside this one, in whole batches of {config.batch_size}"
+        )
+    try:
+        evaluations = [evaluate(model, weights.tokenizer, shares[0], config, progress=config.progress)]
+        for helper in started:
+            evaluations.append(helper.result() or evaluate(model, weights.tokenizer, helper.share, config))
+    finally:
+        for helper in started:
+            helper.stop()
+    by_id = {r.id: r for evaluation in evaluations for r in evaluation.records}
+    records = [by_id[query.id] for query in session.queries]
+    return Evaluation(records, Cost.merged([evaluation.cost for evaluation in evaluations]))
 
 
 def record(session: Session, queue: Path, request: q.Request, outcome: Outcome) -> HistoryRow:
@@ -340,6 +460,7 @@ class Watch:
     follow: bool = True  # wait for more requests until training has ended (`training-ended`); else stop when none
     started_by_training: bool = False
     poll_seconds: float = POLL_SECONDS
+    helpers_after_training: int = 0  # helper processes once training has queued its last step (CPU, HF engine)
 
 
 def run_watch(options: Watch) -> int:
@@ -429,6 +550,7 @@ def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
     loaded = Loaded(queue, device)
     try:
         waiting = False
+        previous: float | None = None  # the last evaluation's seconds
         while True:
             signals.raise_if_received()
             latest = q.read_spec(queue)
@@ -439,7 +561,8 @@ def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
             pending = q.pending(queue)
             if pending:
                 waiting = False
-                _evaluate_next(session, loaded, queue, pending, signals)
+                helpers = helpers_for(options, device, session, pending[0], ended, previous)
+                previous = _evaluate_next(session, loaded, queue, pending, signals, helpers)
                 continue
             if ended is not None:
                 say(f"nothing pending, and training has ended ({ended}): done")
@@ -458,7 +581,23 @@ def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
         loaded.close()
 
 
-def _evaluate_next(session: Session, loaded: Loaded, queue: Path, pending: list[q.Request], signals) -> None:
+def helpers_for(
+    options: Watch, device: str, session: Session, request: q.Request, ended: str | None, previous: float | None
+) -> int:
+    """Helper processes for `request`: `helpers_after_training` once training has queued its last step or ended (the
+    cores it trained on are idle), on the CPU with the HF engine, unless the previous evaluation (`previous` seconds)
+    was too short to gain from them; else none."""
+    if device != "cpu" or session.config.use_vllm or not (request.last or ended is not None):
+        return 0
+    if previous is not None and previous < HELPER_WORTH_SECONDS:
+        return 0
+    return options.helpers_after_training
+
+
+def _evaluate_next(
+    session: Session, loaded: Loaded, queue: Path, pending: list[q.Request], signals, helpers: int = 0
+) -> float | None:
+    """Evaluate the first pending request and record it; its seconds (None when it failed: they tell nothing)."""
     request = pending[0]
     folder = weights_folder(queue, request)
     gone = None if folder is None else weights_gone(folder, request.global_step)
@@ -471,7 +610,8 @@ def _evaluate_next(session: Session, loaded: Loaded, queue: Path, pending: list[
         outcome = Outcome(error=gone)
     else:
         weights, vllm = loaded.for_session(session)
-        outcome = evaluate_request(session, weights, vllm, folder, request)
+        outcome = evaluate_request(session, weights, vllm, folder, request, helpers)
     with signals.deferred():
         record(session, queue, request, outcome)
     say(progress_line(request, outcome))
+    return outcome.seconds if outcome.error is None else None

@@ -31,7 +31,12 @@ from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArgumen
 import probdiff_callback.callback.evaluator_process as evaluator_process
 from probdiff_callback.analysis.select import point_best, select
 from probdiff_callback.callback.beside import BesideTraining, move_into_step_order, record_best_at
-from probdiff_callback.callback.evaluator_process import LocalEvaluator, evaluator_command, evaluator_environment
+from probdiff_callback.callback.evaluator_process import (
+    LocalEvaluator,
+    evaluator_command,
+    evaluator_environment,
+    helpers_after_training,
+)
 from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import check_selection_setup
@@ -49,10 +54,10 @@ CONFIDENCES = {0: 0.25, 1: 0.5, 2: 1.0, 3: 0.5, 4: 0.75}  # what the FAKE evalua
 
 def exiting(code: int):
     """An evaluator command that exits at once with `code`."""
-    return lambda run_dir, subdir: [sys.executable, "-c", f"exit({code})"]
+    return lambda run_dir, subdir, helpers=0: [sys.executable, "-c", f"exit({code})"]
 
 
-def fake_command(run_dir: Path, subdir: str) -> list[str]:
+def fake_command(run_dir: Path, subdir: str, helpers: int = 0) -> list[str]:
     return [sys.executable, str(FAKE), str(run_dir), "--started-by-training", "--subdir", subdir]
 
 
@@ -125,6 +130,10 @@ def test_the_evaluator_is_no_rank_of_the_training_and_gets_its_own_devices(tmp_p
     assert evaluator_environment(training, None, 1)["CUDA_VISIBLE_DEVICES"] == ""  # the CPU
     assert evaluator_command(tmp_path, "probdiff")[-3:] == ["watch", str(tmp_path), "--started-by-training"]
     assert evaluator_command(tmp_path, "pd")[-2:] == ["--subdir", "pd"]
+    assert evaluator_command(tmp_path, "pd", helpers=1)[-4:] == ["--subdir", "pd", "--helpers-after-training", "1"]
+    # on the CPU, as many helpers as the threads training frees hold (2 processes of 2 threads: 4 of 1, 2 of 2)
+    assert [helpers_after_training(None, 2, 2, t) for t in (1, 2, 3, 8)] == [4, 2, 1, 0]
+    assert helpers_after_training("7", 2, 2, 1) == 0  # on GPUs, none
 
 
 def args_for(metric: str = "probdiff_confidence", save_strategy: str = "steps") -> TrainingArguments:
@@ -260,6 +269,7 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
     assert [(r.global_step, r.kind, r.base_model) for r in requests] == [
         (row.global_step, row.kind, row.base_model) for row in expected
     ]
+    assert [r.last for r in requests] == [r.global_step == 4 for r in requests]  # max_steps: the evaluator's helpers
     for request, row in zip(requests, expected):
         assert (request.checkpoint and Path(request.checkpoint).name) == (row.checkpoint and Path(row.checkpoint).name)
         assert request.eval_loss == (pytest.approx(row.eval_loss, abs=1e-5) if math.isfinite(row.eval_loss) else None)

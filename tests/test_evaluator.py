@@ -8,7 +8,16 @@ from _records import make_record
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.decoding import sample_continuations
 from probdiff_callback.core.engines import Generated, GenerationError, hf
-from probdiff_callback.core.evaluator import Evaluation, build_record, evaluate, score_pairs, stage_clock, summarise
+from probdiff_callback.core.evaluator import (
+    Evaluation,
+    build_record,
+    evaluate,
+    make_chains,
+    query_batches,
+    score_pairs,
+    stage_clock,
+    summarise,
+)
 from probdiff_callback.core.metric import summary_of
 from probdiff_callback.core.prompts import (
     REWRITER,
@@ -72,6 +81,24 @@ def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, r
     ).records
     assert [r.id for r in reordered] == [q.id for q in queries[::-1]]
     assert [r.response for r in reordered[::-1]] == [r.response for r in reference_records]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "n_samples", "sizes"), [(3, 1, [3, 3, 2]), (3, 2, [2, 1, 2, 1, 2]), (8, 1, [8])]
+)
+def test_query_batches_are_evaluates_batches_each_query_once_longest_prompts_first(
+    tiny_model, queries, batch_size, n_samples, sizes
+):
+    """What `probdiff watch` deals out to its helpers: `evaluate`'s batches (`batch_size` chains, so fewer queries
+    with several samples), each query in its first chain's batch, in the order of their prompts' lengths."""
+    _, tokenizer = tiny_model
+    config = ProbDiffConfig(batch_size=batch_size, n_samples=n_samples)
+    batches = query_batches(tokenizer, queries, config)
+    assert [len(batch) for batch in batches] == sizes
+    dealt = [query for batch in batches for query in batch]
+    assert sorted(query.id for query in dealt) == sorted(query.id for query in queries)
+    lengths = [len(make_chains(tokenizer, [query], config)[0].prepared.prompt_ids) for query in dealt]
+    assert lengths == sorted(lengths, reverse=True)
 
 
 def test_records_hold_the_documented_fields(reference_records, queries):

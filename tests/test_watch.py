@@ -303,19 +303,36 @@ smollm2_installed = pytest.mark.skipif(
 )
 
 
+SHARES = {  # the last step's request evaluated in shares: a helper process, or one killed at its first answers
+    "helper": {},
+    "helper killed": fault_env("answers-done=KILL"),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=smollm2_installed)])
-def test_the_evaluators_records_equal_the_loops(model, tmp_path, one_thread_for_watch, capsys):
+@pytest.mark.parametrize(
+    ("model", "shares"),
+    [
+        ("tiny", None),
+        ("tiny", "helper"),
+        ("tiny", "helper killed"),
+        pytest.param("smollm2", None, marks=smollm2_installed),
+    ],
+)
+def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thread_for_watch, capsys, monkeypatch):
     """The loop evaluates the base model and the LoRA checkpoints of steps 2 and 4; the evaluator, given the same
     spec, the checkpoints' adapters by links and the Trainer's eval losses in the requests, writes the same records
     and eval losses files, summaries and comparisons with the baseline (step 4's adapter replaces step 2's on the
-    one base model)."""
+    one base model). With `shares`, the last step is training's last and the evaluator has a helper once training
+    has queued it: it and a helper process evaluate whole batches each, into the same records; a helper killed
+    mid-evaluation leaves its share to the evaluator, into the same records again."""
     from probdiff_callback.callback.probdiff import ProbDiffCallback
     from probdiff_callback.models import resolve_model_path
     from probdiff_callback.runs.run_files import read_eval_losses
 
     loop_run, watched = tmp_path / "loop", tmp_path / "watched"
-    config = probdiff_config(n_queries=N_QUERIES)
+    # in shares: batches of 2 (5 queries, 3 batches: the evaluator takes the first and the third, the helper the second)
+    config = probdiff_config(n_queries=N_QUERIES, **({"batch_size": 2} if shares else {}))
     steps = 4 if model == "tiny" else 2  # the adapters' swap on tiny; smollm2's 135M parameters cost minutes a step
     trainer = build_trainer(
         resolve_model_path(model), loop_run, max_steps=steps, eval_strategy="steps", eval_steps=2, save_steps=2
@@ -342,8 +359,15 @@ def test_the_evaluators_records_equal_the_loops(model, tmp_path, one_thread_for_
             checkpoint=str(checkpoint),
             eval_loss=loop.eval_loss,
             eval_losses=read_eval_losses(loop_run / "probdiff" / loop.eval_losses),
+            last=loop.global_step == steps,
         )
-    assert main(["watch", str(watched), "--no-follow"]) == 0
+    helpers = []
+    if shares is not None:
+        for key, value in SHARES[shares].items():  # the helper process, spawned, starts with this environment
+            monkeypatch.setenv(key, value)
+        helpers = ["--helpers-after-training", "1"]
+        monkeypatch.setattr(watch, "HELPER_WORTH_SECONDS", 0.0)  # tiny's evaluations take seconds
+    assert main(["watch", str(watched), "--no-follow", *helpers]) == 0
 
     rows = read_history(history_path(watched))
     for row, loop in zip(rows, loop_rows, strict=True):
@@ -363,6 +387,10 @@ def test_the_evaluators_records_equal_the_loops(model, tmp_path, one_thread_for_
     then = "; then steps 4" if steps == 4 else ""
     assert f"step 2 (evaluate, its adapter): evaluating {N_QUERIES} queries{then}\n" in out
     assert f"step {steps}: {N_QUERIES} queries in" in out
+    beside = f"step {steps}: training has freed its cores: 1 helper process evaluates 2 of the {N_QUERIES} queries"
+    assert (beside in out) == (shares is not None)
+    assert out.count("training has freed its cores") == (shares is not None)  # the last step only
+    assert ("a helper's share of 2 queries failed" in out) == (shares == "helper killed")
 
 
 @pytest.mark.slow

@@ -365,6 +365,7 @@ class BesideTraining:
         started = time.perf_counter()
         losses = None if example_losses is None else finite_or_none(example_losses.losses)
         request = request_for(row, losses)
+        request.last = 0 < self.trainer.state.max_steps <= row.global_step  # the evaluator may take training's cores
         self.known.add(row.global_step)
         best_decides = args.save_strategy == SaveStrategy.BEST and not saved_now
         if row.base_model:

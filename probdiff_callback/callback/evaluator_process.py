@@ -43,10 +43,19 @@ def several(steps: Iterable[int]) -> bool:
     return len(list(steps)) != 1
 
 
-def evaluator_command(run_dir: Path, subdir: str) -> list[str]:
-    """`probdiff watch RUN_DIR --started-by-training` with this interpreter (the training's environment)."""
+def evaluator_command(run_dir: Path, subdir: str, helpers: int = 0) -> list[str]:
+    """`probdiff watch RUN_DIR --started-by-training` with this interpreter (the training's environment), with
+    `helpers` helper processes once training has freed its cores."""
     command = [sys.executable, "-m", "probdiff_callback.cli", "watch", str(run_dir), "--started-by-training"]
-    return command if subdir == DEFAULT_SUBDIR else [*command, "--subdir", subdir]
+    if subdir != DEFAULT_SUBDIR:
+        command += ["--subdir", subdir]
+    return [*command, "--helpers-after-training", str(helpers)] if helpers else command
+
+
+def helpers_after_training(gpus: str | None, training_threads: int, local_processes: int, threads: int) -> int:
+    """On the CPU, the helper processes of `threads` threads each that fit on the threads this node's training
+    processes free when they end; none on GPUs (the evaluator keeps its own)."""
+    return 0 if gpus else training_threads * local_processes // threads
 
 
 def evaluator_environment(environ: Mapping[str, str], gpus: str | None, threads: int) -> dict[str, str]:
@@ -75,9 +84,11 @@ class LocalEvaluator:
 
     def __init__(self, run_dir: Path, queue: Path, config: ProbDiffConfig, threads: int) -> None:
         self.run_dir, self.queue = run_dir, queue
-        self.command = evaluator_command(run_dir, config.output_subdir)
         self.gpus = config.evaluator_gpus
         self.threads = config.evaluator_threads or threads
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        helpers = helpers_after_training(self.gpus, threads, local_processes, self.threads)
+        self.command = evaluator_command(run_dir, config.output_subdir, helpers)
         self.env = evaluator_environment(os.environ, self.gpus, self.threads)
         self.process: subprocess.Popen | None = None
         self.started_at = 0.0

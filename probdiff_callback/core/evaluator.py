@@ -344,9 +344,29 @@ def generate_chains(
 
 
 def _generation_batches(chains: Sequence[Chain], engine: Engine) -> list[list[Chain]]:
+    return _by_prompt_length(chains, engine.batch_size or max(len(chains), 1))
+
+
+def _by_prompt_length(chains: Sequence[Chain], size: int) -> list[list[Chain]]:
     # Similar lengths together waste less padding; the sampler makes the order irrelevant to the texts.
-    order = sorted(chains, key=lambda c: -len(c.prepared.prompt_ids))
-    return _batches(order, engine.batch_size or max(len(order), 1))
+    return _batches(sorted(chains, key=lambda c: -len(c.prepared.prompt_ids)), size)
+
+
+def query_batches(tokenizer, queries: Sequence[Query], config: ProbDiffConfig) -> list[list[Query]]:
+    """`queries` in the batches `evaluate` decodes and scores them in with the HF engine (longest prompts first,
+    `batch_size` chains together; a query with several samples goes with its first). `evaluate` on a union of whole
+    batches gives each query the same batch partners, hence the same records, as on all of `queries`."""
+    seen: set[str] = set()
+    batches = []
+    for batch in _by_prompt_length(make_chains(tokenizer, queries, config), config.batch_size):
+        firsts = []
+        for chain in batch:
+            if chain.prepared.query.id not in seen:
+                seen.add(chain.prepared.query.id)
+                firsts.append(chain.prepared.query)
+        if firsts:
+            batches.append(firsts)
+    return batches
 
 
 def _generate_batch(

@@ -83,6 +83,7 @@ class Request:
     weights: str | None = WEIGHTS_DIR  # relative to the step's folder; None for the base model
     eval_loss: float | None = None  # the Trainer's eval loss at that step, where it computed one
     eval_losses: list[float | None] | None = None  # each held-out conversation's, for the alarm's paired test
+    last: bool = False  # training's last step: training queues nothing after it, and its cores come free
     queued_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
 
