@@ -87,8 +87,8 @@ class LocalEvaluator:
         self.gpus = config.evaluator_gpus
         self.threads = config.evaluator_threads or threads
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        helpers = helpers_after_training(self.gpus, threads, local_processes, self.threads)
-        self.command = evaluator_command(run_dir, config.output_subdir, helpers)
+        self.helpers = helpers_after_training(self.gpus, threads, local_processes, self.threads)
+        self.command = evaluator_command(run_dir, config.output_subdir, self.helpers)
         self.env = evaluator_environment(os.environ, self.gpus, self.threads)
         self.process: subprocess.Popen | None = None
         self.started_at = 0.0
@@ -113,6 +113,8 @@ class LocalEvaluator:
         self.started_at = time.time()
         atexit.register(self.stop)
         where = f"GPU {self.gpus}" if self.gpus else f"the CPU, {self.threads} thread{'s' if self.threads > 1 else ''}"
+        if self.helpers:
+            where += f" (and {self.helpers} helper{'s' if self.helpers > 1 else ''} on training's cores once it ends)"
         logger.info(
             f"ProbDiff: evaluating beside training: `probdiff watch {self.run_dir}` runs as pid {self.process.pid} on "
             f"{where}; its log: {self.log_path}"
