@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,9 @@ def main() -> int:
 
     def start(name: str) -> tuple[Timed, Path]:
         run_dir = work / name.split(":")[0]
+        if run_dir.exists():  # an earlier run of this bench: the run starts afresh
+            print(f"removing {run_dir} (an earlier run of this bench)", flush=True)
+            shutil.rmtree(run_dir)
         command = [*common, f"output_dir={run_dir}", *SIDES[name]]
         print(f"{name}: {' '.join(command[1:])}", flush=True)
         return Timed(command, work / f"{run_dir.name}.log", options.max_steps, env), run_dir

@@ -236,8 +236,12 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_rea
     tiny_model, adapter_dir, tmp_path, monkeypatch
 ):
     """One server, handed by `VLLMGeneration.holding` the base model, an adapter by its folder, a PEFT model's adapter
-    (saved to a scratch folder, as the callback hands it) and its merged weights (written, reloaded in place)."""
+    (saved to a scratch folder, as the callback hands it) and its merged weights (written, reloaded in place). First,
+    the waiting rules' metrics (liveness.py): the installed vLLM serves them under the names read, and its counters
+    grow with the work it does."""
     from peft import PeftModel
+
+    from probdiff_callback.core.engines.liveness import Progress
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's threads: 2 shared cores
     model, tokenizer = tiny_model
@@ -251,6 +255,16 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_rea
         return [r.response for r in evaluate(model, tokenizer, some, config, engine=engine, progress=False).records]
 
     try:
+        before = Progress.from_metrics(generation.engine.metrics(10))
+        prompt = tokenizer("Write a poem about autumn.", add_special_tokens=False)["input_ids"]
+        texts = generation.engine.generate([GenerationRequest(prompt, seed, 0.7, 1.0) for seed in range(3)], 8)
+        after = Progress.from_metrics(generation.engine.metrics(10))
+        assert before.work is not None and (before.running, before.waiting) == (0, 0)
+        generated = sum(text.n_tokens for text in texts)
+        # at least one prompt prefilled (the others may come from the prefix cache), the tokens, 3 requests finished
+        assert after.work - before.work >= len(prompt) + generated + 3
+        assert (after.running, after.waiting) == (0, 0)
+
         with generation.holding(model, base_model=True) as engine:
             evaluation = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
             whole = evaluation.records
@@ -278,31 +292,6 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_rea
     finally:
         generation.close()
     assert generation.engine.process is None
-
-
-@pytest.mark.slow
-@needs_vllm
-def test_a_real_server_counts_its_work_in_the_metrics_the_wait_watches(tiny_model, tmp_path, monkeypatch):
-    """The waiting rules read vLLM's own metric names (liveness.py): the installed vLLM serves them, and its counters
-    grow with the work it does."""
-    from probdiff_callback.core.engines.liveness import Progress
-
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    model, tokenizer = tiny_model
-    generation = vllm.VLLMGeneration.start(ProbDiffConfig(max_new_tokens=8), model, tokenizer, dtype="float32")
-    try:
-        engine = generation.engine
-        before = Progress.from_metrics(engine.metrics(10))
-        prompt = tokenizer("Write a poem about autumn.", add_special_tokens=False)["input_ids"]
-        texts = engine.generate([GenerationRequest(prompt, seed, 0.7, 1.0) for seed in range(3)], 8)
-        after = Progress.from_metrics(engine.metrics(10))
-    finally:
-        generation.close()
-    assert before.work is not None and (before.running, before.waiting) == (0, 0)
-    generated = sum(text.n_tokens for text in texts)
-    # at least one prompt prefilled (the others may come from the prefix cache), the tokens, 3 requests finished
-    assert after.work - before.work >= len(prompt) + generated + 3
-    assert (after.running, after.waiting) == (0, 0)
 
 
 # ---- a server the user started (server) ----
@@ -360,12 +349,13 @@ def test_training_evaluates_through_a_server_that_dies_and_goes_on(tiny_model_pa
 
 @pytest.mark.slow
 @needs_vllm
-@pytest.mark.parametrize("processes", [1, 2])
-def test_the_training_script_evaluates_every_step_through_vllm(tmp_path, processes):
+def test_the_training_script_evaluates_every_step_through_vllm(tmp_path):
+    """Two processes: rank 0 starts the engine beside its training and generates every rank's share (one process
+    goes the same way without the share; training through a server is the test above, `probdiff eval` the first)."""
     from _launch import CHEAP, history_rows, run_sft
 
     args = [*CHEAP, "recipe=blog", f"output_dir={tmp_path / 'run'}", "probdiff.use_vllm=true"]
-    result = run_sft(args, ROOT, processes=processes, timeout=900)
+    result = run_sft(args, ROOT, processes=2, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = history_rows(tmp_path / "run")
     assert [row["global_step"] for row in rows] == [0, 1, 2]

@@ -1,4 +1,4 @@
-"""The README's callback snippet, run as written on the `tiny` model."""
+"""The README's callback snippet, run as written on the `tiny` model (2 steps, answers capped at 16 new tokens)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,19 @@ def callback_snippet() -> str:
 # what the snippet's DataLoader says on a machine without a GPU, where SFTConfig's pin_memory=True does nothing
 @pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator is found:UserWarning")
 def test_the_readme_callback_snippet_trains_and_evaluates(tmp_path, tiny_model_path, monkeypatch):
+    import trl
+
+    import probdiff_callback
+
     monkeypatch.chdir(tmp_path)
+    # The snippet's 256 new tokens, capped: `tiny` writes no language and stops at no end of turn, so each text would
+    # be 256 steps of its 152k-token head (minutes); what the test checks is that the snippet trains and evaluates.
+    written = probdiff_callback.ProbDiffConfig
+    monkeypatch.setattr(probdiff_callback, "ProbDiffConfig", lambda **kw: written(**{**kw, "max_new_tokens": 16}))
+    # and its 3 epochs (a full fine-tune of a 152k-token head, 20 s a step here) cut to 2 steps: the base model's
+    # evaluation, then the last step's
+    sft_config = trl.SFTConfig
+    monkeypatch.setattr(trl, "SFTConfig", lambda **kw: sft_config(**{**kw, "max_steps": 2}))
     model, tokenizer = load_tiny(tiny_model_path)
     data = chat_dataset(10)
     names = {"model": model, "tokenizer": tokenizer, "train_dataset": data.select(range(8)),
@@ -36,6 +48,7 @@ def test_the_readme_callback_snippet_trains_and_evaluates(tmp_path, tiny_model_p
     assert rows[0]["kind"] == "baseline" and rows[-1]["global_step"] == trainer.state.global_step > 0
     assert all(r["error"] is None for r in rows)
     assert all(r["summary"]["n"] == 2 for r in rows)  # the two held-out chats
+    assert all(r["cost"]["answer_tokens"] <= 2 * 16 for r in rows)  # the cap reached the callback
     assert any("eval_probdiff_confidence" in entry for entry in trainer.state.log_history)
 
 
