@@ -345,6 +345,8 @@ class Helper:
     def result(self) -> Evaluation | None:
         try:
             evaluation, error = self.reader.recv()
+            # let it exit on its own: a helper stopped while it exits leaves its semaphores to the resource tracker
+            self.process.join(timeout=STOP_HELPER_SECONDS)
         except (EOFError, OSError):
             self.process.join(timeout=STOP_HELPER_SECONDS)
             evaluation, error = None, f"it exited with status {self.process.exitcode} before sending its records"
