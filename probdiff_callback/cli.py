@@ -657,9 +657,16 @@ def cmd_watch(args) -> int:
 
         if not torch.cuda.is_available():
             _reuse_freed_memory()
-    options = Watch(Path(args.run_dir), args.subdir, args.follow, args.started_by_training, args.poll_seconds)
-    options.helpers_after_training = args.helpers_after_training
-    return run_watch(options)
+    return run_watch(
+        Watch(
+            Path(args.run_dir),
+            args.subdir,
+            args.follow,
+            args.started_by_training,
+            args.poll_seconds,
+            helpers_after_training=args.helpers_after_training,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -345,11 +345,12 @@ class Helper:
     def result(self) -> Evaluation | None:
         try:
             evaluation, error = self.reader.recv()
-            # let it exit on its own: a helper stopped while it exits leaves its semaphores to the resource tracker
-            self.process.join(timeout=STOP_HELPER_SECONDS)
         except (EOFError, OSError):
-            self.process.join(timeout=STOP_HELPER_SECONDS)
-            evaluation, error = None, f"it exited with status {self.process.exitcode} before sending its records"
+            evaluation, error = None, None
+        # let it exit on its own: a helper stopped while it exits leaves its semaphores to the resource tracker
+        self.process.join(timeout=STOP_HELPER_SECONDS)
+        if evaluation is None and error is None:
+            error = f"it exited with status {self.process.exitcode} before sending its records"
         if error is not None:
             last = error.strip().splitlines()[-1] if error.strip() else "-"
             say(f"a helper's share of {len(self.share)} queries failed ({last}): evaluating it here")
