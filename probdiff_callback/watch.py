@@ -16,6 +16,8 @@ given `helpers_after_training` (training's local evaluator on the CPU is) evalua
 shares of whole generation batches, its own and one per helper process, each process on as many threads as the
 evaluator (unless the previous evaluation was too short to gain from a helper's start). Each query meets the batch
 partners it meets in one process, so the records are the same; a helper that fails leaves its share to the evaluator.
+The helpers are spawned while the evaluator waits for training's next step, so that their start (an interpreter and
+the base model) is not on the last evaluation's path.
 
 One evaluator per run (`runs/evaluator_lock.py`). SIGTERM and SIGINT stop it at once, leaving the step in progress
 pending (it is evaluated next time): exit status 0 for SIGTERM (a stop asked for), 130 for SIGINT (Ctrl-C). A step's
@@ -269,9 +271,11 @@ def evaluate_request(
     folder: Path | None,
     request: q.Request,
     helpers: int = 0,
+    ahead: list[Helper] | None = None,
 ) -> Outcome:
     """The loop's evaluation of the request's weights (`folder`; None: the base model), in shares with `helpers`
-    processes (the HF engine only); a failure is an outcome with its error (never raised)."""
+    processes (the HF engine only; those started `ahead` first); a failure is an outcome with its error (never
+    raised)."""
     from probdiff_callback.core.evaluator import evaluate, summarise
 
     started = time.perf_counter()
@@ -285,7 +289,9 @@ def evaluate_request(
                     vllm.holding(model, base_model=folder is None, adapter=adapter)  # type: ignore[arg-type]
                 )
             if helpers and engine is None:
-                evaluation = evaluate_in_shares(session, weights, model, folder, request.global_step, helpers)
+                evaluation = evaluate_in_shares(
+                    session, weights, model, folder, request.global_step, helpers, ahead or []
+                )
             else:
                 evaluation = evaluate(
                     model, weights.tokenizer, session.queries, config, engine=engine, progress=config.progress
@@ -303,11 +309,10 @@ def split_batches(batches: list[list[Query]], parts: int) -> list[list[Query]]:
     return [[query for batch in batches[i::parts] for query in batch] for i in range(parts)]
 
 
-def evaluate_share(
-    spec: q.EvaluatorSpec, config: ProbDiffConfig, queries: list[Query], folder: str | None, threads: int, connection
-) -> None:
-    """A helper process (spawned): the base model and the request's weights loaded as the evaluator loads them,
-    `queries` evaluated, (evaluation, None) or (None, the error) sent back. It ends with the evaluator."""
+def evaluate_share(spec: q.EvaluatorSpec, config: ProbDiffConfig, threads: int, connection) -> None:
+    """A helper process (spawned): the base model loaded as the evaluator loads it, then one share received (the
+    request's weights folder and its queries), evaluated, and (evaluation, None) or (None, the error) sent back. It
+    ends with the evaluator, and without a word when the evaluator closes its pipe before sending a share."""
     from probdiff_callback.runtime.parent import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGTERM)
@@ -319,32 +324,42 @@ def evaluate_share(
 
         torch.set_num_threads(threads)
         weights = Weights.load(spec, "cpu")
+        try:
+            folder, queries = connection.recv()
+        except EOFError:  # not needed after all
+            return
         with weights.holding(None if folder is None else Path(folder)) as model:
             connection.send((evaluate(model, weights.tokenizer, queries, config, progress=False), None))
     except Exception:
-        connection.send((None, traceback.format_exc()))
+        with contextlib.suppress(OSError):
+            connection.send((None, traceback.format_exc()))
     finally:
         connection.close()
 
 
 class Helper:
-    """One helper process evaluating a share; `result()` is its evaluation, or None when it failed (said)."""
+    """One helper process: spawned (it loads the base model at once), then given one share by `evaluate`; `result()`
+    is its evaluation, or None when it failed (said). Started ahead while the evaluator waits, its start is off the
+    path of the evaluation it helps with."""
 
-    def __init__(self, session: Session, folder: Path | None, share: list[Query], threads: int) -> None:
+    def __init__(self, session: Session, threads: int) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or model
-        self.share = share
-        self.reader, writer = context.Pipe(duplex=False)
+        self.spec, self.share = session.spec, []
+        self.connection, theirs = context.Pipe()
         self.process = context.Process(
-            target=evaluate_share,
-            args=(session.spec, session.config, share, None if folder is None else str(folder), threads, writer),
-            daemon=True,
+            target=evaluate_share, args=(session.spec, session.config, threads, theirs), daemon=True
         )
         self.process.start()
-        writer.close()  # the helper's end only: its exit without a result is an EOFError here
+        theirs.close()  # the helper's end only: its exit without a result is an EOFError here
+
+    def evaluate(self, folder: Path | None, share: list[Query]) -> None:
+        self.share = share
+        with contextlib.suppress(OSError):  # it died already: `result()` says so
+            self.connection.send((None if folder is None else str(folder), share))
 
     def result(self) -> Evaluation | None:
         try:
-            evaluation, error = self.reader.recv()
+            evaluation, error = self.connection.recv()
         except (EOFError, OSError):
             evaluation, error = None, None
         # let it exit on its own: a helper stopped while it exits leaves its semaphores to the resource tracker
@@ -357,20 +372,22 @@ class Helper:
         return evaluation
 
     def stop(self) -> None:
+        self.connection.close()  # a helper still waiting for its share leaves on its own
+        self.process.join(timeout=STOP_HELPER_SECONDS)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=STOP_HELPER_SECONDS)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self.reader.close()
 
 
 def evaluate_in_shares(
-    session: Session, weights: Weights, model, folder: Path | None, step: int, helpers: int
+    session: Session, weights: Weights, model, folder: Path | None, step: int, helpers: int, ahead: list[Helper]
 ) -> Evaluation:
-    """`session.queries` evaluated in shares of whole batches: the first here on `model`, one per helper process; the
-    records in the queries' order, each stage's cost the slowest share's (as ranks side by side)."""
+    """`session.queries` evaluated in shares of whole batches: the first here on `model`, one per helper process
+    (those started `ahead` first; the ones not needed are stopped); the records in the queries' order, each stage's
+    cost the slowest share's (as ranks side by side)."""
     import torch
 
     from probdiff_callback.core.evaluator import Evaluation, evaluate, query_batches
@@ -380,7 +397,12 @@ def evaluate_in_shares(
     batches = query_batches(weights.tokenizer, session.queries, config)
     shares = split_batches(batches, min(helpers + 1, len(batches)))
     threads = torch.get_num_threads()
-    started = [Helper(session, folder, share, threads) for share in shares[1:]]
+    started = ahead[: len(shares) - 1]
+    started += [Helper(session, threads) for _ in range(len(shares) - 1 - len(started))]
+    for helper in ahead[len(started) :]:
+        helper.stop()
+    for helper, share in zip(started, shares[1:], strict=True):
+        helper.evaluate(folder, share)
     if started:
         said = "1 helper process evaluates" if len(started) == 1 else f"{len(started)} helper processes evaluate"
         say(
@@ -551,6 +573,7 @@ def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
     device = default_device()
     _threads(device)
     loaded = Loaded(queue, device)
+    ahead: list[Helper] = []  # helper processes started while waiting, for the last step
     try:
         waiting = False
         previous: float | None = None  # the last evaluation's seconds
@@ -560,12 +583,15 @@ def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
             if latest != session.spec:  # training was started again (resumed): its spec, its history
                 say(f"the run was started again from step {latest.started_at_step}: taking its queue over")
                 session = start_session(options.run_dir, options.subdir, queue, latest)
+                ahead = stop_helpers(ahead)  # they hold the earlier start's settings
             ended = q.training_ended(queue)  # read before the requests: the last request comes before it
             pending = q.pending(queue)
             if pending:
                 waiting = False
                 helpers = helpers_for(options, device, session, pending[0], ended, previous)
-                previous = _evaluate_next(session, loaded, queue, pending, signals, helpers)
+                previous = _evaluate_next(session, loaded, queue, pending, signals, helpers, ahead if helpers else [])
+                if helpers:  # used, or stopped as not needed
+                    ahead = stop_helpers(ahead)
                 continue
             if ended is not None:
                 say(f"nothing pending, and training has ended ({ended}): done")
@@ -573,24 +599,59 @@ def _loop(options: Watch, queue: Path, signals: StopSignals) -> None:
             if not options.follow:
                 say("nothing pending: done (--no-follow)")
                 return
+            ahead = ahead or start_helpers_ahead(options, device, session, previous)
             if not waiting:
                 say(
                     f"nothing pending; waiting for training to queue more until it writes {q.ENDED_FILE} "
                     "(--no-follow stops when nothing is pending; SIGTERM or Ctrl-C stops now)"
                 )
                 waiting = True
-            time.sleep(options.poll_seconds)
+            wait_for_training(options.poll_seconds)
     finally:
+        stop_helpers(ahead)
         loaded.close()
+
+
+def wait_for_training(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def start_helpers_ahead(options: Watch, device: str, session: Session, previous: float | None) -> list[Helper]:
+    """While the evaluator waits for training's next step, the helpers the last step will have (`helpers_for`),
+    started now: each loads the base model on the evaluator's idle cores instead of on the last evaluation's path
+    (10-20 s for smollm2 here), then waits. None until an evaluation has shown they are worth it."""
+    import torch
+
+    count = 0 if previous is None else helpers_worth(options, device, session, previous)
+    if not count:
+        return []
+    threads = torch.get_num_threads()
+    helpers = [Helper(session, threads) for _ in range(count)]
+    many = "1 helper process" if count == 1 else f"{count} helper processes"
+    say(f"{many} for the last step started ahead: loading the base model while this one waits for training")
+    return helpers
+
+
+def stop_helpers(helpers: list[Helper]) -> list[Helper]:
+    for helper in helpers:
+        helper.stop()
+    return []
 
 
 def helpers_for(
     options: Watch, device: str, session: Session, request: q.Request, ended: str | None, previous: float | None
 ) -> int:
-    """Helper processes for `request`: `helpers_after_training` once training has queued its last step or ended (the
-    cores it trained on are idle), on the CPU with the HF engine, unless the previous evaluation (`previous` seconds)
-    was too short to gain from them; else none."""
-    if device != "cpu" or session.config.use_vllm or not (request.last or ended is not None):
+    """Helper processes for `request`: once training has queued its last step or ended (the cores it trained on are
+    idle), those `helpers_worth` gives; else none."""
+    if not (request.last or ended is not None):
+        return 0
+    return helpers_worth(options, device, session, previous)
+
+
+def helpers_worth(options: Watch, device: str, session: Session, previous: float | None) -> int:
+    """`helpers_after_training` on the CPU with the HF engine, unless the previous evaluation (`previous` seconds)
+    was too short to gain from a helper's start; else none."""
+    if device != "cpu" or session.config.use_vllm:
         return 0
     if previous is not None and previous < HELPER_WORTH_SECONDS:
         return 0
@@ -598,7 +659,13 @@ def helpers_for(
 
 
 def _evaluate_next(
-    session: Session, loaded: Loaded, queue: Path, pending: list[q.Request], signals, helpers: int = 0
+    session: Session,
+    loaded: Loaded,
+    queue: Path,
+    pending: list[q.Request],
+    signals,
+    helpers: int = 0,
+    ahead: list[Helper] | None = None,
 ) -> float | None:
     """Evaluate the first pending request and record it; its seconds (None when it failed: they tell nothing)."""
     request = pending[0]
@@ -613,7 +680,7 @@ def _evaluate_next(
         outcome = Outcome(error=gone)
     else:
         weights, vllm = loaded.for_session(session)
-        outcome = evaluate_request(session, weights, vllm, folder, request, helpers)
+        outcome = evaluate_request(session, weights, vllm, folder, request, helpers, ahead)
     with signals.deferred():
         record(session, queue, request, outcome)
     say(progress_line(request, outcome))

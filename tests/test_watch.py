@@ -325,7 +325,9 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
     and eval losses files, summaries and comparisons with the baseline (step 4's adapter replaces step 2's on the
     one base model). With `shares`, the last step is training's last and the evaluator has a helper once training
     has queued it: it and a helper process evaluate whole batches each, into the same records; a helper killed
-    mid-evaluation leaves its share to the evaluator, into the same records again."""
+    mid-evaluation leaves its share to the evaluator, into the same records again. The helper that lives is started
+    ahead: the watch follows the queue, and training queues its last step while the watch waits (the helper started
+    then loads the base model meanwhile); the killed one is started when the last step is taken (`--no-follow`)."""
     from probdiff_callback.callback.probdiff import ProbDiffCallback
     from probdiff_callback.models import resolve_model_path
     from probdiff_callback.runs.run_files import read_eval_losses
@@ -347,7 +349,8 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
 
     queue = queue_run(watched, callback.queries, config, model=model)
     queue_baseline(queue)
-    for loop in loop_rows[1:]:
+
+    def queue_step(loop: HistoryRow) -> None:
         checkpoint = watched / f"checkpoint-{loop.global_step}"
         checkpoint.mkdir()  # where the row goes beside the weights
         queue_checkpoint(
@@ -361,13 +364,28 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
             eval_losses=read_eval_losses(loop_run / "probdiff" / loop.eval_losses),
             last=loop.global_step == steps,
         )
-    helpers = []
+
+    ahead = shares == "helper"
+    for loop in loop_rows[1:-1] if ahead else loop_rows[1:]:
+        queue_step(loop)
+    options = ["--no-follow"]
     if shares is not None:
         for key, value in SHARES[shares].items():  # the helper process, spawned, starts with this environment
             monkeypatch.setenv(key, value)
-        helpers = ["--helpers-after-training", "1"]
+        options = ["--no-follow", "--helpers-after-training", "1"]
         monkeypatch.setattr(watch, "HELPER_WORTH_SECONDS", 0.0)  # tiny's evaluations take seconds
-    assert main(["watch", str(watched), "--no-follow", *helpers]) == 0
+    if ahead:  # training queues its last step and ends while the watch first waits
+        waits = []
+
+        def training_goes_on(seconds: float) -> None:
+            if not waits:
+                queue_step(loop_rows[-1])
+                (queue / q.ENDED_FILE).write_text("completed")
+            waits.append(seconds)
+
+        monkeypatch.setattr(watch, "wait_for_training", training_goes_on)
+        options = ["--helpers-after-training", "1"]
+    assert main(["watch", str(watched), *options]) == 0
 
     rows = read_history(history_path(watched))
     for row, loop in zip(rows, loop_rows, strict=True):
@@ -384,13 +402,16 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
             assert not (q.step_dir(queue, row.global_step) / q.WEIGHTS_DIR).exists()  # evaluated: links removed
     assert (loop_run / "checkpoint-2" / "adapter_model.safetensors").is_file()  # the checkpoint's own files stay
     out = capsys.readouterr().out
-    then = "; then steps 4" if steps == 4 else ""
+    then = "; then steps 4" if steps == 4 and not ahead else ""  # ahead: step 4 is queued while the watch waits
     assert f"step 2 (evaluate, its adapter): evaluating {N_QUERIES} queries{then}\n" in out
     assert f"step {steps}: {N_QUERIES} queries in" in out
     beside = f"step {steps}: training has freed its cores: 1 helper process evaluates 2 of the {N_QUERIES} queries"
     assert (beside in out) == (shares is not None)
     assert out.count("training has freed its cores") == (shares is not None)  # the last step only
     assert ("a helper's share of 2 queries failed" in out) == (shares == "helper killed")
+    assert ("1 helper process for the last step started ahead" in out) == ahead
+    if ahead:
+        assert len(waits) == 1  # it waited once, for the last step
 
 
 @pytest.mark.slow
