@@ -9,7 +9,8 @@ The script trains 2 LoRA steps with the callback (baseline, then an evaluation a
 checkpoint of step 2; the Trainer's eval loss at both, kept per conversation), evaluates
 the final weights again with the parameters gathered and (ZeRO-3) left sharded, checks
 that a failure on rank 1 reaches every rank, has every rank compute the per-conversation
-eval losses of the final weights once more, and writes what each rank saw to
+eval losses of the final weights by a pass of their own (the reference for what the
+callback tapped from the Trainer's evaluation), and writes what each rank saw to
 DIR/rank-<r>.json.
 """
 
@@ -128,6 +129,28 @@ def build_trainer(
     )
 
 
+def eval_losses_by_a_pass_of_their_own(trainer) -> list[float]:
+    """Each eval conversation's loss computed apart from the Trainer's evaluation, as a reference for what the callback
+    taps from it: the trainer's model (through the DeepSpeed engine under DeepSpeed) over the trainer's eval
+    dataloader, eval mode and no gradients, each row's loss gathered as the Trainer gathers its losses."""
+    import torch
+
+    from probdiff_callback.callback.eval_losses import row_losses
+
+    model = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else trainer.model
+    was_training, gathered = model.training, []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in trainer.get_eval_dataloader():
+                inputs = {k: v for k, v in batch.items() if k != "labels"}
+                logits = model(**inputs, use_cache=False).logits
+                gathered += trainer.accelerator.gather_for_metrics(row_losses(logits, batch["labels"])).tolist()
+    finally:
+        model.train(was_training)
+    return gathered
+
+
 def _zero3_config() -> dict:
     return {
         "train_micro_batch_size_per_gpu": "auto",
@@ -148,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import probdiff_callback.callback.trainer_evaluation as evaluation_module
-    from probdiff_callback.callback.eval_losses import per_example_eval_losses
     from probdiff_callback.callback.probdiff import ProbDiffCallback
 
     extra = {"deepspeed": _zero3_config()} if args.mode == "zero3" else {}
@@ -200,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = callback.evaluate_model()
     evaluation_module.evaluate = real_evaluate
     seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
-    seen["final_losses"] = per_example_eval_losses(trainer, trainer.get_eval_dataloader()).losses
+    seen["final_losses"] = eval_losses_by_a_pass_of_their_own(trainer)
 
     return _write_seen(args.out, rank, seen, trainer)
 

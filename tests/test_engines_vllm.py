@@ -103,16 +103,6 @@ class UserServer:
 
 
 @pytest.fixture(scope="module")
-def user_server(tiny_model_path, tiny_model, tmp_path_factory):
-    server = UserServer(tiny_model_path, tmp_path_factory.mktemp("server") / "vllm.log")
-    try:
-        server.wait(tiny_model[1])
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def adapter_dir(tiny_model_path, tmp_path_factory):
     """A LoRA adapter (r 8, random B so that it changes the texts) for the `tiny` model."""
     from peft import LoraConfig, get_peft_model
@@ -209,29 +199,6 @@ def test_the_engine_settings_are_checked():
 
 @pytest.mark.slow
 @needs_vllm
-def test_probdiff_eval_through_vllm_and_score_reproduces_its_logprobs(tmp_path, capsys):
-    before = server_processes()
-    out = tmp_path / "vllm"
-    assert cli_eval(out, "use_vllm=true") == 0
-    assert server_processes() <= before  # the job's server is stopped
-    records = read_records(out)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["use_vllm"] and summary["n"] == 6 and (out / "vllm-server.log").is_file()
-    assert all(r["response"] and r["revisions"][0] and math.isfinite(r["d"]) for r in records)
-    # The model scores vLLM's texts itself: `probdiff score` on them gives the same log-probabilities.
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"id": r["id"], "query": r["query"], "response": r["response"],
-                                         "revised": r["revisions"][-1]}) + "\n" for r in records))  # fmt: skip
-    assert (
-        main(["score", "--model", "tiny", "--device", "cpu", "--pairs", str(pairs), "--out", str(tmp_path / "s")]) == 0
-    )
-    for scored, generated in zip(read_records(tmp_path / "s"), records):
-        assert abs(scored["logp_response"] - generated["logp_response"]) < 1e-4
-        assert abs(scored["logp_revised"] - generated["logp_revised"]) < 1e-4
-
-
-@pytest.mark.slow
-@needs_vllm
 def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_reach_the_engine(
     tiny_model, adapter_dir, tmp_path, monkeypatch
 ):
@@ -299,28 +266,25 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_rea
 
 @pytest.mark.slow
 @needs_vllm
-def test_server_mode_evaluates_the_adapter_by_path(user_server, adapter_dir, tmp_path):
-    server = f"vllm_server_base_url={user_server.url}"
-    assert cli_eval(tmp_path / "base", "use_vllm=true", "vllm_mode=server", server) == 0
-    assert main(["eval", "--model", "tiny", "--adapter", str(adapter_dir), "--device", "cpu", "--queries", BLOG,
-                 "--out", str(tmp_path / "lora"), "--limit", "6", "max_new_tokens=16", "use_vllm=true",
-                 "vllm_mode=server", server]) == 0  # fmt: skip
-    base, lora = read_records(tmp_path / "base"), read_records(tmp_path / "lora")
-    assert [r["response"] for r in base] != [r["response"] for r in lora]
-    assert user_server.process.poll() is None  # a server the user started is left running
-
-
-# ---- training ----
-
-
-@pytest.mark.slow
-@needs_vllm
-def test_training_evaluates_through_a_server_that_dies_and_goes_on(tiny_model_path, tiny_model, tmp_path):
-    """The server dies after the first evaluation during training: the next evaluations fail soft (NaN metrics,
-    recorded with the error) and training ends normally."""
+def test_a_users_server_evaluates_an_adapter_by_path_and_training_goes_on_when_it_dies(
+    tiny_model_path, tiny_model, adapter_dir, tmp_path
+):
+    """One `vllm serve` started as a user starts it (one server start for both parts). `probdiff eval` with
+    vllm_mode=server evaluates the base model and an adapter by its path, and leaves the server running. Then
+    training evaluates through it, and the server dies after the first evaluation: the next evaluations fail soft
+    (NaN metrics, recorded with the error) and training ends normally."""
     server = UserServer(tiny_model_path, tmp_path / "vllm.log")
     try:
         server.wait(tiny_model[1])
+        url = f"vllm_server_base_url={server.url}"
+        assert cli_eval(tmp_path / "base", "use_vllm=true", "vllm_mode=server", url) == 0
+        assert main(["eval", "--model", "tiny", "--adapter", str(adapter_dir), "--device", "cpu", "--queries", BLOG,
+                     "--out", str(tmp_path / "lora"), "--limit", "6", "max_new_tokens=16", "use_vllm=true",
+                     "vllm_mode=server", url]) == 0  # fmt: skip
+        base, lora = read_records(tmp_path / "base"), read_records(tmp_path / "lora")
+        assert [r["response"] for r in base] != [r["response"] for r in lora]
+        assert server.process.poll() is None  # a server the user started is left running
+
         trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=3, eval_strategy="steps", eval_steps=1,
                                 save_strategy="no")  # fmt: skip
         config = probdiff_config(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, n_queries=3)
@@ -345,6 +309,9 @@ def test_training_evaluates_through_a_server_that_dies_and_goes_on(tiny_model_pa
     assert "cannot be reached" in rows[2]["error"]
     assert math.isnan(callback.evaluated[3]["eval_probdiff_confidence"])
     assert trainer.state.global_step == 3
+
+
+# ---- training ----
 
 
 @pytest.mark.slow
@@ -390,12 +357,29 @@ def test_zero3_gathers_the_weights_on_every_rank_and_rank_0_generates(tiny_model
 
 @pytest.mark.slow
 @needs_vllm
-def test_smollm2_answers_in_english_through_vllm(tmp_path):
+def test_probdiff_eval_through_vllm_answers_in_english_and_score_reproduces_its_logprobs(tmp_path):
+    """`probdiff eval --model smollm2 use_vllm=true`: the server this job starts is stopped at its end; the answers
+    and revisions are English; the model scores vLLM's texts itself, so `probdiff score` on them gives the same
+    log-probabilities."""
+    before = server_processes()
     out = tmp_path / "smollm2"
     assert cli_eval(out, "use_vllm=true", model="smollm2", limit=2, queries=XSUM) == 0
+    assert server_processes() <= before  # the job's server is stopped
     records = read_records(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["use_vllm"] and summary["n"] == 2 and (out / "vllm-server.log").is_file()
+    assert all(r["response"] and r["revisions"][0] and math.isfinite(r["d"]) for r in records)
     words = " ".join(r["response"] + " " + r["revisions"][0] for r in records).split()
     english = sum(
         w.strip(".,!?:;\"'()").lower() in {"the", "and", "a", "to", "of", "is", "in", "i", "you"} for w in words
     )
     assert len(words) > 20 and english / len(words) > 0.05, words[:60]
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"id": r["id"], "query": r["query"], "response": r["response"],
+                                         "revised": r["revisions"][-1]}) + "\n" for r in records))  # fmt: skip
+    scored = tmp_path / "scored"
+    assert main(["score", "--model", "smollm2", "--device", "cpu", "--pairs", str(pairs), "--out", str(scored)]) == 0
+    for again, generated in zip(read_records(scored), records, strict=True):
+        assert abs(again["logp_response"] - generated["logp_response"]) < 1e-4
+        assert abs(again["logp_revised"] - generated["logp_revised"]) < 1e-4

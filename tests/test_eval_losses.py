@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from _distributed_eval import build_trainer as sft_trainer
-from _distributed_eval import held_out_queries, probdiff_config
+from _distributed_eval import eval_losses_by_a_pass_of_their_own, held_out_queries, probdiff_config
 
 from probdiff_callback.analysis.disagreement import grade_change
 from probdiff_callback.analysis.report import resolution_line
-from probdiff_callback.callback.eval_losses import (
-    PerExampleLossUnavailable,
-    losses_over,
-    per_example_eval_losses,
-    row_losses,
-)
+from probdiff_callback.callback.eval_losses import EvalLossTap, PerExampleLossUnavailable, row_losses
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.runs.run_files import read_run
 
@@ -63,14 +58,42 @@ def test_each_rows_loss_is_the_models_own_loss_of_that_row_alone(tiny_model):
     assert math.isnan(row_losses(logits[:1], no_loss_token)[0].item())
 
 
+def test_the_tap_keeps_each_rows_loss_of_evaluation_forwards_only(tiny_model):
+    """Eval mode, no gradients, labels given: an evaluation's forward, kept (gathered, in order); a forward in
+    training mode, with gradients, or without labels (ProbDiff's generation and scoring): not."""
+    model, _ = tiny_model
+    batch = {"input_ids": torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), "attention_mask": torch.ones(2, 4, dtype=int)}
+    batch["labels"] = batch["input_ids"].clone()
+    gathered = []
+    tap = EvalLossTap(model, gather=lambda t: gathered.append(t) or t)
+    try:
+        with torch.no_grad():
+            expected = row_losses(model(**batch).logits, batch["labels"]).tolist()  # the first forward: kept
+            model(input_ids=batch["input_ids"])  # no labels
+            model.train()
+            model(**batch)  # training mode
+        model.eval()
+        model(**batch)  # gradients on
+        assert tap.take().losses == pytest.approx(expected) and len(gathered) == 1
+        assert tap.take().losses == []  # taken: a fresh start
+    finally:
+        tap.remove()
+        model.eval()
+
+
 def test_packed_or_padding_free_batches_are_refused_with_the_reason(tiny_model):
     model, _ = tiny_model
     packed = {"input_ids": torch.tensor([[1, 2, 3, 4]]), "position_ids": torch.tensor([[0, 1, 0, 1]])}
     packed["labels"] = packed["input_ids"].clone()
-    with pytest.raises(PerExampleLossUnavailable, match="padding-free or packed"):
-        losses_over(model, [packed], torch.device("cpu"), gather=lambda t: t)
-    with pytest.raises(PerExampleLossUnavailable, match="no `labels`"):
-        losses_over(model, [{"input_ids": torch.tensor([[1, 2]])}], torch.device("cpu"), gather=lambda t: t)
+    tap = EvalLossTap(model, gather=lambda t: t)
+    try:
+        with torch.no_grad():
+            model(**packed)
+        with pytest.raises(PerExampleLossUnavailable, match="padding-free or packed"):
+            tap.take()
+        assert tap.take().losses == []  # said for that evaluation only
+    finally:
+        tap.remove()
 
 
 # ---- one process ----
@@ -104,13 +127,20 @@ def test_one_process_keeps_each_conversations_loss_says_the_resolution_and_the_a
 
 
 @pytest.mark.slow  # two training runs
-def test_the_per_conversation_losses_do_not_depend_on_the_eval_batch_size(tmp_path, tiny_model_path):
+def test_the_per_conversation_losses_do_not_depend_on_the_eval_batch_size_and_equal_a_pass_of_their_own(
+    tmp_path, tiny_model_path
+):
     trainer = build_trainer(tiny_model_path, tmp_path / "run")
+    tap = EvalLossTap(trainer.model, trainer.accelerator.gather_for_metrics)
     by_batch = {}
     for batch_size in (1, 2, 4):  # padded to the batch's longest conversation: more padding, the same losses
         trainer.args.per_device_eval_batch_size = batch_size
         assert len(trainer.get_eval_dataloader()) == math.ceil(N_EVAL / batch_size)
-        by_batch[batch_size] = per_example_eval_losses(trainer, trainer.get_eval_dataloader()).losses
+        trainer.evaluate()
+        by_batch[batch_size] = tap.take().losses
+    tap.remove()
     assert len(by_batch[1]) == N_EVAL
     assert by_batch[2] == pytest.approx(by_batch[1], abs=1e-5)
     assert by_batch[4] == pytest.approx(by_batch[1], abs=1e-5)
+    # SFTTrainer evaluates through trl's fused LM head (log-probs in chunks, no logits): float32 rounding apart
+    assert by_batch[4] == pytest.approx(eval_losses_by_a_pass_of_their_own(trainer), rel=1e-5)

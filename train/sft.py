@@ -37,14 +37,20 @@ from train.run_lock import hold_on_every_rank
 from train.trainer import build_trainer, save_inference_files
 from train.wandb_run import finish_wandb, setup_wandb, start_wandb
 
+# A setup error on a rank other than the main one: how long it waits for the launcher to stop it (torchrun and
+# accelerate stop the other ranks within a second of the main one's exit)
+OTHER_RANKS_WAIT_SECONDS = 10.0
+
 
 def main(argv: list[str] | None = None) -> int:
     """Train; a configuration or data error stops with its message (exit status 2) before anything is written."""
     try:
         return train(sys.argv[1:] if argv is None else argv)
-    except RecipeError as err:  # the same on every rank: said once
+    except RecipeError as err:  # the same on every rank: said once, by the main process
         if is_main_process():
             print(f"error: {err}", file=sys.stderr)
+        else:  # the main process meets it too: its launcher stops this one when it exits, after the line is out
+            time.sleep(OTHER_RANKS_WAIT_SECONDS)  # (exiting first, this one could have the main one stopped unsaid)
         return 2
     except DataFileError as err:  # a node's own copy of a file may differ: every rank says its own
         print(f"error: {err}", file=sys.stderr)

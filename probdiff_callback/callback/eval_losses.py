@@ -1,11 +1,11 @@
 """The eval loss of each held-out conversation, beside the Trainer's mean.
 
 The disagreement alarm grades an eval-loss change with a paired test over the same conversations at two steps, and the
-Trainer keeps only their mean. So, when the Trainer has just computed its eval loss, the callback runs the model once
-more over the same eval dataloader: no gradients, eval mode, the training RNG streams kept as they were, and every
-rank through its own share (the same number of forward calls on each, as the Trainer's evaluation made them), gathered
-with `gather_for_metrics` as the Trainer gathers its losses (the padding of the last batches dropped). The result is in
-the order of the eval dataset, so two steps of one run pair conversation by conversation.
+Trainer keeps only their mean. So the callback taps the Trainer's own evaluation (`EvalLossTap`): a forward hook on
+the model sees each eval batch's logits and labels as the Trainer computes its loss, and keeps each row's loss,
+gathered with `gather_for_metrics` as the Trainer gathers its losses (every rank runs the same forward calls; the
+padding of the last batches dropped). No second pass over the eval data, no RNG drawn. The result is in the order of
+the eval dataset, so two steps of one run pair conversation by conversation.
 
 Each conversation's loss is the mean cross-entropy over its loss tokens (labels other than -100: the assistant turns
 with an assistant-only loss), shifted as transformers' causal-LM loss is. The Trainer's `eval_loss` is the mean over
@@ -15,15 +15,12 @@ and the alarm prints the Trainer's mean and tests the per-conversation values.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-
-from probdiff_callback.callback.model_in_training import preserved_rng_state
 
 IGNORE_INDEX = -100  # transformers' label for positions without loss
 
@@ -54,6 +51,20 @@ def row_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.stack(losses)
 
 
+def losses_of_output(output, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's loss from a forward's output: its logits, or, from trl's fused LM head (SFTTrainer's evaluation:
+    `FusedCausalLMOutput`, no logits), each next-token label's log-probability and the mask of the loss tokens."""
+    logits = getattr(output, "logits", None)
+    if logits is not None:
+        return row_losses(logits, labels)
+    log_probs, mask = getattr(output, "log_probs", None), getattr(output, "label_mask", None)
+    if log_probs is None or mask is None:
+        raise PerExampleLossUnavailable("the model's outputs hold neither logits nor each token's log-probability")
+    n_tokens = mask.sum(dim=1)
+    losses = -(log_probs.float() * mask).sum(dim=1) / n_tokens.clamp(min=1)
+    return torch.where(n_tokens > 0, losses, torch.full_like(losses, math.nan))
+
+
 def _check_one_conversation_per_row(batch: Mapping) -> None:
     if "labels" not in batch:
         raise PerExampleLossUnavailable("the eval batches have no `labels`, so no loss either")
@@ -64,41 +75,37 @@ def _check_one_conversation_per_row(batch: Mapping) -> None:
         )
 
 
-def _model_inputs(batch: Mapping, device: torch.device) -> dict:
-    inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items() if k != "labels"}
-    inputs["use_cache"] = False
-    return inputs
+class EvalLossTap:
+    """Each eval conversation's loss, from the Trainer's evaluation of `model`: a forward call in eval mode, without
+    gradients and given `labels` is the Trainer's evaluation (or prediction) step, and nothing else in a run is (not
+    training's steps, not ProbDiff's generation or scoring, which pass no labels). `take()` after each evaluation."""
 
+    def __init__(self, model: torch.nn.Module, gather) -> None:
+        self._gather = gather  # accelerator.gather_for_metrics
+        self._losses: list[float] = []
+        self._seconds = 0.0
+        self._unavailable: str | None = None
+        self._hook = model.register_forward_hook(self._seen, with_kwargs=True)
 
-@contextlib.contextmanager
-def _evaluating(model: torch.nn.Module):
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
+    def _seen(self, module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if module.training or torch.is_grad_enabled() or kwargs.get("labels") is None or self._unavailable:
+            return
+        started = time.perf_counter()
+        try:
+            _check_one_conversation_per_row(kwargs)
+            self._losses += self._gather(losses_of_output(output, kwargs["labels"])).float().cpu().tolist()
+        except PerExampleLossUnavailable as why:  # the batches' layout: the same on every rank, none gathers
+            self._unavailable = str(why)
+        self._seconds += time.perf_counter() - started
 
+    def take(self) -> ExampleLosses:
+        """The losses of the evaluation since the last `take()` (PerExampleLossUnavailable when its batches did not
+        allow them), and a fresh start for the next one."""
+        losses, seconds, unavailable = self._losses, self._seconds, self._unavailable
+        self._losses, self._seconds, self._unavailable = [], 0.0, None
+        if unavailable is not None:
+            raise PerExampleLossUnavailable(unavailable)
+        return ExampleLosses(losses, seconds)
 
-def losses_over(model: torch.nn.Module, batches: Iterable[Mapping], device: torch.device, gather) -> list[float]:
-    """The loss of every conversation in `batches` (padded, one conversation per row), gathered across ranks by
-    `gather` (`accelerator.gather_for_metrics`, which must see every batch of the prepared dataloader)."""
-    gathered: list[float] = []
-    with _evaluating(model):
-        for batch in batches:
-            _check_one_conversation_per_row(batch)
-            logits = model(**_model_inputs(batch, device)).logits
-            gathered += gather(row_losses(logits, batch["labels"])).float().cpu().tolist()
-    return gathered
-
-
-def per_example_eval_losses(trainer, dataloader) -> ExampleLosses:
-    """The loss of each conversation of the eval dataloader the Trainer just used, with the trainer's model as it
-    is; on every rank (each its share), every rank returning all of them."""
-    started = time.perf_counter()
-    # the model the Trainer's evaluation ran: the DeepSpeed engine under DeepSpeed, else the model itself
-    model = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else trainer.model
-    with preserved_rng_state():
-        losses = losses_over(model, dataloader, trainer.accelerator.device, trainer.accelerator.gather_for_metrics)
-    return ExampleLosses(losses, time.perf_counter() - started)
+    def remove(self) -> None:
+        self._hook.remove()

@@ -12,6 +12,7 @@ through `logger` or `trainer.log`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -27,7 +28,7 @@ from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.beside import BesideTraining
 from probdiff_callback.callback.cost import CostReport
-from probdiff_callback.callback.eval_losses import ExampleLosses, PerExampleLossUnavailable, per_example_eval_losses
+from probdiff_callback.callback.eval_losses import EvalLossTap, ExampleLosses, PerExampleLossUnavailable
 from probdiff_callback.callback.metrics import metrics_from_summary, vs_base_metrics
 from probdiff_callback.callback.ranks import broadcast
 from probdiff_callback.callback.schedule import (
@@ -137,6 +138,7 @@ class ProbDiffCallback(TrainerCallback):
         self._alerts = DisagreementAlerts()
         self._cost = CostReport()
         self._vllm = None  # VLLMGeneration (use_vllm), on the main process: started when training begins
+        self._eval_loss_tap: EvalLossTap | None = None  # on the model when training begins
         # async_eval: the queue, the evaluator process and the late results (None: evaluated in the loop)
         self._beside = (
             BesideTraining(trainer, self.config, self.queries, self._metrics) if self.config.async_eval else None
@@ -167,6 +169,8 @@ class ProbDiffCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         place_before_early_stopping(self.trainer.callback_handler, self)
+        if self._eval_loss_tap is None:  # each conversation's eval loss, from the Trainer's own evaluation passes
+            self._eval_loss_tap = EvalLossTap(self.trainer.model, self.trainer.accelerator.gather_for_metrics)
         check_selection_setup(args, self.config, self.trainer.callback_handler.callbacks)
         if (notice := self.reference_plan.notice()) and self._is_main():
             logger.info(f"ProbDiff: {notice}")
@@ -235,28 +239,25 @@ class ProbDiffCallback(TrainerCallback):
         metrics: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
+        # The Trainer computed the eval loss before calling on_evaluate: it goes into the step's row as written, with
+        # each conversation's (`eval_losses`, tapped from the same forward passes) beside it.
+        losses = self._example_losses(metrics)
         if metrics is None:
             return
         step = state.global_step
-        # The Trainer computed the eval loss before calling on_evaluate: it goes into the step's row as written, with
-        # each conversation's (`eval_losses`) beside it.
         eval_loss = float(metrics.get("eval_loss", math.nan))
-        dataloader = kwargs.get("eval_dataloader")
         if step == 0 and self.state.baseline_due:
-            losses = self._example_losses(metrics, dataloader)
             self._evaluate(self._row(state, "baseline", eval_loss=eval_loss), losses, control)
         elif not self._known(step):
             if not self.schedule.is_due(state, control, self._stopping()):
                 return
             checkpoint = checkpoint_to_come(args, state, control)
-            losses = self._example_losses(metrics, dataloader)
             self._evaluate(self._row(state, "evaluate", checkpoint=checkpoint, eval_loss=eval_loss), losses, control)
             self._stop_if_abandoned(state, control)
         elif self._beside is None:  # evaluated already: at the end of training, or the row of a resumed run
-            losses = None
-            if step in self.state.without_eval_loss:  # the same on every rank: each runs its share
-                self.state.without_eval_loss.discard(step)
-                losses = self._example_losses(metrics, dataloader)
+            if step not in self.state.without_eval_loss:
+                losses = None
+            self.state.without_eval_loss.discard(step)
             if self._is_main():
                 self._files.set_eval_loss(step, eval_loss, None if losses is None else losses.losses)
         if self._beside is not None:  # the step's own metrics arrive later: NaN, never the best, until then
@@ -318,14 +319,21 @@ class ProbDiffCallback(TrainerCallback):
             logger.info(resolution_line(len(self.queries), baseline_confidence))
         self.state.resolution_said = True
 
-    def _example_losses(self, metrics: dict[str, float], dataloader) -> ExampleLosses | None:
-        """Each eval conversation's loss, from the dataloader the Trainer's evaluation just used (every rank runs
-        its share); None without the Trainer's eval loss, or when the batches do not allow it (said once)."""
-        if "eval_loss" not in metrics or dataloader is None or self.state.example_losses_unavailable:
+    def on_predict(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        if self._eval_loss_tap is not None:  # a prediction's forward passes are no evaluation's
+            with contextlib.suppress(PerExampleLossUnavailable):
+                self._eval_loss_tap.take()
+
+    def _example_losses(self, metrics: dict[str, float] | None) -> ExampleLosses | None:
+        """Each eval conversation's loss from the evaluation the Trainer just ran (the tap's, taken either way);
+        None without the Trainer's eval loss, or when the batches do not allow it (said once)."""
+        if self._eval_loss_tap is None:
             return None
         try:
-            return per_example_eval_losses(self.trainer, dataloader)
+            losses = self._eval_loss_tap.take()
         except PerExampleLossUnavailable as why:  # the batches' layout: the same on every rank
+            if not metrics or "eval_loss" not in metrics or self.state.example_losses_unavailable:
+                return None
             self.state.example_losses_unavailable = True
             if self._is_main():
                 logger.warning(
@@ -333,6 +341,7 @@ class ProbDiffCallback(TrainerCallback):
                     "the eval loss"
                 )
             return None
+        return losses if metrics and "eval_loss" in metrics else None
 
     def _say_disagreements(self) -> None:
         if self._is_main():

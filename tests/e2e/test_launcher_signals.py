@@ -163,12 +163,12 @@ def test_a_stop_signal_ends_the_command_cleanly(options, target, signum, tmp_pat
     assert all((c / "trainer_state.json").is_file() for c in checkpoints(tmp_path / "run")), "no checkpoint cut off"
 
 
-@pytest.mark.parametrize("processes", [1, 2], ids=["1 process", "2 processes"])
-def test_container_stop_then_resume_equals_an_uninterrupted_run(processes, tmp_path, uninterrupted):
+def test_container_stop_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted):
     """The command as a container's main process: SIGTERM to it, SIGKILL for everything when it exits or 30 s later.
-    It exits 0 in time with the checkpoint of the step it was in; `resume=true` then ends as if never stopped. (With
-    one process and no options the command is the training process itself: SIGTERM to it alone, as here, is what
-    a signal to its group does.)"""
+    It exits 0 in time with the checkpoint of the step it was in; `resume=true` then ends as if never stopped. Two
+    processes: the command is their launcher, which passes the signal on and must outlast them. (With one process
+    the command is the training process itself, and SIGTERM to it then resume=true is test_faults.py's step 3.)"""
+    processes = 2
     reference_run, reference_stdout = uninterrupted(processes)
     args = [*SETTINGS, "output_dir=run"]
     command = [*sft_command(processes=processes), *args]
