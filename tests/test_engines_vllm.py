@@ -45,13 +45,15 @@ needs_vllm = pytest.mark.skipif(
 )
 
 
-def server_processes() -> set[int]:
-    """The pids of vLLM API servers on this machine."""
+def server_processes(model: str) -> set[int]:
+    """The pids of vLLM API servers on this machine serving `model` (other tests' servers, side by side, serve `tiny`
+    and start and stop at any time)."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes():
+                cmdline = (entry / "cmdline").read_bytes()
+                if b"vllm.entrypoints.openai.api_server" in cmdline and model.encode() in cmdline:
                     pids.add(int(entry.name))
             except OSError:
                 continue
@@ -361,10 +363,9 @@ def test_probdiff_eval_through_vllm_answers_in_english_and_score_reproduces_its_
     """`probdiff eval --model smollm2 use_vllm=true`: the server this job starts is stopped at its end; the answers
     and revisions are English; the model scores vLLM's texts itself, so `probdiff score` on them gives the same
     log-probabilities."""
-    before = server_processes()
     out = tmp_path / "smollm2"
     assert cli_eval(out, "use_vllm=true", model="smollm2", limit=2, queries=XSUM) == 0
-    assert server_processes() <= before  # the job's server is stopped
+    assert not server_processes("smollm2")  # the job's server is stopped
     records = read_records(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["use_vllm"] and summary["n"] == 2 and (out / "vllm-server.log").is_file()
