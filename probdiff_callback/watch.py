@@ -344,7 +344,7 @@ class Helper:
 
     def __init__(self, session: Session, threads: int) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or model
-        self.spec, self.share = session.spec, []
+        self.share: list[Query] = []
         self.connection, theirs = context.Pipe()
         self.process = context.Process(
             target=evaluate_share, args=(session.spec, session.config, threads, theirs), daemon=True
