@@ -106,3 +106,17 @@ def test_run_files_write_each_row_from_memory_and_keep_the_file_whole(tmp_path, 
     files.set_eval_loss(4, 3.0)  # a later evaluation of other weights does not replace it
     assert written == [files.history_path] and read_history(files.history_path)[1].eval_loss == 2.0
     assert not list(files.directory.glob(".history.jsonl.tmp*"))  # written to a temp file, then renamed
+
+
+def test_a_rows_keys_in_their_order_the_optional_ones_only_where_they_hold_a_value():
+    row = HistoryRow(0, 0, "baseline", True, eval_loss=math.inf, extra={"later": 1})  # the Trainer's epoch 0: an int
+    assert list(row.to_json()) == [
+        "global_step", "epoch", "kind", "base_model", "checkpoint", "records", "summary", "error", "seconds",
+        "vs_base", "later",
+    ]  # fmt: skip
+    row.cost, row.eval_loss, row.eval_losses, row.abandoned = Cost(), 1.5, "step-0/eval_losses.json", True
+    written = row.to_json()
+    assert list(written)[8:] == ["seconds", "cost", "vs_base", "eval_loss", "eval_losses", "abandoned", "later"]
+    read = HistoryRow.from_json(json.loads(dumps(written)))
+    assert read == row and read.absent == frozenset() and dumps(read) == dumps(row) == dumps(written)
+    assert dumps(HistoryRow.from_json({"global_step": 0, "epoch": 0})).startswith('{"global_step": 0, "epoch": 0,')

@@ -1,14 +1,11 @@
 """The evaluation's data as typed objects: a query's `Record`, a step's `Summary`, the `Comparison` of two steps and
-an evaluation's `Cost`, each with its JSON form here and nowhere else.
+an evaluation's `Cost`.
 
-The JSON form: keys in the order of the fields; NaN (and infinity) written as null, since JSON has none; and read
-back the other way, so that the rest of the package sees NaN, never None, where a number belongs. A field whose type
-admits None keeps None (`answer_temperature` of texts generated elsewhere, a `ref` score that could not be computed).
-Files of older versions lack some keys: they read as the fields' defaults, and the object remembers them (`absent`) and
-leaves them out when it is written back while they still hold their defaults, so rewriting an older file invents
-nothing. Keys this version does not know
-are kept in `extra` and written back after the known ones, so rewriting a file loses nothing. `dumps` writes any value
-holding these objects.
+Their JSON form is `json_form.JsonRecord`'s, one rule for every typed file of the package: the keys in the fields'
+order; NaN as null and back (None kept where a field admits it: `answer_temperature` of texts generated elsewhere, a
+`ref` score that could not be computed); an older file's missing keys defaulted and not written back; unknown keys kept
+in `extra`; the keys only some evaluations have (`omit_default`) left out while they hold their defaults. `dumps`
+(from there) writes any value holding these objects.
 
 A field's `help` (its metadata) is its documentation: `markdown_table` makes docs/cli.md's tables from it.
 """
@@ -16,130 +13,23 @@ A field's `help` (its metadata) is its documentation: `markdown_table` makes doc
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
-import types
-import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
-T = TypeVar("T", bound="JsonRecord")
+from probdiff_callback.core.json_form import JsonRecord, json_field
+from probdiff_callback.core.json_form import dumps as dumps  # re-exported: the package imports them from here
+from probdiff_callback.core.json_form import nan_to_none as nan_to_none
 
 
-def _field(default: Any = dataclasses.MISSING, *, help: str, omit_none: bool = False, **kw) -> Any:
-    """A documented field; `omit_none`: left out of the JSON form while None (keys only some evaluations have)."""
-    return field(default=default, metadata={"help": help, "omit_none": omit_none}, **kw)
+def _field(default: Any = dataclasses.MISSING, *, help: str, **kw: Any) -> Any:
+    """A documented field (`markdown_table`); `omit_default`: left out of the JSON form while it holds its default."""
+    return json_field(default, help=help, **kw)
 
 
 def _extra() -> Any:
-    return field(default_factory=dict, repr=False, compare=False, metadata={"extra": True})
-
-
-# --- JSON ------------------------------------------------------------------------------------------------
-def nan_to_none(value: Any) -> Any:
-    """`value` with every NaN and infinity, however deeply nested, as None; tuples become lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [nan_to_none(v) for v in value]
-    return value
-
-
-def _members(hint: Any) -> tuple:
-    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    return typing.get_args(hint) if union else (hint,)
-
-
-def _from_json(value: Any, hint: Any) -> Any:
-    """A JSON value as a field of type `hint` holds it: null as NaN where a number belongs and None does not, nested
-    records as their types; anything else as it is (the reader checks what it needs)."""
-    members = _members(hint)
-    if value is None:
-        return None if type(None) in members or float not in members else math.nan
-    if type(value) in members:  # a number, text or flag the field takes as it is
-        return value
-    for member in members:
-        origin = typing.get_origin(member) or member
-        args = typing.get_args(member)
-        if isinstance(origin, type) and issubclass(origin, JsonRecord) and isinstance(value, Mapping):
-            return origin.from_json(value)
-        if origin is list and isinstance(value, list):
-            return [_from_json(v, args[0]) if args else v for v in value]
-        if origin is dict and isinstance(value, Mapping):
-            return {k: _from_json(v, args[1]) if args else v for k, v in value.items()}
-        if origin is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-    return value
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-class JsonRecord:
-    """The JSON form of the dataclasses below (see the module's docstring)."""
-
-    # The fields the file it was read from lacked (written by an older version); none for an object made here.
-    absent: ClassVar[frozenset[str]] = frozenset()
-
-    @classmethod
-    def from_json(cls: type[T], value: Mapping[str, Any]) -> T:
-        """The object a file's mapping describes; a ValueError names a required key it lacks."""
-        if not isinstance(value, Mapping):
-            raise ValueError(f"not a {cls.__name__.lower()}: a JSON object is expected, not {type(value).__name__}")
-        hints, known = _hints(cls), {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("extra")}
-        missing = [
-            name
-            for name, f in known.items()
-            if name not in value and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
-        if missing:
-            raise ValueError(f"not a {cls.__name__.lower()}: no {', '.join(map(repr, missing))}")
-        made = cls(**{name: _from_json(value[name], hints[name]) for name in known if name in value})
-        made.extra = {k: v for k, v in value.items() if k not in known}  # type: ignore[attr-defined]
-        absent = frozenset(name for name in known if name not in value)
-        if absent:
-            made.absent = absent  # type: ignore[misc]
-        return made
-
-    def to_json(self) -> dict[str, Any]:
-        """The mapping written to the files: the fields in their order, NaN as null, then the unknown keys kept; the
-        fields its file lacked (`absent`) left out again while they hold their defaults."""
-        value: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            item = getattr(self, f.name)
-            if f.metadata.get("extra") or (item is None and f.metadata.get("omit_none")):
-                continue
-            if f.name in self.absent and _holds_default(f, item):
-                continue
-            value[f.name] = _to_json(item)
-        return nan_to_none({**value, **getattr(self, "extra", {})})
-
-
-def _holds_default(f: dataclasses.Field, item: Any) -> bool:
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    return item is default or item == default  # the defaults' NaN is `math.nan` itself, so identity finds it
-
-
-def _to_json(item: Any) -> Any:
-    if isinstance(item, JsonRecord):
-        return item.to_json()
-    if isinstance(item, dict):
-        return {k: _to_json(v) for k, v in item.items()}
-    if isinstance(item, (list, tuple)):
-        return [_to_json(v) for v in item]
-    return item
-
-
-def dumps(value: Any, **kwargs: Any) -> str:
-    """`value` as JSON text: the objects of this module in their JSON form, wherever they sit in it, and every NaN and
-    infinity as null (strict JSON readers reject NaN); `kwargs` go to `json.dumps` (`indent`)."""
-    return json.dumps(nan_to_none(_to_json(value)), ensure_ascii=False, allow_nan=False, **kwargs)
+    return field(default_factory=dict, repr=False, compare=False)
 
 
 # --- one query --------------------------------------------------------------------------------------------
@@ -193,21 +83,23 @@ class Record(JsonRecord):
         "prompt that the query and the answer did not; `score`: of any shipped prompt)",
         default_factory=list,
     )
-    responses: list[str] | None = _field(None, help="with `n_samples > 1` only: each sample's answer", omit_none=True)
-    revisions_by_sample: list[list[str]] | None = _field(
-        None, help="with `n_samples > 1` only: each sample's revisions", omit_none=True
+    responses: list[str] | None = _field(
+        None, help="with `n_samples > 1` only: each sample's answer", omit_default=True
     )
-    d_samples: list[float] | None = _field(None, help="with `n_samples > 1` only: each sample's d", omit_none=True)
+    revisions_by_sample: list[list[str]] | None = _field(
+        None, help="with `n_samples > 1` only: each sample's revisions", omit_default=True
+    )
+    d_samples: list[float] | None = _field(None, help="with `n_samples > 1` only: each sample's d", omit_default=True)
     reference: str | None = _field(
         None,
         help="`eval` only, where the query has a reference answer and its category a reference metric: the reference",
-        omit_none=True,
+        omit_default=True,
     )
     ref: dict[str, float | None] | None = _field(
         None,
         help="beside `reference`: the answer's sentence scores (`bleu`, `chrf` for translation; `rouge1`, `rouge2`, "
         "`rougeL` for summarization, `null` for an empty reference)",
-        omit_none=True,
+        omit_default=True,
     )
     extra: dict[str, Any] = _extra()
 
@@ -279,7 +171,7 @@ class Summary(JsonRecord):
     reference: ReferenceSummary | None = _field(
         None,
         help="on queries with references: the corpus metrics overall and by category, and how many answers each scored",
-        omit_none=True,
+        omit_default=True,
     )
     extra: dict[str, Any] = _extra()
 

@@ -18,8 +18,9 @@ Writing: `RunFiles`, the callback's, keeps the rows in memory and writes the who
 row and the callback never reads the file back. Reading: `read_run`, once, for `probdiff select`, `plot`,
 `crosscheck` and the end of a training run.
 
-The JSON form of the records, summaries, comparisons and costs is `core/records.py`'s (NaN as null and back, the
-keys in their order, older files' missing keys defaulted); this module adds the row around them and the files.
+The JSON form of the rows, and of the records, summaries, comparisons and costs in them, is `core/json_form.py`'s
+(NaN as null and back, the keys in their order, older files' missing keys defaulted, unknown keys kept); this module
+adds the files.
 """
 
 from __future__ import annotations
@@ -30,25 +31,29 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import ClassVar, Literal
 
 from probdiff_callback.core.config import DEFAULT_SUBDIR
+from probdiff_callback.core.json_form import JsonRecord, json_field
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.queries import DataFileError, read_rows
-from probdiff_callback.core.records import Comparison, Cost, JsonRecord, Record, Summary, dumps, nan_to_none
+from probdiff_callback.core.records import Comparison, Cost, Record, Summary, dumps
 
 HISTORY_FILE = "history.jsonl"
 RECORDS_FILE = "records.jsonl"
 EVAL_LOSSES_FILE = "eval_losses.json"
 CHECKPOINT_SUMMARY_FILE = "probdiff.json"
-T = TypeVar("T", bound=JsonRecord)
 # Why a step was evaluated: the base model before training, a Trainer evaluation, a save (no evaluations), the end
 EvaluationKind = Literal["baseline", "evaluate", "save", "end"]
 
 
 @dataclass
-class HistoryRow:
-    """One evaluated step. Numbers are NaN where missing; `to_json` and `from_json` are the file's form."""
+class HistoryRow(JsonRecord):
+    """One evaluated step. Numbers are NaN where missing. Its JSON form (`to_json`, `from_json`) is `JsonRecord`'s,
+    each key written, even where an older row lacked it (a row from before `vs_base` gains `"vs_base": null`), but
+    `cost`, `eval_loss`, `eval_losses` and `abandoned`, which are left out while they hold their defaults."""
+
+    remember_absent: ClassVar[bool] = False
 
     global_step: int
     epoch: float | None = None
@@ -59,11 +64,14 @@ class HistoryRow:
     summary: Summary | None = None
     error: str | None = None
     seconds: float = math.nan
-    cost: Cost | None = None  # what each stage of the evaluation cost; None in rows written before it was measured
+    # what each stage of the evaluation cost; None in rows written before it was measured
+    cost: Cost | None = json_field(None, omit_default=True)
     vs_base: Comparison | None = None
-    eval_loss: float = math.nan
-    eval_losses: str | None = None  # the per-conversation eval losses file, relative to the probdiff directory
-    abandoned: bool = False  # a preemption stopped the evaluation; resuming from this step's checkpoint runs it
+    eval_loss: float = json_field(math.nan, omit_default=True)  # written once the Trainer computed it
+    # the per-conversation eval losses file, relative to the probdiff directory
+    eval_losses: str | None = json_field(None, omit_default=True)
+    # a preemption stopped the evaluation; resuming from this step's checkpoint runs it
+    abandoned: bool = json_field(False, omit_default=True)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
 
     @property
@@ -73,52 +81,6 @@ class HistoryRow:
     @property
     def confidence(self) -> float:
         return math.nan if self.summary is None else self.summary.confidence
-
-    @classmethod
-    def from_json(cls, value: Mapping) -> HistoryRow:
-        """A row as stored; rows of older versions lack some keys and get their defaults. A ValueError names a key
-        of the summary, comparison or cost that the row lacks."""
-        known = {name for name in cls.__dataclass_fields__ if name != "extra"}
-        nested = ("summary", "vs_base", "cost")
-        row = cls(
-            **{k: v for k, v in value.items() if k in known and k not in nested},
-            summary=_optional(Summary, value.get("summary")),
-            vs_base=_optional(Comparison, value.get("vs_base")),
-            cost=_optional(Cost, value.get("cost")),
-        )
-        row.extra = {k: v for k, v in value.items() if k not in known}
-        row.seconds = math.nan if row.seconds is None else row.seconds
-        row.eval_loss = math.nan if row.eval_loss is None else float(row.eval_loss)
-        return row
-
-    def to_json(self) -> dict:
-        """The row as stored: the keys in their order, NaN as null; `cost` where it was measured, `eval_loss` only
-        once the Trainer computed it."""
-        value: dict[str, Any] = {
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "kind": self.kind,
-            "base_model": self.base_model,
-            "checkpoint": self.checkpoint,
-            "records": self.records,
-            "summary": None if self.summary is None else self.summary.to_json(),
-            "error": self.error,
-            "seconds": self.seconds,
-        }
-        if self.cost is not None:
-            value["cost"] = self.cost.to_json()
-        value["vs_base"] = None if self.vs_base is None else self.vs_base.to_json()
-        if is_finite(self.eval_loss):
-            value["eval_loss"] = self.eval_loss
-        if self.eval_losses is not None:
-            value["eval_losses"] = self.eval_losses
-        if self.abandoned:
-            value["abandoned"] = True
-        return nan_to_none({**value, **self.extra})
-
-
-def _optional(kind: type[T], value: Mapping | None) -> T | None:
-    return None if value is None else kind.from_json(value)
 
 
 def as_row(row: HistoryRow | Mapping) -> HistoryRow:
