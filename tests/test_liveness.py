@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _fake_vllm import Behaviour, FakeVLLM, token_ids
 
-from probdiff_callback.core.engines import GenerationRequest, vllm
+from probdiff_callback.core.engines import GenerationRequest, vllm_server
 from probdiff_callback.core.engines.liveness import Progress, ServerWatch, StartWatch, metric_sums
 
 FAKE = str(Path(__file__).with_name("_fake_vllm.py"))
@@ -177,7 +177,7 @@ def expected_text(i: int) -> str:
 
 def test_a_slow_server_that_makes_progress_is_waited_for_past_both_timeouts():
     with FakeVLLM(Behaviour(answer_after=2.5)) as fake:
-        engine = vllm.ServerEngine(fake.url, Words(), [0], timeout=1.0, stall_timeout=1.0)
+        engine = vllm_server.ServerEngine(fake.url, Words(), [0], timeout=1.0, stall_timeout=1.0)
         started = time.monotonic()
         texts = engine.generate(requests(3), 8)
         assert time.monotonic() - started >= 2.5  # longer than either timeout
@@ -186,9 +186,9 @@ def test_a_slow_server_that_makes_progress_is_waited_for_past_both_timeouts():
 
 def test_a_stalled_server_fails_within_the_window_keeps_what_it_finished_and_drops_the_rest():
     with FakeVLLM(Behaviour(answered=1)) as fake:  # the first completion is answered, then nothing moves
-        engine = vllm.ServerEngine(fake.url, Words(), [0], timeout=30.0, stall_timeout=1.0)
+        engine = vllm_server.ServerEngine(fake.url, Words(), [0], timeout=30.0, stall_timeout=1.0)
         started = time.monotonic()
-        with pytest.raises(vllm.EngineUnavailable) as caught:
+        with pytest.raises(vllm_server.EngineUnavailable) as caught:
             engine.generate(requests(3), 8)
         waited = time.monotonic() - started
         assert 1.0 <= waited < 3.0  # the window, a look at the metrics (a quarter of it) and a slice of the wait
@@ -205,7 +205,7 @@ def test_a_stalled_server_fails_within_the_window_keeps_what_it_finished_and_dro
 
 
 def test_a_server_this_job_started_that_exits_fails_at_once_with_its_log(tmp_path):
-    port = vllm._free_port()
+    port = vllm_server._free_port()
     log = tmp_path / "vllm-server.log"
     with open(log, "w") as sink:
         process = subprocess.Popen(
@@ -218,19 +218,19 @@ def test_a_server_this_job_started_that_exits_fails_at_once_with_its_log(tmp_pat
         deadline = time.monotonic() + 30.0
         while True:
             try:
-                engine = vllm.ServerEngine(
+                engine = vllm_server.ServerEngine(
                     f"http://127.0.0.1:{port}", Words(), [0], timeout=60, stall_timeout=60, process=process, log=log
                 )
                 break
-            except vllm.EngineUnavailable:
+            except vllm_server.EngineUnavailable:
                 assert time.monotonic() < deadline and process.poll() is None, log.read_text()
                 time.sleep(0.1)
         started = time.monotonic()
-        with pytest.raises(vllm.EngineUnavailable) as caught:
+        with pytest.raises(vllm_server.EngineUnavailable) as caught:
             engine.generate(requests(2), 8)
         assert time.monotonic() - started < 5.0  # not the windows of 60 s
     finally:
-        vllm._stop(process)
+        vllm_server._stop(process)
     message = str(caught.value)
     assert message.startswith(f"the vLLM server this job started exited (exit code 3); the end of its log ({log}):")
     assert message.endswith("fake engine: the worker ran out of memory")
@@ -242,7 +242,7 @@ def test_a_server_this_job_started_that_exits_fails_at_once_with_its_log(tmp_pat
 
 def start_fake(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, Path, str]:
     """The stand-in server as a process of its own, its output in a log, as `start_colocated` starts vLLM's."""
-    port = vllm._free_port()
+    port = vllm_server._free_port()
     log = tmp_path / "vllm-server.log"
     with open(log, "w") as sink:
         process = subprocess.Popen(
@@ -252,7 +252,7 @@ def start_fake(tmp_path: Path, *options: str) -> tuple[subprocess.Popen, Path, s
 
 
 def connecting(url: str, process: subprocess.Popen, log: Path, timeout: float, stall_timeout: float):
-    return lambda: vllm.ServerEngine(
+    return lambda: vllm_server.ServerEngine(
         url, Words(), [0], timeout=timeout, stall_timeout=stall_timeout, process=process, log=log
     )
 
@@ -263,11 +263,11 @@ def test_a_start_that_keeps_logging_is_waited_for_past_the_answer_window(tmp_pat
     try:
         started = time.monotonic()
         watch = StartWatch(process, log, stall_seconds=1.5)
-        engine = vllm.wait_for_start(connecting(url, process, log, 1.0, 1.5), watch, poll_seconds=0.1)
+        engine = vllm_server.wait_for_start(connecting(url, process, log, 1.0, 1.5), watch, poll_seconds=0.1)
         assert time.monotonic() - started >= 4.0  # past both windows
         assert [t.text for t in engine.generate(requests(2), 8)] == [expected_text(i) for i in range(2)]
     finally:
-        vllm._stop(process)
+        vllm_server._stop(process)
     assert "fake engine: starting, stage 5" in log.read_text()
 
 
@@ -276,12 +276,12 @@ def test_a_start_whose_log_goes_silent_is_stalled_after_the_window_naming_its_la
     try:
         started = time.monotonic()
         watch = StartWatch(process, log, stall_seconds=1.5)
-        with pytest.raises(vllm.EngineUnavailable) as caught:
-            vllm.wait_for_start(connecting(url, process, log, 60.0, 1.5), watch, poll_seconds=0.1)
+        with pytest.raises(vllm_server.EngineUnavailable) as caught:
+            vllm_server.wait_for_start(connecting(url, process, log, 60.0, 1.5), watch, poll_seconds=0.1)
         assert 1.5 <= time.monotonic() - started < 10.0  # the stall window, not the answer window or the start
         assert process.poll() is None, "the watch only says so; start_colocated stops the server"
     finally:
-        vllm._stop(process)
+        vllm_server._stop(process)
     assert str(caught.value) == (
         f"stalled while starting: its log ({log}) did not grow for 1.5 s (vllm_stall_timeout=1.5: raise it where one "
         "stage of a start takes longer); its last line: fake engine: starting, stage 0"
@@ -293,11 +293,11 @@ def test_a_start_whose_process_exits_fails_at_once_with_its_log(tmp_path):
     try:
         started = time.monotonic()
         watch = StartWatch(process, log, stall_seconds=60.0)
-        with pytest.raises(vllm.EngineUnavailable) as caught:
-            vllm.wait_for_start(connecting(url, process, log, 60.0, 60.0), watch, poll_seconds=0.1)
+        with pytest.raises(vllm_server.EngineUnavailable) as caught:
+            vllm_server.wait_for_start(connecting(url, process, log, 60.0, 60.0), watch, poll_seconds=0.1)
         assert time.monotonic() - started < 10.0  # not the window of 60 s
     finally:
-        vllm._stop(process)
+        vllm_server._stop(process)
     message = str(caught.value)
     assert message.startswith(f"exited (exit code 2); the end of its log ({log}):")
     assert message.endswith("error: argument --start-after: invalid float value: 'not-a-number'")

@@ -22,7 +22,7 @@ import torch
 
 from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines import vllm as vllm_engine
+from probdiff_callback.core.engines import vllm_server as vllm_engine
 
 from .device import guarded
 from .evaluation import Measured, evaluation_figures, floors_of, measure, warm_up

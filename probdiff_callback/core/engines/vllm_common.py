@@ -1,0 +1,61 @@
+"""The terms every vLLM engine shares, however vLLM runs (a server, `vllm_server.py`; vLLM's Python API in this
+process could be another): a request's sampling stated whole, the token ids it answers read back as our tokenizer's
+text, whether vLLM runs on a GPU here, the LoRA rank slots vLLM offers, and the error of an engine that cannot serve.
+
+Prompts go in and texts come out as token ids, so the prompts, chat template and stop ids are exactly the HF
+engine's, and our tokenizer decodes the texts. Sampling is the same (temperature per category, top_p, no top-k, no
+penalties, none of the model's generation_config defaults) with a per-request seed derived from the query, so a
+query's text does not depend on its batch; the random stream is vLLM's, so the texts are not the HF engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from probdiff_callback.core.engines import Generated, GenerationError, GenerationRequest, cut_at_stop
+
+_SEED_MASK = (1 << 63) - 1  # vLLM takes a signed 64-bit seed
+
+
+class EngineUnavailable(GenerationError):
+    """vLLM is not installed, or its server cannot be reached, is gone or stalled; the message says what to do.
+    Raised by `vllm_server.ServerEngine.generate`, it holds the texts finished before (`finished`)."""
+
+
+def sampling_settings(request: GenerationRequest, max_new_tokens: int, stop_ids: Sequence[int]) -> dict:
+    """The request's sampling, stated whole: vLLM's defaults for everything else could come from the model's
+    generation_config (top_k, repetition_penalty) in server mode."""
+    return dict(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=0,  # off
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=request.seed & _SEED_MASK,
+        max_tokens=max_new_tokens,
+        stop_token_ids=list(stop_ids),
+    )
+
+
+def decoded(tokenizer, token_ids: Sequence[int], finish_reason: str | None, stop_ids: Sequence[int]) -> Generated:
+    """Our tokenizer's text of the ids before a stop id, whether generation stopped at max_new_tokens, and how many
+    ids it generated before the stop id."""
+    ids = cut_at_stop(list(token_ids), stop_ids)
+    return Generated(tokenizer.decode(ids, skip_special_tokens=True).strip(), finish_reason == "length", len(ids))
+
+
+def on_gpu() -> bool:
+    """Whether vLLM runs on a GPU here: torch sees one."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def supported_rank(rank: int) -> int:
+    """The smallest LoRA rank slot vLLM offers that holds `rank`."""
+    for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= slot:
+            return slot
+    return rank
