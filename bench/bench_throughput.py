@@ -182,7 +182,8 @@ def workload(tokenizer, n: int) -> tuple[list[list[int]], list[list[str]]]:
 def score_side_by_side(name: str, pairs: int, n_documents: int) -> None:
     """Both paths of `score_texts` on the same work, alternately; prints their times."""
     from probdiff_callback.core.config import ProbDiffConfig
-    from probdiff_callback.core.evaluator import inference_mode, score_texts
+    from probdiff_callback.core.evaluator import inference_mode
+    from probdiff_callback.core.scoring import score_texts
     from probdiff_callback.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(name, dtype="float32", device="cpu")

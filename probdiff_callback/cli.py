@@ -15,15 +15,24 @@ from probdiff_callback.analysis.report import degenerate_note, format_comparison
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
 from probdiff_callback.core.engines.vllm import EngineUnavailable
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
-from probdiff_callback.core.records import dumps
+from probdiff_callback.models.command_loading import load_model, reuse_freed_memory
+from probdiff_callback.runs.eval_output import (
+    UNFINISHED_FILE,
+    OutputDirError,
+    finished_records,
+    in_query_order,
+    keeping_finished,
+    kept_records,
+    prepare_out,
+    setting_text,
+    what_is_evaluated,
+    write_results,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Iterator
 
     from probdiff_callback.core.engines import Engine
-    from probdiff_callback.core.evaluator import Evaluation
-    from probdiff_callback.core.queries import Query
-    from probdiff_callback.core.records import Record, Summary
 
 
 def _settings_epilog(command: str) -> str:
@@ -39,15 +48,11 @@ def _settings_epilog(command: str) -> str:
     for group, names in ProbDiffConfig.read_by(command).items():
         lines.append(f"  {group}:")
         for name in names:
-            head = f"    {name}={_shown(getattr(defaults, name))}"
+            head = f"    {name}={setting_text(getattr(defaults, name))}"
             lines += textwrap.wrap(
                 fields[name].metadata["help"], 110, initial_indent=f"{head}  ", subsequent_indent=" " * 8
             )
     return "\n".join(lines)
-
-
-def _shown(value) -> str:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _positive_int(text: str) -> int:
@@ -235,236 +240,8 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _reuse_freed_memory() -> None:
-    """Let glibc keep freed memory for reuse instead of returning it to the OS.
-
-    By default large blocks (every [batch, 152k] logits tensor on CPU) are fresh mmap
-    pages that fault in on first touch, each decoding step again (jemalloc/tcmalloc keep
-    them too; PyTorch's CPU tuning guide recommends them).
-    The process keeps its peak memory until it exits.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3  # from malloc.h
-        libc.mallopt(m_mmap_threshold, 1 << 30)
-        libc.mallopt(m_trim_threshold, (1 << 31) - 1)
-    except (OSError, AttributeError):  # not glibc (e.g. musl): keep the defaults
-        pass
-
-
 # Set by the console script: this process is ours, so process-wide settings may change.
 _own_process = False
-
-
-def _load(args):
-    """Model and tokenizer. In the console script the garbage collector, paused for the
-    imports, comes back on with everything loaded so far frozen out of its passes."""
-    started = time.time()
-    from probdiff_callback.models import ModelUnavailable
-
-    try:
-        from probdiff_callback.models import default_device, load_model_and_tokenizer
-
-        device = args.device or default_device()
-        if device == "cpu":
-            from probdiff_callback.runtime.threads import configure_threads
-
-            threads, why = configure_threads()
-            print(f"{threads} CPU thread{'s' if threads > 1 else ''} ({why})", file=sys.stderr)
-        if _own_process and device == "cpu":  # on GPU runs the host memory of loading would stay
-            _reuse_freed_memory()
-        model, tokenizer = load_model_and_tokenizer(args.model, adapter=args.adapter, dtype=args.dtype, device=device)
-    except ModelUnavailable as err:
-        raise ModelUnavailable(f"--model {args.model}: {err}") from None
-    finally:
-        if _own_process:
-            gc.freeze()
-            gc.enable()
-    print(
-        f"Loaded {args.model}{' + ' + args.adapter if args.adapter else ''} in {time.time() - started:.1f}s",
-        file=sys.stderr,
-    )
-    return model, tokenizer
-
-
-RESULT_FILES = ("records.jsonl", "summary.json")
-# Beside records.jsonl while `probdiff eval` runs, and after it stopped part-way: what it evaluates (`--resume`).
-UNFINISHED_FILE = "unfinished.json"
-# Settings that change how an evaluation runs, not what it writes: `--resume` may change them (a smaller batch after
-# running out of memory, longer waits for a slow engine, a server restarted elsewhere).
-HOW_NOT_WHAT = frozenset(
-    {"batch_size", "score_chunk_tokens", "vllm_server_base_url", "vllm_server_timeout", "vllm_stall_timeout",
-     "vllm_gpu_memory_utilization"}
-)  # fmt: skip
-
-
-class OutputDirError(Exception):
-    """--out cannot take this command's results; said before the model loads."""
-
-
-def _prepare_out(out: str, overwrite: bool, resume: bool = False) -> None:
-    """Make the --out directory before the model loads, so that an unusable one stops the command at once rather
-    than after the whole evaluation; earlier results there are replaced only with --overwrite, and an unfinished
-    evaluation is continued only with --resume."""
-    path = Path(out)
-    existing = next(p for p in (path, *path.parents) if p.exists())  # `out` itself, or where it would be made
-    if not existing.is_dir():
-        where = "is a file" if existing == path else f"is under {existing}, a file"
-        raise OutputDirError(f"--out {out} {where}: give a directory (it gets {' and '.join(RESULT_FILES)})")
-    unfinished = (path / UNFINISHED_FILE).is_file()
-    if resume and not unfinished:
-        if (path / "summary.json").exists():
-            raise OutputDirError(f"--resume: --out {out} holds a finished evaluation (summary.json): nothing to resume")
-        raise OutputDirError(
-            f"--resume: --out {out} holds no unfinished evaluation (the {UNFINISHED_FILE} that `probdiff eval` "
-            "leaves when it stops part-way)"
-        )
-    if resume:
-        return
-    if unfinished and not overwrite:
-        raise OutputDirError(
-            f"--out {out} holds an unfinished evaluation ({_count_lines(path / 'records.jsonl')} queries' records, "
-            "no summary.json): add --resume to finish it with `probdiff eval`, or --overwrite to replace it"
-        )
-    earlier = [name for name in RESULT_FILES if (path / name).exists()]
-    if earlier and not overwrite:
-        raise OutputDirError(
-            f"--out {out} already holds {' and '.join(earlier)} of an earlier run: choose another --out, "
-            "or add --overwrite to replace them"
-        )
-    if earlier:
-        print(f"--overwrite: replacing {' and '.join(earlier)} in {out}", file=sys.stderr)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # no permission, read-only file system
-        raise OutputDirError(f"--out {out}: cannot create the directory ({err.strerror}: {err.filename})") from None
-
-
-def _count_lines(path: Path) -> int:
-    return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
-
-
-def _evaluated(args, config: ProbDiffConfig) -> dict:
-    """What `probdiff eval` evaluates: the model, how it runs, the queries' file and the settings that applied (paths
-    that exist as absolute paths, so that --resume from another folder finds them the same)."""
-
-    def as_given(value: str | None) -> str | None:
-        return str(Path(value).resolve()) if value is not None and Path(value).exists() else value
-
-    reads = ProbDiffConfig.keys_read_by(EVAL)
-    settings = json.loads(dumps({key: value for key, value in config.to_dict().items() if key in reads}))
-    return {
-        "model": as_given(args.model),
-        "adapter": as_given(args.adapter),
-        "dtype": args.dtype,
-        "device": args.device,
-        "queries": as_given(args.queries),
-        "config": settings,
-    }
-
-
-def _kept_records(out: str, evaluated: dict, queries: Sequence[Query]) -> list[Record]:
-    """The records an unfinished evaluation in `out` kept, after checking that this command continues it: the same
-    model, queries and settings (other than `HOW_NOT_WHAT`), and every kept query among this command's."""
-    from probdiff_callback.runs.run_files import read_records, write_atomic
-
-    path = Path(out)
-    before = json.loads((path / UNFINISHED_FILE).read_text(encoding="utf-8"))
-    differences = [
-        f"{key} {before.get(key)!r} then, {value!r} now"
-        for key, value in evaluated.items()
-        if key != "config" and before.get(key) != value
-    ]
-    then, now = before.get("config", {}), evaluated["config"]
-    differences += [
-        f"{key}={_shown(then.get(key))} then, {_shown(now.get(key))} now"
-        for key in dict.fromkeys([*now, *then])
-        if key not in HOW_NOT_WHAT and then.get(key) != now.get(key)
-    ]
-    if differences:
-        raise OutputDirError(
-            f"--resume: the evaluation in {out} was started otherwise ({'; '.join(differences)}): give what it was "
-            "started with, or start afresh with --overwrite"
-        )
-    records_path = path / "records.jsonl"
-    if not records_path.is_file():
-        return []
-    text = records_path.read_text(encoding="utf-8")
-    if text and not text.endswith("\n"):  # a record half-written when the process was killed: evaluated again
-        write_atomic(records_path, text[: text.rfind("\n") + 1])
-    kept = read_records(records_path)
-    ids = {query.id for query in queries}
-    strangers = [record.id for record in kept if record.id not in ids]
-    if strangers:
-        raise OutputDirError(
-            f"--resume: {records_path} holds records of {len(strangers)} queries this command does not evaluate "
-            f"(the first: {strangers[0]!r}): give the --queries and --limit it was started with"
-        )
-    return kept
-
-
-@contextlib.contextmanager
-def _keeping_finished(out: str, evaluated: dict, kept: list[Record], n_queries: int) -> Iterator[Callable]:
-    """--out while the evaluation runs: `UNFINISHED_FILE` says what it evaluates, and records.jsonl gets each
-    query's record as it finishes (after `kept`, an unfinished evaluation's). Should the evaluation fail, what it
-    finished stays, with a line saying how to finish it; where nothing was finished, --out is left without
-    results, as before. The caller writes the whole results and removes `UNFINISHED_FILE` once it succeeded."""
-    from probdiff_callback.runs.run_files import write_json
-
-    path = Path(out)
-    records_path, marker = path / "records.jsonl", path / UNFINISHED_FILE
-    if not kept:
-        (path / "summary.json").unlink(missing_ok=True)  # --overwrite: the earlier summary is not this one
-        records_path.write_text("", encoding="utf-8")
-    write_json(marker, {**evaluated, "n_queries": n_queries})
-    finished = len(kept)
-    with open(records_path, "a", encoding="utf-8") as sink:
-
-        def add(records: list[Record]) -> None:
-            nonlocal finished
-            sink.write("".join(dumps(record) + "\n" for record in records))
-            sink.flush()
-            finished += len(records)
-
-        try:
-            yield add
-        except BaseException as err:
-            sink.flush()
-            if finished == 0:
-                records_path.unlink(missing_ok=True)
-                marker.unlink(missing_ok=True)
-                raise
-            write_json(marker, {**evaluated, "n_queries": n_queries, "error": str(err) or type(err).__name__})
-            print(
-                f"probdiff eval: {finished} of {n_queries} queries were evaluated before the error below; their "
-                f"records are in {records_path}. The same command with --resume evaluates the other "
-                f"{n_queries - finished} and writes the summary.",
-                file=sys.stderr,
-            )
-            raise
-
-
-def _in_query_order(records: Sequence[Record], queries: Sequence[Query]) -> list[Record]:
-    by_id = {record.id: record for record in records}
-    return [by_id[query.id] for query in queries]
-
-
-def _write_results(
-    command: str, out: str, evaluation: Evaluation, summary: Summary, config: ProbDiffConfig, extra: dict
-) -> None:
-    """records.jsonl and summary.json: the summary, then the settings that applied, `extra` (what was evaluated,
-    the seconds) and what each stage cost."""
-    from probdiff_callback.runs.run_files import write_json, write_jsonl
-
-    reads = ProbDiffConfig.keys_read_by(command)
-    applied = {key: value for key, value in config.to_dict().items() if key in reads}
-    write_jsonl(Path(out) / "records.jsonl", evaluation.records)
-    write_json(Path(out) / "summary.json", {**summary.to_json(), "config": applied, **extra, "cost": evaluation.cost})
 
 
 @contextlib.contextmanager
@@ -494,9 +271,9 @@ def cmd_eval(args) -> int:
     plan = plan_references(queries)
     if plan.notice():
         print(f"note: {plan.notice()}", file=sys.stderr)
-    _prepare_out(args.out, args.overwrite, args.resume)
-    evaluated = _evaluated(args, config)
-    kept = _kept_records(args.out, evaluated, queries) if args.resume else []
+    prepare_out(args.out, args.overwrite, args.resume)
+    evaluated = what_is_evaluated(args, config)
+    kept = kept_records(args.out, evaluated, queries) if args.resume else []
     kept_ids = {record.id for record in kept}
     remaining = [query for query in queries if query.id not in kept_ids]
     if args.resume:
@@ -505,19 +282,19 @@ def cmd_eval(args) -> int:
             f"{len(remaining)}",
             file=sys.stderr,
         )
-    model, tokenizer = _load(args)
+    model, tokenizer = load_model(args, _own_process)
     started = time.time()
-    with _keeping_finished(args.out, evaluated, kept, len(queries)) as keep:
+    with keeping_finished(args.out, evaluated, kept, len(queries)) as keep:
         starts_vllm = config.use_vllm and remaining
         with _vllm_engine(args, config, model, tokenizer) if starts_vllm else contextlib.nullcontext() as engine:
             evaluation = evaluate(model, tokenizer, remaining, config, engine=engine, on_finished=keep)
-    whole = Evaluation(_in_query_order([*kept, *evaluation.records], queries), evaluation.cost)
+    whole = Evaluation(in_query_order([*kept, *evaluation.records], queries), evaluation.cost)
     evaluation, summary = summarise(whole, queries, config, plan)
     seconds = round(time.time() - started, 2)
     extra = {"model": args.model, "adapter": args.adapter, "queries": args.queries, "seconds": seconds}
     if args.resume:
         extra["resumed"] = len(kept)  # records kept from the unfinished evaluation; seconds and cost are this run's
-    _write_results(EVAL, args.out, evaluation, summary, config, extra)
+    write_results(EVAL, args.out, evaluation, summary, config, extra)
     (Path(args.out) / UNFINISHED_FILE).unlink(missing_ok=True)
     print(format_summary(summary))
     if summary.n_truncated:
@@ -545,7 +322,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_score(args) -> int:
-    from probdiff_callback.core.evaluator import score_pairs, summarise
+    from probdiff_callback.core.evaluator import summarise
+    from probdiff_callback.core.pairs import score_pairs
     from probdiff_callback.core.queries import load_pairs
     from probdiff_callback.core.reference_metrics import plan_references
 
@@ -553,13 +331,13 @@ def cmd_score(args) -> int:
     pairs = load_pairs(args.pairs)
     queries = [query for query, _, _ in pairs]
     plan = plan_references(queries)
-    _prepare_out(args.out, args.overwrite)
-    model, tokenizer = _load(args)
+    prepare_out(args.out, args.overwrite)
+    model, tokenizer = load_model(args, _own_process)
     started = time.time()
     evaluation, summary = summarise(score_pairs(model, tokenizer, pairs, config), queries, config, plan)
     seconds = round(time.time() - started, 2)
     extra = {"model": args.model, "adapter": args.adapter, "pairs": args.pairs, "seconds": seconds}
-    _write_results(SCORE, args.out, evaluation, summary, config, extra)
+    write_results(SCORE, args.out, evaluation, summary, config, extra)
     print(format_summary(summary))
     if summary.n_revision_degenerate:
         print(degenerate_note(summary))
@@ -570,21 +348,8 @@ def cmd_score(args) -> int:
 def cmd_compare(args) -> int:
     from probdiff_callback.core.metric import compare
     from probdiff_callback.core.records import Summary
-    from probdiff_callback.runs.run_files import read_records
 
-    records = []
-    for directory in (args.dir_a, args.dir_b):
-        if (Path(directory) / UNFINISHED_FILE).is_file():  # its records are some of its queries'
-            raise ValueError(
-                f"{directory} holds an unfinished evaluation ({_count_lines(Path(directory) / 'records.jsonl')} "
-                "queries' records, no summary.json): finish it first with the same `probdiff eval` and --resume"
-            )
-        path = Path(directory) / "records.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path}: not found; give directories written by `probdiff eval` or `probdiff score`"
-            )
-        records.append(read_records(path))
+    records = [finished_records(directory) for directory in (args.dir_a, args.dir_b)]
     delta = args.delta
     if delta is None:
         delta = Summary.from_json(json.loads((Path(args.dir_a) / "summary.json").read_text())).delta
@@ -648,7 +413,7 @@ def cmd_crosscheck(args) -> int:
 
 
 def cmd_watch(args) -> int:
-    from probdiff_callback.watch import Watch, run_watch
+    from probdiff_callback.beside.watch import Watch, run_watch
 
     if args.started_by_training and not args.follow:
         raise ValueError("--started-by-training follows the run until training ends: leave out --no-follow")
@@ -656,7 +421,7 @@ def cmd_watch(args) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            _reuse_freed_memory()
+            reuse_freed_memory()
     return run_watch(
         Watch(
             Path(args.run_dir),
@@ -681,13 +446,13 @@ def entry_point() -> None:
     objects and no garbage: the collector's full passes over them are wasted time while loading
     and at interpreter exit, so it is paused while loading and everything is frozen out of its
     passes at the end. On CPU, freed memory is kept for reuse (see
-    `_reuse_freed_memory`).
+    `models.command_loading.reuse_freed_memory`).
     """
     global _own_process
     args = build_parser().parse_args()
     _own_process = True
     if args.command in ("eval", "score"):
-        gc.disable()  # `_load` turns it back on
+        gc.disable()  # `load_model` turns it back on
     try:
         code = _dispatch(args)
     finally:

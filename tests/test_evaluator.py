@@ -14,7 +14,6 @@ from probdiff_callback.core.evaluator import (
     evaluate,
     make_chains,
     query_batches,
-    score_pairs,
     stage_clock,
     summarise,
 )
@@ -314,22 +313,6 @@ def test_refinement_requests_are_cut_to_the_prompt_budget(qwen_tokenizer):
     ids, cut = refinement_prompt_ids(qwen_tokenizer, system, REWRITER, instruction, long_response, 500)
     text = qwen_tokenizer.decode(ids)
     assert cut and len(ids) <= 500 and "INSTRUCTION END" in text and "RESPONSE START" in text and "RESPONSE END" in text
-
-
-def test_empty_texts_give_nan_and_count_as_not_confident(tiny_model):
-    model, tokenizer = tiny_model
-    config = ProbDiffConfig()
-    pairs = [
-        (Query("e1", "hi"), "", "something"),
-        (Query("e2", "hi"), "something", ""),
-        (Query("ok", "hi"), "a b", "a b"),
-    ]
-    scored = score_pairs(model, tokenizer, pairs, config, progress=False)
-    records = scored.records
-    assert scored.cost.scoring_seconds > 0 and scored.cost.generated_tokens == 0
-    assert math.isnan(records[0].d) and math.isnan(records[1].d)
-    assert records[0].confident is False and records[1].confident is False
-    assert records[2].d == pytest.approx(0.0, abs=1e-6) and records[2].confident is True
 
 
 def test_build_record_mean_over_valid_samples():

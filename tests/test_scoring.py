@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.evaluator import score_texts
 from probdiff_callback.core.prompts import chat_prompt_ids
 from probdiff_callback.core.scoring import (
     score_batch,
     score_shared_prompts,
+    score_texts,
     shares_prompt_cache,
     token_logprobs_chunked,
 )

@@ -34,7 +34,7 @@ from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Cost, Record, Summary
 from probdiff_callback.core.reference_metrics import ReferencePlan, score_records, summarize_references
 from probdiff_callback.core.sampling import row_seed
-from probdiff_callback.core.scoring import score_batch, score_shared_prompts, shares_prompt_cache
+from probdiff_callback.core.scoring import score_texts
 
 T = TypeVar("T")
 ABANDONED = "evaluation abandoned"  # in the error every rank sees when any rank abandoned its share
@@ -112,7 +112,7 @@ def build_record(
 
     `response_capped` / `revision_capped`: whether an answer / a last revision (of any sample)
     ended at max_new_tokens without a stop token, so was scored cut short. These and
-    `answer_temperature` are None for texts generated elsewhere (`score_pairs`).
+    `answer_temperature` are None for texts generated elsewhere (`pairs.score_pairs`).
     `revision_truncated`: a refinement request was cut to max_prompt_tokens.
     `response_degenerate` / `revision_degenerate`: the kinds of degeneration (`degenerate.py`) an answer / a last
     revision of any sample shows, [] for none; an echo is looked for against `refinement_templates`, the template
@@ -464,56 +464,3 @@ def summarise(
     summary = summary_of(records, config.delta, config.sweep)
     summary.reference = reference
     return Evaluation(records, cost), summary
-
-
-def score_texts(
-    model,
-    tokenizer,
-    prompts: Sequence[Sequence[int]],
-    texts: Sequence[Sequence[str]],
-    config: ProbDiffConfig,
-    sync_n_chunks: Callable[[int], int] | None = None,
-) -> list[list[tuple[float, int]]]:
-    """(mean log-prob, token count) of each of `texts[i]` after the chat prompt `prompts[i]` (every prompt with the
-    same number of texts); a text is tokenized on its own. With `score_prompt_once` a prompt runs once for all its
-    texts (`score_shared_prompts`), else each text runs as a whole sequence (`score_batch`)."""
-    if any(isinstance(row, str) for row in texts):
-        raise TypeError("score_texts takes a list of texts per prompt, not one text")
-    ids = [[tokenizer(t, add_special_tokens=False)["input_ids"] for t in row] for row in texts]
-    pad, chunk = tokenizer.pad_token_id, config.score_chunk_tokens
-    if config.score_prompt_once and shares_prompt_cache(model):
-        return score_shared_prompts(model, prompts, ids, pad, chunk, sync_n_chunks)
-    k = len(ids[0]) if ids else 0  # the whole sequences in text-major order: all first texts, then all second ...
-    flat = score_batch(model, list(prompts) * k, [row[j] for j in range(k) for row in ids], pad, chunk, sync_n_chunks)
-    return [[flat[j * len(ids) + i] for j in range(k)] for i in range(len(ids))]
-
-
-def score_pairs(
-    model,
-    tokenizer,
-    pairs: Sequence[tuple[Query, str, str]],
-    config: ProbDiffConfig,
-    *,
-    progress: bool = True,
-) -> Evaluation:
-    """Records for texts generated elsewhere: rows of (query, response, revised); the cost is the scoring's."""
-    prepared = prepare_queries(
-        tokenizer,
-        [q for q, _, _ in pairs],
-        system_prompt=config.system_prompt,
-        max_prompt_tokens=config.max_prompt_tokens,
-    )
-    records = []
-    cost, clock = Cost(), stage_clock(model)
-    with inference_mode(model):
-        for start in tqdm(range(0, len(pairs), config.batch_size), desc="Scoring", unit="batch", disable=not progress):
-            chunk = list(range(start, min(start + config.batch_size, len(pairs))))
-            prompts = [prepared[i].prompt_ids for i in chunk]
-            started = clock()
-            batch_scores = score_texts(model, tokenizer, prompts, [[pairs[i][1], pairs[i][2]] for i in chunk], config)
-            cost.scoring_seconds += clock() - started
-            for i, (s_response, s_revised) in zip(chunk, batch_scores):
-                records.append(
-                    build_record(prepared[i], [pairs[i][1]], [[pairs[i][2]]], [s_response], [s_revised], config.delta)
-                )
-    return Evaluation(records, cost)

@@ -15,9 +15,13 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from probdiff_callback.core.config import ProbDiffConfig
 
 # Sequences per scoring forward, in order of length: little padding, and a count of forwards
 # that depends only on the number of texts (ZeRO-3 with sharded parameters needs equal counts).
@@ -142,6 +146,33 @@ def _logprobs_by_vocabulary_tiles(hidden: torch.Tensor, targets: torch.Tensor, w
     return target_logits - running_max - running_sum.log().float()
 
 
+# What one scoring forward gives: the hidden states [N, H] that predict the texts' tokens, those N tokens, and the
+# text each belongs to (numbered within the forward's group, prompt by prompt).
+_TokenStates = tuple[torch.Tensor, list[int], list[int]]
+
+
+def score_texts(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    texts: Sequence[Sequence[str]],
+    config: ProbDiffConfig,
+    sync_n_chunks: Callable[[int], int] | None = None,
+) -> list[list[tuple[float, int]]]:
+    """(mean log-prob, token count) of each of `texts[i]` after the chat prompt `prompts[i]` (every prompt with the
+    same number of texts); a text is tokenized on its own. With `score_prompt_once` a prompt runs once for all its
+    texts (`score_shared_prompts`), else each text runs as a whole sequence (`score_batch`)."""
+    if any(isinstance(row, str) for row in texts):
+        raise TypeError("score_texts takes a list of texts per prompt, not one text")
+    ids = [[tokenizer(t, add_special_tokens=False)["input_ids"] for t in row] for row in texts]
+    pad, chunk = tokenizer.pad_token_id, config.score_chunk_tokens
+    if config.score_prompt_once and shares_prompt_cache(model):
+        return score_shared_prompts(model, prompts, ids, pad, chunk, sync_n_chunks)
+    k = len(ids[0]) if ids else 0  # the whole sequences in text-major order: all first texts, then all second ...
+    flat = score_batch(model, list(prompts) * k, [row[j] for j in range(k) for row in ids], pad, chunk, sync_n_chunks)
+    return [[flat[j * len(ids) + i] for j in range(k)] for i in range(len(ids))]
+
+
 @torch.no_grad()
 def score_batch(
     model,
@@ -161,37 +192,19 @@ def score_batch(
     ones (docs/benchmarks.md); the number of forwards depends only on the number of pairs, as ZeRO-3
     with sharded parameters needs.
     """
-    decoder, lm_head = split_model(model)
-    device = lm_head.weight.device if hasattr(lm_head, "weight") else next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]) + len(response_ids[i]))
-    sums = [0.0] * len(prompt_ids)
-    for start in range(0, len(order), rows_per_forward):
-        group = order[start : start + rows_per_forward]
-        group_sums = _logprob_sums(
-            decoder,
-            lm_head,
-            device,
-            [prompt_ids[i] for i in group],
-            [response_ids[i] for i in group],
-            pad_token_id,
-            chunk_size,
-            sync_n_chunks,
-        )
-        for i, total in zip(group, group_sums):
-            sums[i] = total
-    broken = [i for i, r in enumerate(response_ids) if len(r) and not math.isfinite(sums[i])]
-    if broken:  # unlike an empty response (NaN by the paper's rule), this is the model failing
-        raise NonFiniteLogits(
-            f"the log-probability of {len(broken)} of {len(response_ids)} responses is not finite: the model's "
-            "logits hold NaN or infinity"
-        )
-    return [(sums[i] / len(r) if len(r) else math.nan, len(r)) for i, r in enumerate(response_ids)]
+
+    def forward(decoder, device, group: list[int]) -> _TokenStates:
+        prompts, responses = [prompt_ids[i] for i in group], [response_ids[i] for i in group]
+        return _whole_sequence_states(decoder, device, prompts, responses, pad_token_id)
+
+    sums = _grouped_logprob_sums(model, order, 1, forward, chunk_size, sync_n_chunks, rows_per_forward)
+    return [row[0] for row in _means(sums, [[len(r)] for r in response_ids])]
 
 
-def _logprob_sums(
-    decoder, lm_head, device, prompt_ids, response_ids, pad_token_id, chunk_size, sync_n_chunks
-) -> list[float]:
-    """Sum of log p(response token) for each pair, in one right-padded forward (positions intact)."""
+def _whole_sequence_states(decoder, device, prompt_ids, response_ids, pad_token_id) -> _TokenStates:
+    """Each pair, prompt then response, in one right-padded forward (positions intact): the states that predict the
+    response tokens."""
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     width = max(lengths)
     input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
@@ -210,13 +223,7 @@ def _logprob_sums(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
     ).last_hidden_state
     long = dict(dtype=torch.long, device=device)
-    selected = hidden[torch.tensor(rows, **long), torch.tensor(positions, **long)]
-    del hidden
-    logprobs = token_logprobs_chunked(selected, torch.tensor(targets, **long), lm_head, chunk_size, sync_n_chunks).cpu()
-    sums = torch.zeros(len(lengths), dtype=torch.float64).index_add_(
-        0, torch.tensor(rows, dtype=torch.long), logprobs.double()
-    )
-    return sums.tolist()
+    return hidden[torch.tensor(rows, **long), torch.tensor(positions, **long)], targets, rows
 
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,33 +273,14 @@ def score_shared_prompts(
         raise ValueError("score_shared_prompts: every prompt needs the same number of continuations")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("score_shared_prompts: an empty prompt has no position to predict a first token from")
-    decoder, lm_head = split_model(model)
-    device = lm_head.weight.device if hasattr(lm_head, "weight") else next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), max(map(len, continuations[i]))))
-    sums: list[list[float]] = [[] for _ in prompt_ids]
-    per_forward = max(1, rows_per_forward // max(k, 1))
-    for start in range(0, len(order), per_forward):
-        group = order[start : start + per_forward]
-        group_sums = _shared_prompt_sums(
-            decoder,
-            lm_head,
-            device,
-            [prompt_ids[i] for i in group],
-            [continuations[i] for i in group],
-            pad_token_id,
-            chunk_size,
-            sync_n_chunks,
-        )
-        for i, totals in zip(group, group_sums):
-            sums[i] = totals
-    lengths = [[len(text) for text in texts] for texts in continuations]
-    broken = sum(1 for row, ns in zip(sums, lengths) for total, n in zip(row, ns) if n and not math.isfinite(total))
-    if broken:
-        raise NonFiniteLogits(
-            f"the log-probability of {broken} of {len(prompt_ids) * k} responses is not finite: the model's "
-            "logits hold NaN or infinity"
-        )
-    return [[(total / n if n else math.nan, n) for total, n in zip(row, ns)] for row, ns in zip(sums, lengths)]
+
+    def forward(decoder, device, group: list[int]) -> _TokenStates:
+        prompts, texts = [prompt_ids[i] for i in group], [continuations[i] for i in group]
+        return _shared_prompt_states(decoder, device, prompts, texts, pad_token_id)
+
+    sums = _grouped_logprob_sums(model, order, k, forward, chunk_size, sync_n_chunks, rows_per_forward)
+    return _means(sums, [[len(text) for text in texts] for texts in continuations])
 
 
 def _cache_keyword(decoder) -> str:
@@ -301,11 +289,9 @@ def _cache_keyword(decoder) -> str:
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
-def _shared_prompt_sums(
-    decoder, lm_head, device, prompt_ids, continuations, pad_token_id, chunk_size, sync_n_chunks
-) -> list[list[float]]:
-    """Sum of log p(token) of each continuation of each prompt: the prompts in one left-padded forward that keeps
-    its KV cache, then every continuation in one right-padded forward from the cache, copied k times."""
+def _shared_prompt_states(decoder, device, prompt_ids, continuations, pad_token_id) -> _TokenStates:
+    """The prompts in one left-padded forward that keeps its KV cache, then every continuation of each prompt in one
+    right-padded forward from the cache, copied k times: the states that predict the continuations' tokens."""
     from transformers import Cache
 
     k = len(continuations[0])
@@ -349,10 +335,46 @@ def _shared_prompt_sums(
     rows = [row for row, text in enumerate(texts) for _ in text]
     positions = [t for text in texts for t in range(len(text))]
     targets = [token for text in texts for token in text]
-    selected = states[torch.tensor(rows, **long), torch.tensor(positions, **long)]
-    del states
-    logprobs = token_logprobs_chunked(selected, torch.tensor(targets, **long), lm_head, chunk_size, sync_n_chunks).cpu()
-    sums = torch.zeros(len(texts), dtype=torch.float64).index_add_(
-        0, torch.tensor(rows, dtype=torch.long), logprobs.double()
-    )
-    return sums.view(len(continuations), k).tolist()
+    return states[torch.tensor(rows, **long), torch.tensor(positions, **long)], targets, rows
+
+
+def _grouped_logprob_sums(
+    model,
+    order: list[int],
+    k: int,
+    forward: Callable[..., _TokenStates],
+    chunk_size: int,
+    sync_n_chunks: Callable[[int], int] | None,
+    rows_per_forward: int,
+) -> list[list[float]]:
+    """Sum of log p(token) of each of the `k` texts of each prompt, by prompt index: the prompts in `order`,
+    `rows_per_forward // k` at a time, each group in one `forward(decoder, device, group)`, whose states the LM head
+    then takes `chunk_size` at a time."""
+    decoder, lm_head = split_model(model)
+    device = lm_head.weight.device if hasattr(lm_head, "weight") else next(model.parameters()).device
+    sums: list[list[float]] = [[] for _ in order]
+    per_forward = max(1, rows_per_forward // max(k, 1))
+    for start in range(0, len(order), per_forward):
+        group = order[start : start + per_forward]
+        states, targets, rows = forward(decoder, device, group)
+        targets_on_device = torch.tensor(targets, dtype=torch.long, device=device)
+        logprobs = token_logprobs_chunked(states, targets_on_device, lm_head, chunk_size, sync_n_chunks).cpu()
+        del states  # freed before the next group's forward
+        totals = torch.zeros(len(group) * k, dtype=torch.float64).index_add_(
+            0, torch.tensor(rows, dtype=torch.long), logprobs.double()
+        )
+        for i, text_sums in zip(group, totals.view(len(group), k).tolist()):
+            sums[i] = text_sums
+    return sums
+
+
+def _means(sums: list[list[float]], lengths: list[list[int]]) -> list[list[tuple[float, int]]]:
+    """(mean log-prob, token count) of each text from its sum. An empty text scores NaN (the paper's rule); a
+    non-finite sum of a non-empty one is the model failing, and raises `NonFiniteLogits`."""
+    broken = sum(1 for row, ns in zip(sums, lengths) for total, n in zip(row, ns) if n and not math.isfinite(total))
+    if broken:
+        raise NonFiniteLogits(
+            f"the log-probability of {broken} of {sum(map(len, lengths))} responses is not finite: the model's "
+            "logits hold NaN or infinity"
+        )
+    return [[(total / n if n else math.nan, n) for total, n in zip(row, ns)] for row, ns in zip(sums, lengths)]
