@@ -13,7 +13,11 @@ process has one core to itself (`--sides c` runs (c) alone: a rerun of one part)
 time, the time until the bar reaches the last step, the evaluator's busy time (the history's seconds per evaluation),
 the 95% interval at the last step.
 
-    python bench/bench_async.py [--n-queries 32] [--json out.json]
+  (l) (c)'s last evaluation again, as its evaluator takes it once training has ended (training's core idle), in a
+      copy of (c)'s run each: `probdiff watch --helpers-after-training 1` (a helper process evaluates a share on the
+      freed core), then with 0 (the evaluator alone); each one's seconds, and its records against (c)'s own.
+
+    python bench/bench_async.py [--n-queries 32] [--sides abcl] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from _side_by_side import PAPER_DATA, ROOT, load_average, prepare_model
 
 sys.path.insert(0, str(ROOT))
+from probdiff_callback.beside.queue import Queue  # noqa: E402
 from probdiff_callback.runs.run_files import read_history  # noqa: E402
 
 OFF = ["probdiff.baseline=false", "probdiff.at_end=false", "probdiff.every=1000", "metric_for_best_model=eval_loss"]
@@ -83,13 +88,55 @@ def figures(run_dir: Path, wall: float, last_step: float | None) -> dict:
     }
 
 
+def records_equal(one: Path, other: Path) -> dict[int, bool]:
+    """Step -> whether the two runs' records of that step are the same bytes (the steps both evaluated)."""
+    steps = {r.global_step: r.records for r in read_history(one / "probdiff" / "history.jsonl") if r.records}
+    theirs = {r.global_step: r.records for r in read_history(other / "probdiff" / "history.jsonl") if r.records}
+    return {
+        step: (one / "probdiff" / path).read_bytes() == (other / "probdiff" / theirs[step]).read_bytes()
+        for step, path in sorted(steps.items())
+        if step in theirs
+    }
+
+
+def last_step_again(run_dir: Path, work: Path, helpers: int, env: dict[str, str]) -> dict:
+    """(c)'s last step queued again in a copy of its run (its weights linked from its checkpoint) and evaluated by
+    `probdiff watch` with `helpers` helper processes: the whole command's seconds, the evaluation's (its log line),
+    and whether the records are (c)'s byte for byte."""
+    copy = work / f"c-last-step-{helpers}-helpers"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(run_dir, copy)
+    queue = Queue(copy)
+    request = max(queue.requests(), key=lambda r: r.global_step)
+    request.checkpoint = str(copy / Path(request.checkpoint).name)
+    queue.link_checkpoint(request.global_step, request.checkpoint)
+    queue.submit(request)  # pending again; it was training's last (`last`): the watch may use the freed core
+    command = [sys.executable, "-m", "probdiff_callback.cli", "watch", str(copy), "--no-follow",
+               "--helpers-after-training", str(helpers)]  # fmt: skip
+    log = work / f"{copy.name}.log"
+    started = time.monotonic()
+    with open(log, "wb") as sink:
+        subprocess.run(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, check=True)
+    wall = time.monotonic() - started
+    said = re.search(rf"step {request.global_step}: \d+ queries in ([\d.]+)s", log.read_text())
+    records = f"probdiff/step-{request.global_step}/records.jsonl"
+    return {
+        "helpers": helpers,
+        "wall_s": round(wall, 1),
+        "evaluation_s": float(said.group(1)) if said else None,
+        "records_equal_c": (copy / records).read_bytes() == (run_dir / records).read_bytes(),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n-queries", type=int, default=32, help="held-out documents per evaluation [32]")
     parser.add_argument("--max-steps", type=int, default=40, help="training steps [40, the preset's]")
     parser.add_argument("--work", type=Path, default=None, help="where the data and runs go [a temporary folder]")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
-    parser.add_argument("--sides", default="abc", help="which commands to run: a and b side by side, then c [abc]")
+    parser.add_argument(
+        "--sides", default="abc", help="which to run: a and b side by side, then c, then l (needs c's run) [abc]"
+    )
     options = parser.parse_args()
 
     work = options.work or Path(tempfile.mkdtemp(prefix="bench_async_"))
@@ -126,6 +173,10 @@ def main() -> int:
         timed, run_dir = start(name)
         results[name] = figures(run_dir, timed.wait(), timed.last_step_at)
     loads.append(load_average())
+    last_step = []
+    if "l" in options.sides:
+        last_step = [last_step_again(work / "c", work, helpers, env) for helpers in (1, 0)]
+        loads.append(load_average())
 
     print(f"\n{options.n_queries} documents per evaluation, {options.max_steps} steps; load (1 min) at the start, "
           f"between the parts, at the end: {', '.join(loads)}")  # fmt: skip
@@ -145,8 +196,19 @@ def main() -> int:
         }
     for what, ratio in ratios.items():
         print(f"{what}: {ratio:.2f}")
+    same = records_equal(work / "b", work / "c") if {"b", "c"} <= set(options.sides) else {}
+    if same:
+        steps = ", ".join(f"step {step} {'equal' if equal else 'DIFFER'}" for step, equal in same.items())
+        print(f"records of (b) and (c), byte for byte: {steps}")
+    for again in last_step:
+        print(f"(l) c's last evaluation again, {again['helpers']} helper(s): {again['evaluation_s']}s (the command "
+              f"{again['wall_s']:.0f}s), records {'equal to' if again['records_equal_c'] else 'NOT'} c's")  # fmt: skip
+    if len(last_step) == 2 and all(again["evaluation_s"] for again in last_step):
+        print(f"(l) without / with the helper: {last_step[1]['evaluation_s'] / last_step[0]['evaluation_s']:.2f}")
     if options.json:
-        options.json.write_text(json.dumps({"results": results, "ratios": ratios, "loads": loads}, indent=1) + "\n")
+        figures_json = {"results": results, "ratios": ratios, "records_equal": same, "last_step": last_step,
+                        "loads": loads}  # fmt: skip
+        options.json.write_text(json.dumps(figures_json, indent=1) + "\n")
     print(f"runs and logs: {work}")
     return 0
 

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seen: dict = {"rank": rank, "world_size": trainer.accelerator.num_processes, "history_metrics": callback.evaluated}
     if args.vllm:  # the run's engine is stopped at the end of training: what the callback logged is the result
-        outcome = callback.state.last_outcome
+        outcome = callback.way.state.last_outcome
         seen["last"] = {
             "records": outcome.records,
             "summary": outcome.summary,

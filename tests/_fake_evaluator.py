@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -34,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _records import make_record  # noqa: E402
 from filelock import FileLock, Timeout  # noqa: E402
 
+from probdiff_callback.beside import queue as q
+from probdiff_callback.beside.queue import Queue  # noqa: E402
 from probdiff_callback.core.config import ProbDiffConfig  # noqa: E402
 from probdiff_callback.core.metric import compare_to_base, summary_of  # noqa: E402
-from probdiff_callback.core.queries import load_queries  # noqa: E402
-from probdiff_callback.runs import queue as q  # noqa: E402
 from probdiff_callback.runs.checkpoints import weights_problem  # noqa: E402
-from probdiff_callback.runs.run_files import HistoryRow, RunFiles  # noqa: E402
+from probdiff_callback.runs.run_files import RunFiles  # noqa: E402
 from probdiff_callback.runtime.parent import set_parent_death_signal  # noqa: E402
 
 
@@ -60,18 +59,18 @@ def main() -> int:
     if options.started_by_training:
         set_parent_death_signal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    queue = q.queue_dir(options.run_dir, options.subdir)
-    while not (queue / q.SPEC_FILE).is_file():  # started before training wrote its spec
+    queue = Queue(options.run_dir, options.subdir)
+    while not queue.spec_path.is_file():  # started before training wrote its spec
         time.sleep(0.2)
-    lock = FileLock(queue / q.LOCK_FILE, timeout=0, thread_local=False, fallback_to_soft=False, preserve_lock_file=True)
+    lock = FileLock(queue.lock_path, timeout=0, thread_local=False, fallback_to_soft=False, preserve_lock_file=True)
     try:
         lock.acquire()
     except Timeout:
         print("another evaluator holds the queue", flush=True)
         return 2
-    spec = q.read_spec(queue)
+    spec = queue.read_spec()
     config = ProbDiffConfig.from_values(spec.config, "spec")
-    queries = load_queries(queue / spec.queries)
+    queries = queue.read_queries(spec)
     files = RunFiles(options.run_dir, options.subdir)
     files.continue_from(sys.maxsize)  # every row: training dropped the stale ones when it started
     confidences = {int(k): v for k, v in json.loads(os.environ.get("FAKE_CONFIDENCES", "{}")).items()}
@@ -82,8 +81,8 @@ def main() -> int:
         f"fake evaluator pid {os.getpid()}: {len(queries)} queries, started at step {spec.started_at_step}", flush=True
     )
     while True:
-        ended = (queue / q.ENDED_FILE).is_file()
-        pending = q.pending(queue)
+        ended = queue.ended() is not None
+        pending = queue.pending()
         if not pending:
             if ended:
                 return 0
@@ -98,16 +97,9 @@ def main() -> int:
             return 1
         time.sleep(seconds)
         started = time.time()
-        folder = None if request.base_model else q.step_dir(queue, step) / (request.weights or q.WEIGHTS_DIR)
+        folder = queue.weights_of(request)
         problem = None if folder is None else weights_problem(folder)
-        row = HistoryRow(
-            step,
-            request.epoch,
-            request.kind,
-            request.base_model,
-            request.checkpoint,
-            eval_loss=math.nan if request.eval_loss is None else request.eval_loss,
-        )
+        row = request.row()
         records = None
         if problem is not None:
             row.error = f"the weights of step {step} are gone ({problem})"
@@ -118,11 +110,10 @@ def main() -> int:
                 None if request.base_model else compare_to_base(records, files.baseline_records(), config.delta)
             )
         row.seconds = seconds
-        losses = None if request.eval_losses is None else [math.nan if v is None else v for v in request.eval_losses]
-        files.add(row, records, losses)
+        files.add(row, records, request.eval_losses_or_nan())
         status = "failed" if problem is not None else "evaluated"
-        q.mark_done(
-            queue, q.Done(global_step=step, status=status, error=row.error, seconds=time.time() - started + seconds)
+        queue.mark_done(
+            q.Done(global_step=step, status=status, error=row.error, seconds=time.time() - started + seconds)
         )
         print(f"step {step}: {status}", flush=True)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from probdiff_callback.analysis.crosscheck import LABELS
 from probdiff_callback.analysis.report import fmt, format_p, format_table, format_win_tie_lose, pct
-from probdiff_callback.runs.queue import pending, queue_dir
+from probdiff_callback.beside.queue import Queue
 from probdiff_callback.runs.run_files import HistoryRow
 from train.recipe import Recipe
 
@@ -107,7 +107,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
 
 def not_evaluated(run_dir: Path, subdir: str) -> str | None:
     """With async_eval: the queued steps the evaluator has not evaluated yet, and how to have them evaluated."""
-    steps = [request.global_step for request in pending(queue_dir(run_dir, subdir))]
+    steps = [request.global_step for request in Queue(run_dir, subdir).pending()]
     if not steps:
         return None
     listed = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"

@@ -28,26 +28,28 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
 
-import probdiff_callback.callback.evaluator_process as evaluator_process
+import probdiff_callback.beside.local as local
 from probdiff_callback.analysis.select import point_best, select
-from probdiff_callback.callback.beside import BesideTraining, move_into_step_order, record_best_at
-from probdiff_callback.callback.evaluator_process import (
+from probdiff_callback.beside import queue as q
+from probdiff_callback.beside.late import move_into_step_order, record_best_at
+from probdiff_callback.beside.local import (
     LocalEvaluator,
     evaluator_command,
     evaluator_environment,
     helpers_after_training,
 )
+from probdiff_callback.beside.queue import Queue
+from probdiff_callback.beside.rotation import rotate
 from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import check_selection_setup
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query, load_queries
-from probdiff_callback.runs import queue as q
 from probdiff_callback.runs import run_files
 from probdiff_callback.runs.checkpoints import checkpoints, weights_problem
 
-FAKE = Path(__file__).with_name("_fake_evaluator.py")
+FAKE = Path(__file__).parents[1] / "_fake_evaluator.py"
 LOG = "probdiff_callback"
 CONFIDENCES = {0: 0.25, 1: 0.5, 2: 1.0, 3: 0.5, 4: 0.75}  # what the FAKE evaluator finds at each step: 2 is the best
 
@@ -64,7 +66,7 @@ def fake_command(run_dir: Path, subdir: str, helpers: int = 0) -> list[str]:
 @pytest.fixture
 def fake_evaluator(monkeypatch):
     """The local evaluator is the FAKE one; `fake_evaluator(**env)` sets its FAKE_* behaviour."""
-    monkeypatch.setattr(evaluator_process, "evaluator_command", fake_command)
+    monkeypatch.setattr(local, "evaluator_command", fake_command)
 
     def configure(**env: str) -> None:
         for key, value in env.items():
@@ -101,8 +103,9 @@ def test_the_queries_file_reads_back_as_the_same_queries_in_their_order(tmp_path
         Query("a", "first text"),
         *held_out_queries()[:3],
     ]
-    q.write_spec(tmp_path, q.EvaluatorSpec(model="m", dtype=None), queries)
-    assert load_queries(tmp_path / q.QUERIES_FILE) == queries
+    queue = Queue(tmp_path)
+    queue.write_spec(q.EvaluatorSpec(model="m", dtype=None), queries)
+    assert load_queries(queue.folder / q.QUERIES_FILE) == queries
 
 
 def test_the_evaluator_is_no_rank_of_the_training_and_gets_its_own_devices(tmp_path):
@@ -178,40 +181,30 @@ def test_what_decides_at_the_evaluation_cannot_select_by_a_metric_that_comes_lat
     check_selection_setup(args_for(save_strategy="best"), ProbDiffConfig())  # in the loop it is there
 
 
-def fake_trainer(output_dir: Path) -> SimpleNamespace:
-    return SimpleNamespace(
-        args=SimpleNamespace(output_dir=str(output_dir)), state=SimpleNamespace(is_world_process_zero=True)
-    )
-
-
 def test_rotation_keeps_the_newest_the_best_and_every_checkpoint_awaiting_its_result(tmp_path):
     for step in range(1, 8):
         (tmp_path / f"checkpoint-{step}").mkdir()
-    queue = BesideTraining(fake_trainer(tmp_path), ProbDiffConfig(async_eval=True), [Query("a", "x")], dict)
-    queue.save_total_limit = 2
-    queue.awaiting = {3: str(tmp_path / "checkpoint-3"), 6: str(tmp_path / "checkpoint-6")}
-    state = SimpleNamespace(best_model_checkpoint=str(tmp_path / "checkpoint-2"))
-    queue.rotate(SimpleNamespace(output_dir=str(tmp_path)), state)
+    best = str(tmp_path / "checkpoint-2")
+    rotate(str(tmp_path), 2, best, unlogged_steps=[3, 6])
     assert [c.name for c in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3", "checkpoint-6", "checkpoint-7"]
-    queue.awaiting = {}  # the results arrived: the limit applies, the best and the newest kept
-    queue.rotate(SimpleNamespace(output_dir=str(tmp_path)), state)
+    rotate(str(tmp_path), 2, best, unlogged_steps=[])  # the results arrived: the limit applies, best and newest kept
     assert [c.name for c in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-7"]
 
 
 def test_an_evaluator_that_keeps_dying_is_started_again_a_few_times_then_the_user_is_told(
     tmp_path, monkeypatch, caplog
 ):
-    queue = q.queue_dir(tmp_path, "probdiff")
-    q.submit(queue, q.Request(global_step=0, epoch=0.0, kind="baseline", base_model=True, weights=None))
-    monkeypatch.setattr(evaluator_process, "evaluator_command", exiting(3))
-    evaluator = LocalEvaluator(tmp_path, queue, ProbDiffConfig(async_eval=True), threads=1)
+    queue = Queue(tmp_path)
+    queue.submit(q.Request(global_step=0, epoch=0.0, kind="baseline", base_model=True, weights=None))
+    monkeypatch.setattr(local, "evaluator_command", exiting(3))
+    evaluator = LocalEvaluator(queue, ProbDiffConfig(async_eval=True), threads=1)
     caplog.set_level(logging.INFO, logger=LOG)
     evaluator.start()
-    for _ in range(evaluator_process.MAX_RESTARTS + 2):
+    for _ in range(local.MAX_RESTARTS + 2):
         evaluator.process.wait(30) if evaluator.process is not None else None
-        evaluator.check(lambda: q.pending(queue))
+        evaluator.check()
     restarts = [r.message for r in caplog.records if "starting it again" in r.message]
-    assert len(restarts) == evaluator_process.MAX_RESTARTS
+    assert len(restarts) == local.MAX_RESTARTS
     assert restarts[0].endswith("exited with status 3 while step 0 awaits evaluation (its last line: -); starting "
                                 "it again (1 of 3)")  # fmt: skip
     assert evaluator.gave_up and evaluator.process is None
@@ -219,13 +212,13 @@ def test_an_evaluator_that_keeps_dying_is_started_again_a_few_times_then_the_use
 
 
 def test_an_evaluator_that_finished_is_started_again_for_what_was_queued_after(tmp_path, monkeypatch, caplog):
-    queue = q.queue_dir(tmp_path, "probdiff")
-    monkeypatch.setattr(evaluator_process, "evaluator_command", exiting(0))
-    evaluator = LocalEvaluator(tmp_path, queue, ProbDiffConfig(async_eval=True), threads=1)
+    queue = Queue(tmp_path)
+    monkeypatch.setattr(local, "evaluator_command", exiting(0))
+    evaluator = LocalEvaluator(queue, ProbDiffConfig(async_eval=True), threads=1)
     evaluator.start()
     evaluator.process.wait(30)
-    q.submit(queue, q.Request(global_step=4, epoch=1.0, kind="end"))  # queued after it ended
-    evaluator.check(lambda: q.pending(queue))
+    queue.submit(q.Request(global_step=4, epoch=1.0, kind="end"))  # queued after it ended
+    evaluator.check()
     assert evaluator.failures == 0 and evaluator.process is not None
     evaluator.stop()
 
@@ -264,8 +257,8 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
     trainer.add_callback(ProbDiffCallback(trainer, queries, config))
     caplog.set_level(logging.INFO, logger=LOG)
     trainer.train()
-    queue = q.queue_dir(run, "probdiff")
-    requests = q.pending(queue)
+    queue = Queue(run)
+    requests = queue.pending()
     assert [(r.global_step, r.kind, r.base_model) for r in requests] == [
         (row.global_step, row.kind, row.base_model) for row in expected
     ]
@@ -275,7 +268,7 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
         assert request.eval_loss == (pytest.approx(row.eval_loss, abs=1e-5) if math.isfinite(row.eval_loss) else None)
         losses = run_files.read_eval_losses(loop_run / "probdiff" / row.eval_losses) if row.eval_losses else None
         assert request.eval_losses == (None if losses is None else pytest.approx(losses, abs=1e-5))
-        weights = q.step_dir(queue, request.global_step) / q.WEIGHTS_DIR
+        weights = queue.weights_path(request.global_step)
         if request.base_model:
             assert request.weights is None and not weights.exists()
             continue
@@ -284,7 +277,7 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
         if request.checkpoint is not None:  # linked: the same file as the checkpoint's
             assert os.path.samefile(adapter, Path(request.checkpoint) / "adapter_model.safetensors")
     assert history_of(run) == []  # the evaluator writes the history; none ran
-    spec = q.read_spec(queue)
+    spec = queue.read_spec()
     assert (spec.model, spec.dtype, spec.started_at_step, spec.training_pid) == (
         str(tiny_model_path),
         "float32",
@@ -294,12 +287,12 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
     assert spec.config == json.loads(json.dumps(spec.config)) and spec.config["n_queries"] == 2
     steps = ", ".join(str(row.global_step) for row in expected)
     assert f"steps {steps} not evaluated yet: `probdiff watch {run}` evaluates them" in caplog.text
-    assert (queue / q.ENDED_FILE).read_text() == "completed\n"
+    assert queue.ended() == "completed"
 
     # a user's `probdiff watch RUN_DIR` later (the real evaluator, at the loop's one thread): the loop's records
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert main(["watch", str(run), "--no-follow"]) == 0
-    assert q.pending(queue) == []
+    assert queue.pending() == []
     rows = history_of(run)
     assert [(r.global_step, r.kind, r.checkpoint) for r in rows] == [
         (r.global_step, r.kind, r.checkpoint and str(run / Path(r.checkpoint).name)) for r in expected
@@ -312,13 +305,13 @@ def test_requests_follow_the_loops_schedule_with_its_eval_losses_and_weights(
 class Observer(TrainerCallback):
     """After ProbDiff's on_save: which checkpoints exist, and which queued steps await their result."""
 
-    def __init__(self, queue: Path) -> None:
+    def __init__(self, queue: Queue) -> None:
         self.queue = queue
         self.at_saves: list[tuple[set[str], list[q.Request]]] = []
 
     def on_save(self, args, state, control, **kwargs):
         present = {c.name for c in checkpoints(args.output_dir)}
-        self.at_saves.append((present, q.pending(self.queue)))
+        self.at_saves.append((present, self.queue.pending()))
 
 
 @pytest.mark.slow
@@ -339,7 +332,7 @@ def test_late_results_land_at_their_steps_and_select_the_best_checkpoint_everywh
                             eval_on_start=True, save_total_limit=1, load_best_model_at_end=True,
                             metric_for_best_model="probdiff_confidence", report_to="wandb")  # fmt: skip
     trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=4, async_eval=True)))
-    observer = Observer(q.queue_dir(run, "probdiff"))
+    observer = Observer(Queue(run))
     trainer.add_callback(observer)
     rows: list[dict] = []
 
@@ -425,10 +418,10 @@ def test_a_stop_keeps_the_queue_and_the_resumed_run_evaluates_what_is_left_once(
     trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config, preemption=preemption))
     trainer.add_callback(SignalAt(3))
     trainer.train()
-    queue = q.queue_dir(run, "probdiff")
+    queue = Queue(run)
     assert preemption.stopping and preemption.checkpoint == str(run / "checkpoint-3")
-    assert [r.global_step for r in q.pending(queue)] == [0, 1, 2, 3]
-    assert (queue / q.ENDED_FILE).read_text() == "stopped\n"
+    assert [r.global_step for r in queue.pending()] == [0, 1, 2, 3]
+    assert queue.ended() == "stopped"
     # the interrupted run's step 3 got 0%: the resumed run's step 3 is another model
     evaluated = run_fake_evaluator(run, FAKE_CONFIDENCES=json.dumps({**CONFIDENCES, 3: 0.0}))
     assert evaluated.returncode == 0, evaluated.stderr
@@ -441,7 +434,7 @@ def test_a_stop_keeps_the_queue_and_the_resumed_run_evaluates_what_is_left_once(
     trainer.train(resume_from_checkpoint=str(run / "checkpoint-2"))
     assert probdiff_logs(trainer) == sorted(CONFIDENCES.items())
     assert [(row.global_step, row.confidence) for row in history_of(run)] == sorted(CONFIDENCES.items())
-    assert [(r.global_step, q.done(queue, r.global_step).status) for r in q.requests(queue)] == [
+    assert [(r.global_step, queue.done(r.global_step).status) for r in queue.requests()] == [
         (step, "evaluated") for step in CONFIDENCES
     ]
     assert trainer.state.best_model_checkpoint == str(run / "checkpoint-2")

@@ -1,5 +1,6 @@
-"""`probdiff watch RUN_DIR`: the evaluator of an async_eval run takes the queued steps and evaluates each as the
-training loop does (CPU, offline). The queue is written here as training writes it (`runs/queue.py`)."""
+"""`probdiff watch RUN_DIR` (`beside/watch.py`, `loop.py`, `weights.py`, `shares.py`): the evaluator of an async_eval
+run takes the queued steps and evaluates each as the training loop does (CPU, offline). The queue is written here as
+training writes it (`beside/queue.py`)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ import pytest
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from _faults import fault_env
 
-from probdiff_callback import watch
+from probdiff_callback.beside import loop as evaluator_loop
+from probdiff_callback.beside import queue as q
+from probdiff_callback.beside import shares as in_shares
+from probdiff_callback.beside import watch
+from probdiff_callback.beside.lock import evaluator_holder, hold_evaluator
+from probdiff_callback.beside.loop import start_session
+from probdiff_callback.beside.queue import Queue
+from probdiff_callback.beside.weights import Weights
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query
-from probdiff_callback.runs import queue as q
-from probdiff_callback.runs.evaluator_lock import evaluator_holder, hold_evaluator
 from probdiff_callback.runs.run_files import HistoryRow, history_path, read_history, write_jsonl
-from probdiff_callback.watch import EXIT_ON_SIGNAL, Stopped, StopSignals, Weights, start_session
+from probdiff_callback.runtime.stop_signals import EXIT_ON_SIGNAL, Stopped, StopSignals
 
-REPO = Path(__file__).resolve().parents[1]
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,9 +42,9 @@ def one_thread_for_watch(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-def queue_run(run: Path, queries, config: ProbDiffConfig, *, model: str = "tiny", started_at_step: int = 0) -> Path:
-    """The spec and queries training writes when it starts; the queue folder."""
-    queue = q.queue_dir(run, "probdiff")
+def queue_run(run: Path, queries, config: ProbDiffConfig, *, model: str = "tiny", started_at_step: int = 0) -> Queue:
+    """The spec and queries training writes when it starts; the queue."""
+    queue = Queue(run)
     spec = q.EvaluatorSpec(
         model=model,
         dtype="float32",
@@ -47,21 +52,21 @@ def queue_run(run: Path, queries, config: ProbDiffConfig, *, model: str = "tiny"
         output_dir=str(run),
         started_at_step=started_at_step,
     )
-    q.write_spec(queue, spec, queries)
+    queue.write_spec(spec, queries)
     return queue
 
 
-def queue_baseline(queue: Path, eval_loss: float | None = None) -> None:
-    q.submit(
-        queue, q.Request(global_step=0, epoch=0.0, kind="baseline", base_model=True, weights=None, eval_loss=eval_loss)
+def queue_baseline(queue: Queue, eval_loss: float | None = None) -> None:
+    queue.submit(
+        q.Request(global_step=0, epoch=0.0, kind="baseline", base_model=True, weights=None, eval_loss=eval_loss)
     )
 
 
-def queue_checkpoint(queue: Path, step: int, saved: Path, **fields) -> None:
+def queue_checkpoint(queue: Queue, step: int, saved: Path, **fields) -> None:
     """A step's request with the adapter of the checkpoint `saved` linked into the queue, as training queues it at
     on_save."""
-    q.link_files(saved, q.weights_dir(queue, step), ADAPTER_FILES)
-    q.submit(queue, q.Request(global_step=step, **{"epoch": 1.0, "kind": "save", **fields}))
+    queue.link_checkpoint(step, saved)
+    queue.submit(q.Request(global_step=step, **{"epoch": 1.0, "kind": "save", **fields}))
 
 
 def few_queries(n: int = 2) -> list[Query]:
@@ -111,17 +116,17 @@ def test_a_second_evaluator_is_refused_at_once_naming_the_first(tmp_path, capsys
     finally:
         first.release()
     assert evaluator_holder(queue) is None
-    assert (queue / q.LOCK_FILE).read_text() == ""  # released cleanly: the text names no one
+    assert queue.lock_path.read_text() == ""  # released cleanly: the text names no one
 
 
 def test_a_spec_of_another_version_names_the_file_and_key(tmp_path, capsys):
     queue = queue_run(tmp_path / "run", few_queries(), probdiff_config())
-    spec = json.loads((queue / q.SPEC_FILE).read_text())
+    spec = json.loads(queue.spec_path.read_text())
     spec["config"]["no_such_setting"] = 1
-    (queue / q.SPEC_FILE).write_text(json.dumps(spec))
+    queue.spec_path.write_text(json.dumps(spec))
     assert main(["watch", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert f"{queue / q.SPEC_FILE}: config: unknown key 'no_such_setting'" in err
+    assert f"{queue.spec_path}: config: unknown key 'no_such_setting'" in err
 
 
 def test_a_base_model_that_is_not_here_stops_the_watch_and_leaves_the_step_queued(tmp_path, capsys):
@@ -131,13 +136,13 @@ def test_a_base_model_that_is_not_here_stops_the_watch_and_leaves_the_step_queue
     err = capsys.readouterr().err
     assert f"the base model {tmp_path / 'elsewhere' / 'base'} (evaluator.json's `model`):" in err
     assert "run it where that folder is at the same path" in err
-    assert [r.global_step for r in q.pending(queue)] == [0]
+    assert [r.global_step for r in queue.pending()] == [0]
 
 
 def test_the_queries_come_back_as_training_wrote_them(tmp_path):
     queries = held_out_queries()
     queue = queue_run(tmp_path / "run", queries, probdiff_config())
-    assert q.read_queries(queue, q.read_spec(queue)) == queries
+    assert queue.read_queries(queue.read_spec()) == queries
 
 
 def test_a_restarted_evaluator_keeps_the_rows_of_the_steps_it_marked_done(tmp_path):
@@ -147,20 +152,20 @@ def test_a_restarted_evaluator_keeps_the_rows_of_the_steps_it_marked_done(tmp_pa
     queue = queue_run(run, few_queries(), probdiff_config())
     write_jsonl(history_path(run), [HistoryRow(step, error="x").to_json() for step in (0, 2, 4, 6)])
     for step in (0, 2, 4):
-        q.submit(queue, q.Request(global_step=step, epoch=None, kind="save", weights=None))
+        queue.submit(q.Request(global_step=step, epoch=None, kind="save", weights=None))
     for step in (0, 2):
-        q.mark_done(queue, q.Done(global_step=step, status="failed", error="x"))
-    session = start_session(run, "probdiff", queue, q.read_spec(queue))
+        queue.mark_done(q.Done(global_step=step, status="failed", error="x"))
+    session = start_session(queue, queue.read_spec(), print)
     assert [row.global_step for row in session.files.rows()] == [0, 2]
     assert [row.global_step for row in read_history(history_path(run))] == [0, 2]
-    assert [r.global_step for r in q.pending(queue)] == [4]
+    assert [r.global_step for r in queue.pending()] == [4]
 
 
 def test_a_resumed_run_keeps_the_rows_up_to_the_step_it_started_from(tmp_path):
     run = tmp_path / "run"
     queue = queue_run(run, few_queries(), probdiff_config(), started_at_step=2)
     write_jsonl(history_path(run), [HistoryRow(step, error="x").to_json() for step in (0, 2, 4)])
-    session = start_session(run, "probdiff", queue, q.read_spec(queue))
+    session = start_session(queue, queue.read_spec(), print)
     assert [row.global_step for row in session.files.rows()] == [0, 2]
 
 
@@ -173,17 +178,17 @@ def test_a_training_started_again_while_the_evaluator_waits_is_taken_over(tmp_pa
     queue = queue_run(run, few_queries(), probdiff_config())
     write_jsonl(history_path(run), [HistoryRow(step, error="x").to_json() for step in (0, 2, 4)])
     for step in (0, 2, 4):
-        q.submit(queue, q.Request(global_step=step, epoch=None, kind="save", weights=None))
-        q.mark_done(queue, q.Done(global_step=step, status="failed", error="x"))
+        queue.submit(q.Request(global_step=step, epoch=None, kind="save", weights=None))
+        queue.mark_done(q.Done(global_step=step, status="failed", error="x"))
 
     def start_again() -> None:
         deadline = time.time() + 60
         while "waiting for training" not in (tmp_path / "said").read_text() and time.time() < deadline:
             time.sleep(0.02)
-        q.drop_after(queue, 2)
+        queue.drop_after(2)
         queue_run(run, few_queries(), probdiff_config(), started_at_step=2)
         time.sleep(0.3)  # a few polls
-        (queue / q.ENDED_FILE).write_text("completed")
+        queue.mark_ended("completed")
 
     (tmp_path / "said").write_text("")
     real_say = watch.say
@@ -222,9 +227,9 @@ def test_a_stop_signal_acts_at_once_or_right_after_a_rows_writing(signum, code):
 def test_a_request_whose_weights_are_gone_is_failed_and_marked_done(tmp_path, tiny_model_path, capsys):
     run = tmp_path / "run"
     queue = queue_run(run, few_queries(), probdiff_config())
-    q.weights_dir(queue, 2)  # made, but never filled: its files are gone
-    q.submit(queue, q.Request(global_step=2, epoch=1.0, kind="evaluate", eval_loss=1.25))
-    q.submit(queue, q.Request(global_step=4, epoch=2.0, kind="evaluate"))  # its folder was never made
+    queue.empty_weights(2)  # made, but never filled: its files are gone
+    queue.submit(q.Request(global_step=2, epoch=1.0, kind="evaluate", eval_loss=1.25))
+    queue.submit(q.Request(global_step=4, epoch=2.0, kind="evaluate"))  # its folder was never made
 
     assert main(["watch", str(run), "--no-follow"]) == 0
     out = capsys.readouterr().out
@@ -233,11 +238,11 @@ def test_a_request_whose_weights_are_gone_is_failed_and_marked_done(tmp_path, ti
     for row, why in zip(rows, ["holds neither adapter_config.json nor config.json", "no such folder"]):
         assert row.failed and row.summary is None and row.records is None
         assert row.error.startswith(f"the weights of step {row.global_step} are gone (") and why in row.error
-        mark = q.done(queue, row.global_step)
+        mark = queue.done(row.global_step)
         assert mark.status == "failed" and mark.error == row.error
         assert f"step {row.global_step}: failed after" in out
     assert rows[0].eval_loss == 1.25 and rows[0].kind == "evaluate"
-    assert q.pending(queue) == []
+    assert queue.pending() == []
     assert "nothing pending: done (--no-follow)" in out
 
 
@@ -373,17 +378,17 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
         for key, value in SHARES[shares].items():  # the helper process, spawned, starts with this environment
             monkeypatch.setenv(key, value)
         options = ["--no-follow", "--helpers-after-training", "1"]
-        monkeypatch.setattr(watch, "HELPER_WORTH_SECONDS", 0.0)  # tiny's evaluations take seconds
+        monkeypatch.setattr(in_shares, "HELPER_WORTH_SECONDS", 0.0)  # tiny's evaluations take seconds
     if ahead:  # training queues its last step and ends while the watch first waits
         waits = []
 
         def training_goes_on(seconds: float) -> None:
             if not waits:
                 queue_step(loop_rows[-1])
-                (queue / q.ENDED_FILE).write_text("completed")
+                queue.mark_ended("completed")
             waits.append(seconds)
 
-        monkeypatch.setattr(watch, "wait_for_training", training_goes_on)
+        monkeypatch.setattr(evaluator_loop, "wait_for_training", training_goes_on)
         options = ["--helpers-after-training", "1"]
     assert main(["watch", str(watched), *options]) == 0
 
@@ -396,10 +401,10 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
             if theirs is not None:
                 assert (watched / "probdiff" / mine).read_text() == (loop_run / "probdiff" / theirs).read_text()
         assert row.to_json().get("eval_loss") == loop.to_json().get("eval_loss")
-        assert q.done(queue, row.global_step).status == "evaluated"
+        assert queue.done(row.global_step).status == "evaluated"
         if row.global_step > 0:
             assert json.loads((Path(row.checkpoint) / "probdiff.json").read_text()) == row.to_json()
-            assert not (q.step_dir(queue, row.global_step) / q.WEIGHTS_DIR).exists()  # evaluated: links removed
+            assert not (queue.weights_path(row.global_step)).exists()  # evaluated: links removed
     assert (loop_run / "checkpoint-2" / "adapter_model.safetensors").is_file()  # the checkpoint's own files stay
     out = capsys.readouterr().out
     then = "; then steps 4" if steps == 4 and not ahead else ""  # ahead: step 4 is queued while the watch waits
@@ -433,17 +438,17 @@ def test_sigterm_mid_evaluation_leaves_the_step_pending_and_a_restart_evaluates_
     assert stopped.returncode == 0, stopped.stderr
     assert "step 0 (baseline, the base model): evaluating 2 queries" in stopped.stdout
     assert "SIGTERM received: stopped; the step in progress stays queued" in stopped.stdout
-    assert [r.global_step for r in q.pending(queue)] == [0]
+    assert [r.global_step for r in queue.pending()] == [0]
     assert read_history(history_path(run)) == []
     assert evaluator_holder(queue) is None
 
-    (queue / q.ENDED_FILE).write_text("completed")  # training ended: the restart evaluates what is left and exits
+    queue.mark_ended("completed")  # training ended: the restart evaluates what is left and exits
     assert main(["watch", str(run)]) == 0
     out = capsys.readouterr().out
     assert "nothing pending, and training has ended (completed): done" in out
     [row] = read_history(history_path(run))
     assert row.global_step == 0 and row.error is None and row.eval_loss == 2.5 and row.kind == "baseline"
-    assert q.done(queue, 0).status == "evaluated" and q.pending(queue) == []
+    assert queue.done(0).status == "evaluated" and queue.pending() == []
 
 
 TRAINING = (
@@ -484,15 +489,15 @@ def test_an_evaluator_started_by_training_ends_with_it(tmp_path):
     text = log.read_text()
     assert "nothing pending; waiting for training to queue more" in text
     assert "SIGTERM received: stopped" in text
-    assert evaluator_holder(q.queue_dir(run, "probdiff")) is None
+    assert evaluator_holder(Queue(run)) is None
 
 
 def _vllm_found() -> bool:
-    from probdiff_callback.core.engines import vllm
+    from probdiff_callback.core.engines import vllm_server
 
     try:
-        vllm.vllm_python()
-    except vllm.EngineUnavailable:
+        vllm_server.vllm_python()
+    except vllm_server.EngineUnavailable:
         return False
     return True
 
@@ -532,4 +537,4 @@ def test_through_vllm_the_evaluator_writes_what_probdiff_eval_writes(tmp_path, t
     by_eval = (tmp_path / "eval" / "records.jsonl").read_text()
     assert (run / "probdiff" / adapted.records).read_text() == by_eval
     assert (run / "probdiff" / base.records).read_text() != by_eval
-    assert not list(q.queue_dir(run, "probdiff").glob("probdiff-vllm-*"))  # the engine's scratch folders are gone
+    assert not list(Queue(run).folder.glob("probdiff-vllm-*"))  # the engine's scratch folders are gone

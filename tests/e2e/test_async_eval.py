@@ -19,8 +19,8 @@ import pytest
 from _launch import CHEAP, sft_command, sft_env
 
 from probdiff_callback.analysis.select import select
-from probdiff_callback.runs import queue as q
-from probdiff_callback.runs.evaluator_lock import evaluator_holder
+from probdiff_callback.beside.lock import evaluator_holder
+from probdiff_callback.beside.queue import Queue
 from probdiff_callback.runs.run_files import read_run
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -54,10 +54,10 @@ def test_a_stop_then_resume_with_the_evaluator_killed_evaluates_every_step_once(
     assert training.wait(300) == 0, (tmp_path / "stopped.txt").read_text()[-3000:]
     stopped = (tmp_path / "stopped.txt").read_text()
     assert "stopped by SIGTERM: saved run/checkpoint-" in stopped, stopped[-3000:]
-    queue = q.queue_dir(tmp_path / "run", "probdiff")
-    assert (queue / q.ENDED_FILE).read_text() == "stopped\n"
+    queue = Queue(tmp_path / "run")
+    assert queue.ended() == "stopped"
     assert evaluator_holder(queue) is None, "the evaluator the command started ended with it"
-    saved = max(r.global_step for r in q.requests(queue))
+    saved = max(r.global_step for r in queue.requests())
     assert saved < STEPS
 
     # resumed, its evaluator killed at its first answers (once: the one it starts again is not)
@@ -68,10 +68,10 @@ def test_a_stop_then_resume_with_the_evaluator_killed_evaluates_every_step_once(
     assert finished.returncode == 0, output[-3000:]
     assert (tmp_path / "killed").is_file(), "the fault acted"
     assert re.search(r"the evaluator \(pid \d+\) exited with status -9 .*; starting it again \(1 of 3\)", output)
-    assert evaluator_holder(queue) is None and q.pending(queue) == []
+    assert evaluator_holder(queue) is None and queue.pending() == []
 
     # each step evaluated to its end once; the killed step started twice
-    log = (queue / "evaluator.log").read_text()
+    log = queue.log_path.read_text()
     assert Counter(int(s) for s in FINISHED.findall(log)) == Counter(range(STEPS + 1)), log[-3000:]
     started = Counter(int(s) for s in STARTED.findall(log))
     assert sum(started.values()) >= STEPS + 2, "the killed step was started again"
