@@ -145,9 +145,11 @@ class ProbDiffCallback(TrainerCallback):
         self.queries = select_queries(all_queries, self.config.n_queries, self.config.seed)
         self.schedule = EvaluationSchedule(self.config.every, self.config.at_end)
         self.outputs = TrainerOutputs(trainer, self.config, self.queries)
+        # the way of evaluating, chosen once; `evaluate_model` evaluates in the loop whatever the way
+        self.in_loop = InLoop(trainer, self.tokenizer, self.config, self.queries, self.outputs, preemption)
         beside = self.config.async_eval
         self.way: EvaluationWay = (
-            BesideTraining(trainer, self.config, self.queries, self.outputs) if beside else self._in_loop()
+            BesideTraining(trainer, self.config, self.queries, self.outputs) if beside else self.in_loop
         )
         self.baseline_due = False  # the baseline waits for the Trainer's evaluation at step 0 (eval_on_start)
         self._eval_loss_tap: EvalLossTap | None = None  # on the model when training begins
@@ -316,8 +318,4 @@ class ProbDiffCallback(TrainerCallback):
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
         """Evaluate the current weights on the query subset, on all ranks, in the loop (whatever the way); every
         rank returns the same records (in query order), summary, metrics and error."""
-        in_loop = self.way if isinstance(self.way, InLoop) else self._in_loop()
-        return in_loop.evaluate_model(base_model=base_model)
-
-    def _in_loop(self) -> InLoop:
-        return InLoop(self.trainer, self.tokenizer, self.config, self.queries, self.outputs, self.preemption)
+        return self.in_loop.evaluate_model(base_model=base_model)

@@ -2,8 +2,9 @@
 temperature and top_p, and returns texts. One module per engine, as lm-evaluation-harness keeps its backends:
 
 - `hf`: HF `generate` on the model being evaluated, with our per-row sampler (`HFEngine`): the evaluator's default.
-- `vllm`: a vLLM server (`use_vllm=true`), started for a model and handed the weights each evaluation evaluates by
-  `VLLMGeneration`, the one owner of that for the CLI and the callback.
+- `vllm`: vLLM (`use_vllm=true`), started for a model and handed the weights each evaluation evaluates by
+  `VLLMGeneration`, the one owner of that for the CLI and the callback; `vllm_server` runs and talks to the server,
+  `vllm_common` holds what any vLLM engine shares.
 
 Scoring never goes through an engine: both texts of a query are scored by the model itself, in fp32, from the weights
 being trained or evaluated (`scoring.py`), whichever engine wrote them. Nothing here imports torch.

@@ -12,7 +12,7 @@ is not a dead one) and fails, saying what was seen, once it is gone or stalled.
 
 A server whose metrics hold none of those counters (metrics turned off) cannot show progress: a wait on it is bounded
 by the stall window, and the message says why. Nothing here speaks HTTP: `ServerWatch` is given the function that
-reads the metrics (`engines/vllm.py`'s), and a clock.
+reads the metrics (`engines/vllm_server.py`'s), and a clock.
 
 A server this job started has no metrics to read until it answers; while it starts (`StartWatch`), its log is its
 progress: vLLM logs each stage (resolving the model, loading the weights, profiling, allocating the KV cache, the
