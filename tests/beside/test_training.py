@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from _distributed_eval import build_trainer, held_out_queries, probdiff_config
@@ -31,32 +30,18 @@ from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArgumen
 import probdiff_callback.beside.local as local
 from probdiff_callback.analysis.select import point_best, select
 from probdiff_callback.beside import queue as q
-from probdiff_callback.beside.late import move_into_step_order, record_best_at
-from probdiff_callback.beside.local import (
-    LocalEvaluator,
-    evaluator_command,
-    evaluator_environment,
-    helpers_after_training,
-)
 from probdiff_callback.beside.queue import Queue
-from probdiff_callback.beside.rotation import rotate
 from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import check_selection_setup
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.queries import Query, load_queries
 from probdiff_callback.runs import run_files
 from probdiff_callback.runs.checkpoints import checkpoints, weights_problem
 
 FAKE = Path(__file__).parents[1] / "_fake_evaluator.py"
 LOG = "probdiff_callback"
 CONFIDENCES = {0: 0.25, 1: 0.5, 2: 1.0, 3: 0.5, 4: 0.75}  # what the FAKE evaluator finds at each step: 2 is the best
-
-
-def exiting(code: int):
-    """An evaluator command that exits at once with `code`."""
-    return lambda run_dir, subdir, helpers=0: [sys.executable, "-c", f"exit({code})"]
 
 
 def fake_command(run_dir: Path, subdir: str, helpers: int = 0) -> list[str]:
@@ -97,78 +82,11 @@ def probdiff_logs(trainer) -> list[tuple[int, float]]:
 
 
 # ---- no training ----
-def test_the_queries_file_reads_back_as_the_same_queries_in_their_order(tmp_path):
-    queries = [
-        Query("b", "second text", "数学计算", "a reference"),  # AlignBench's Chinese name: canonical on reading
-        Query("a", "first text"),
-        *held_out_queries()[:3],
-    ]
-    queue = Queue(tmp_path)
-    queue.write_spec(q.EvaluatorSpec(model="m", dtype=None), queries)
-    assert load_queries(queue.folder / q.QUERIES_FILE) == queries
-
-
-def test_the_evaluator_is_no_rank_of_the_training_and_gets_its_own_devices(tmp_path):
-    training = {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "2",
-        "MASTER_PORT": "29500",
-        "ACCELERATE_MIXED_PRECISION": "bf16",
-        "TORCHELASTIC_RUN_ID": "x",
-        "PROBDIFF_LAUNCHER_PID": "12",
-        "CUDA_VISIBLE_DEVICES": "0,1",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PATH": "/usr/bin",
-    }
-    env = evaluator_environment(training, "7", 4)
-    assert env == {
-        "CUDA_VISIBLE_DEVICES": "7",
-        "OMP_NUM_THREADS": "4",
-        "MKL_NUM_THREADS": "4",
-        "HF_HUB_OFFLINE": "1",
-        "PATH": "/usr/bin",
-    }
-    assert evaluator_environment(training, None, 1)["CUDA_VISIBLE_DEVICES"] == ""  # the CPU
-    assert evaluator_command(tmp_path, "probdiff")[-3:] == ["watch", str(tmp_path), "--started-by-training"]
-    assert evaluator_command(tmp_path, "pd")[-2:] == ["--subdir", "pd"]
-    assert evaluator_command(tmp_path, "pd", helpers=1)[-4:] == ["--subdir", "pd", "--helpers-after-training", "1"]
-    # on the CPU, as many helpers as the threads training frees hold (2 processes of 2 threads: 4 of 1, 2 of 2)
-    assert [helpers_after_training(None, 2, 2, t) for t in (1, 2, 3, 8)] == [4, 2, 1, 0]
-    assert helpers_after_training("7", 2, 2, 1) == 0  # on GPUs, none
-
-
 def args_for(metric: str = "probdiff_confidence", save_strategy: str = "steps") -> TrainingArguments:
     return TrainingArguments(
         output_dir="unused", metric_for_best_model=metric, save_strategy=save_strategy, eval_strategy="steps",
         use_cpu=True, report_to="none",
     )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("arrivals", "greater", "best"),
-    [
-        ([(2, 0.5), (4, 0.75), (6, 0.75)], True, (4, 0.75)),  # in order: an equal value later does not replace
-        ([(6, 0.75), (4, 0.75), (2, 0.5)], True, (4, 0.75)),  # out of order: the earlier of equals still wins
-        ([(2, math.nan), (4, 0.25)], True, (4, 0.25)),  # NaN (a failed evaluation) never
-        ([(2, 1.5), (4, 1.2), (6, 1.4)], False, (4, 1.2)),  # a loss: lower is better
-    ],
-)
-def test_a_late_result_records_the_best_as_in_order_arrivals_would(arrivals, greater, best):
-    args = args_for("probdiff_confidence" if greater else "probdiff_d_mean")
-    args.greater_is_better = greater
-    state = SimpleNamespace(best_metric=None, best_global_step=None)
-    key = args.metric_for_best_model
-    for step, value in arrivals:
-        record_best_at(state, args, {f"eval_{key}": value}, step)
-    assert (state.best_global_step, state.best_metric) == best
-
-
-def test_a_late_entry_goes_among_the_log_history_by_its_step():
-    history = [{"step": 0, "a": 1}, {"step": 2, "loss": 1}, {"step": 3, "loss": 1}, {"step": 2, "late": 1}]
-    move_into_step_order(history)
-    assert history == [{"step": 0, "a": 1}, {"step": 2, "loss": 1}, {"step": 2, "late": 1}, {"step": 3, "loss": 1}]
 
 
 def test_what_decides_at_the_evaluation_cannot_select_by_a_metric_that_comes_later():
@@ -179,48 +97,6 @@ def test_what_decides_at_the_evaluation_cannot_select_by_a_metric_that_comes_lat
         check_selection_setup(args_for(), config, [EarlyStoppingCallback(early_stopping_patience=2)])
     check_selection_setup(args_for("eval_loss", "best"), config, [EarlyStoppingCallback()])  # the loss is in time
     check_selection_setup(args_for(save_strategy="best"), ProbDiffConfig())  # in the loop it is there
-
-
-def test_rotation_keeps_the_newest_the_best_and_every_checkpoint_awaiting_its_result(tmp_path):
-    for step in range(1, 8):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    best = str(tmp_path / "checkpoint-2")
-    rotate(str(tmp_path), 2, best, unlogged_steps=[3, 6])
-    assert [c.name for c in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3", "checkpoint-6", "checkpoint-7"]
-    rotate(str(tmp_path), 2, best, unlogged_steps=[])  # the results arrived: the limit applies, best and newest kept
-    assert [c.name for c in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-7"]
-
-
-def test_an_evaluator_that_keeps_dying_is_started_again_a_few_times_then_the_user_is_told(
-    tmp_path, monkeypatch, caplog
-):
-    queue = Queue(tmp_path)
-    queue.submit(q.Request(global_step=0, epoch=0.0, kind="baseline", base_model=True, weights=None))
-    monkeypatch.setattr(local, "evaluator_command", exiting(3))
-    evaluator = LocalEvaluator(queue, ProbDiffConfig(async_eval=True), threads=1)
-    caplog.set_level(logging.INFO, logger=LOG)
-    evaluator.start()
-    for _ in range(local.MAX_RESTARTS + 2):
-        evaluator.process.wait(30) if evaluator.process is not None else None
-        evaluator.check()
-    restarts = [r.message for r in caplog.records if "starting it again" in r.message]
-    assert len(restarts) == local.MAX_RESTARTS
-    assert restarts[0].endswith("exited with status 3 while step 0 awaits evaluation (its last line: -); starting "
-                                "it again (1 of 3)")  # fmt: skip
-    assert evaluator.gave_up and evaluator.process is None
-    assert f"training goes on without it: run `probdiff watch {tmp_path}` to evaluate the queue" in caplog.text
-
-
-def test_an_evaluator_that_finished_is_started_again_for_what_was_queued_after(tmp_path, monkeypatch, caplog):
-    queue = Queue(tmp_path)
-    monkeypatch.setattr(local, "evaluator_command", exiting(0))
-    evaluator = LocalEvaluator(queue, ProbDiffConfig(async_eval=True), threads=1)
-    evaluator.start()
-    evaluator.process.wait(30)
-    queue.submit(q.Request(global_step=4, epoch=1.0, kind="end"))  # queued after it ended
-    evaluator.check()
-    assert evaluator.failures == 0 and evaluator.process is not None
-    evaluator.stop()
 
 
 # ---- training on `tiny` ----

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,12 +23,10 @@ from probdiff_callback.beside import watch
 from probdiff_callback.beside.lock import evaluator_holder, hold_evaluator
 from probdiff_callback.beside.loop import start_session
 from probdiff_callback.beside.queue import Queue
-from probdiff_callback.beside.weights import Weights
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query
 from probdiff_callback.runs.run_files import HistoryRow, history_path, read_history, write_jsonl
-from probdiff_callback.runtime.stop_signals import EXIT_ON_SIGNAL, Stopped, StopSignals
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -139,12 +136,6 @@ def test_a_base_model_that_is_not_here_stops_the_watch_and_leaves_the_step_queue
     assert [r.global_step for r in queue.pending()] == [0]
 
 
-def test_the_queries_come_back_as_training_wrote_them(tmp_path):
-    queries = held_out_queries()
-    queue = queue_run(tmp_path / "run", queries, probdiff_config())
-    assert queue.read_queries(queue.read_spec()) == queries
-
-
 def test_a_restarted_evaluator_keeps_the_rows_of_the_steps_it_marked_done(tmp_path):
     """Training started at step 0; the evaluator was killed after steps 0 and 2 (done) and while writing step 4's
     row (no done mark): started again, it keeps 0 and 2 and drops 4, which is pending and evaluated again."""
@@ -204,23 +195,6 @@ def test_a_training_started_again_while_the_evaluator_waits_is_taken_over(tmp_pa
     assert [row.global_step for row in read_history(history_path(run))] == [0, 2]
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
-def test_a_stop_signal_acts_at_once_or_right_after_a_rows_writing(signum, code):
-    before = signal.getsignal(signum)
-    with StopSignals() as signals:
-        with pytest.raises(Stopped) as stopped:
-            os.kill(os.getpid(), signum)  # the handler runs before the next statement
-        assert stopped.value.signum == signum and EXIT_ON_SIGNAL[signum] == code
-        signals.received = None
-        written = []
-        with pytest.raises(Stopped):
-            with signals.deferred():
-                os.kill(os.getpid(), signum)
-                written.append("row and done mark")
-        assert written == ["row and done mark"]
-    assert signal.getsignal(signum) == before
-
-
 # ---- evaluations on `tiny` ----
 
 
@@ -244,47 +218,6 @@ def test_a_request_whose_weights_are_gone_is_failed_and_marked_done(tmp_path, ti
     assert rows[0].eval_loss == 1.25 and rows[0].kind == "evaluate"
     assert queue.pending() == []
     assert "nothing pending: done (--no-follow)" in out
-
-
-def test_adapters_are_swapped_on_the_one_base_model_and_disabled_for_the_base(tmp_path, tiny_model):
-    """Each step's adapter goes onto the base model loaded once (the previous one deleted), the base model's request
-    disables them, and whole weights are loaded for their request: the logits are those of each model loaded alone."""
-    import copy
-
-    import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    model, tokenizer = tiny_model
-    ids = torch.tensor([tokenizer("Name three rivers of China")["input_ids"]])
-
-    def logits(m) -> torch.Tensor:
-        with torch.no_grad():
-            return m(input_ids=ids).logits
-
-    for seed, name in ((1, "a"), (2, "b")):
-        torch.manual_seed(seed)
-        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
-        get_peft_model(copy.deepcopy(model), lora).save_pretrained(tmp_path / name)
-    whole = copy.deepcopy(model)
-    with torch.no_grad():
-        whole.model.norm.weight.mul_(1.5)
-    whole.save_pretrained(tmp_path / "whole")
-
-    weights = Weights(copy.deepcopy(model), tokenizer, key=(), device="cpu", dtype="float32")
-    seen = {}
-    for step, folder in ((0, None), (2, tmp_path / "a"), (4, tmp_path / "b"), (6, tmp_path / "whole"), (8, None)):
-        with weights.holding(folder) as held:
-            seen[step] = logits(held)
-    assert list(weights.peft.peft_config) == [weights.adapter]  # step 2's adapter was deleted when step 4's came
-    alone = {
-        2: PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / "a")),
-        4: PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / "b")),
-    }
-    for step, expected in alone.items():
-        assert torch.equal(seen[step], logits(expected.eval()))
-    assert torch.equal(seen[6], logits(whole.eval()))
-    assert torch.equal(seen[0], logits(model)) and torch.equal(seen[8], seen[0])
-    assert not torch.allclose(seen[2], seen[0]) and not torch.allclose(seen[4], seen[2])
 
 
 def assert_same_rows(watched: HistoryRow, loop: HistoryRow) -> None:
