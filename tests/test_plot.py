@@ -56,6 +56,8 @@ def test_plot_marks_the_best_checkpoint_shows_eval_loss_and_reference_metrics_an
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", capture)
     plot_run(read_run(run))
     figure = captured["figure"]
+    for axis in figure.axes[:3]:  # the panels over the steps: only steps 0-30 are labelled
+        assert [tick.get_text() for tick in axis.get_xticklabels()] == ["0", "10", "20", "30"]
     legends = [text.get_text() for axis in figure.axes if axis.get_legend() for text in axis.get_legend().get_texts()]
     for label in (
         "best checkpoint (step 20)",

@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 
+import pytest
 from _runs import GOOD, MIXED, MIXED_HIGHER_D, POOR, write_run
 
 from probdiff_callback.analysis.select import format_selection, ranked_rows, select_checkpoints
@@ -151,3 +152,15 @@ def test_select_shows_win_tie_lose_against_the_base_model(tmp_path, capsys):
     assert "vs base w/t/l" in printed and "p vs base" in printed
     line_20 = next(line for line in printed.splitlines() if line.split()[:2] == ["1", "20"])
     assert "7/1/0" in line_20
+
+
+@pytest.mark.parametrize("command", ["select", "plot", "crosscheck"])
+def test_an_evaluations_output_is_told_apart_from_a_training_run(command, tmp_path, capsys):
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "records.jsonl").write_text("")
+    (out / "summary.json").write_text("{}")
+    assert main([command, str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{out} is an evaluation's output (records.jsonl, summary.json), not a training run" in err
+    assert f"compare it with `probdiff compare {out} OTHER_OUT`" in err

@@ -96,6 +96,7 @@ def plot_run(run: Run, out: str | os.PathLike | None = None, selection: Selectio
             bottom.scatter([position] * len(ds), ds, s=6, color="black", alpha=0.4, zorder=3, label=label)
     bottom.axhline(delta, color="tab:red", linestyle="--", linewidth=1, label=f"delta = {delta:g}")
     _mark_best(bottom, best, label=False)
+    _steps_axis(bottom, steps)
     bottom.set_xlabel("global step")
     bottom.set_ylabel("d = log p(revision) − log p(answer)")
     if any(invalid):
@@ -106,6 +107,18 @@ def plot_run(run: Run, out: str | os.PathLike | None = None, selection: Selectio
     figure.savefig(out, dpi=110)
     plt.close(figure)
     return out
+
+
+def _steps_axis(axis, steps: list[int]) -> None:
+    """The shared step axis: ticks at evaluated steps only (at most about ten), and limits that just hold the
+    violins, so that no step before the first or after the last is labelled."""
+    if not steps:
+        return
+    spacing = min((b - a for a, b in zip(steps, steps[1:])), default=1) or 1
+    axis.set_xlim(steps[0] - 0.5 * spacing, steps[-1] + 0.5 * spacing)
+    every = math.ceil(len(steps) / 10)
+    ticks = steps[::every] if steps[-1] in steps[::every] else [*steps[::every], steps[-1]]
+    axis.set_xticks(ticks)
 
 
 def _best_step(selection: Selection) -> tuple[int, str] | None:

@@ -207,9 +207,15 @@ class Run:
 
 
 def read_run(run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Run:
-    """The run's history and step records; a FileNotFoundError if the run directory itself is missing."""
+    """The run's history and step records; a FileNotFoundError if the run directory itself is missing, or if it is
+    `probdiff eval`'s output rather than a training run's."""
     run_dir = existing_run_dir(run_dir)
     directory = probdiff_dir(run_dir, subdir)
+    if not directory.is_dir() and (run_dir / RECORDS_FILE).is_file():
+        raise FileNotFoundError(
+            f"{run_dir} is an evaluation's output (records.jsonl, summary.json), not a training run: compare it with "
+            f"`probdiff compare {run_dir} OTHER_OUT` (another evaluation's --out)"
+        )
     rows = read_history(directory / HISTORY_FILE)
     records, eval_losses = {}, {}
     for row in rows:
