@@ -24,6 +24,7 @@ from probdiff_callback.runs.eval_output import (
     keeping_finished,
     kept_records,
     prepare_out,
+    remove_empty,
     setting_text,
     what_is_evaluated,
     write_results,
@@ -271,7 +272,7 @@ def cmd_eval(args) -> int:
     plan = plan_references(queries)
     if plan.notice():
         print(f"note: {plan.notice()}", file=sys.stderr)
-    prepare_out(args.out, args.overwrite, args.resume)
+    made = prepare_out(args.out, args.overwrite, args.resume)
     evaluated = what_is_evaluated(args, config)
     kept = kept_records(args.out, evaluated, queries) if args.resume else []
     kept_ids = {record.id for record in kept}
@@ -282,9 +283,13 @@ def cmd_eval(args) -> int:
             f"{len(remaining)}",
             file=sys.stderr,
         )
-    model, tokenizer = load_model(args, _own_process)
+    try:
+        model, tokenizer = load_model(args, _own_process)
+    except BaseException:  # no model (or Ctrl-C while loading): the folders made for the results go again
+        remove_empty(made)
+        raise
     started = time.time()
-    with keeping_finished(args.out, evaluated, kept, len(queries)) as keep:
+    with keeping_finished(args.out, evaluated, kept, len(queries), made) as keep:
         starts_vllm = config.use_vllm and remaining
         with _vllm_engine(args, config, model, tokenizer) if starts_vllm else contextlib.nullcontext() as engine:
             evaluation = evaluate(model, tokenizer, remaining, config, engine=engine, on_finished=keep)
@@ -476,6 +481,9 @@ def _dispatch(args) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, EngineUnavailable, OutputDirError) as err:
         print(f"probdiff {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was finished is kept (and said) where the command keeps it
+        print(f"probdiff {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -258,3 +258,66 @@ def test_a_failure_before_any_query_finished_leaves_no_results(tmp_path):
 def test_compare_reads_only_directories_with_results(tmp_path):
     with pytest.raises(FileNotFoundError, match="give directories written by `probdiff eval` or `probdiff score`"):
         finished_records(str(tmp_path))
+
+
+def interrupted_after(monkeypatch, finished: int):
+    """`probdiff eval` with no model, whose evaluation hands on `finished` queries' records, then meets Ctrl-C."""
+    import probdiff_callback.cli
+    import probdiff_callback.core.evaluator as evaluator
+
+    monkeypatch.setattr(probdiff_callback.cli, "load_model", lambda args, own_process: (None, None))
+
+    def evaluate(model, tokenizer, queries, config, engine=None, on_finished=None, **options):
+        if finished:
+            on_finished([make_record(query.id, 0.1, query=query.text) for query in queries[:finished]])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluator, "evaluate", evaluate)
+
+
+def test_ctrl_c_keeps_what_was_finished_in_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    interrupted_after(monkeypatch, 2)
+    assert main(["eval", "--queries", QUERIES, "--limit", "4", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.rstrip().endswith("probdiff eval: interrupted (Ctrl-C)")
+    assert (
+        f"probdiff eval: 2 of 4 queries were evaluated before it was interrupted; their records are in "
+        f"{out / 'records.jsonl'}. The same command with --resume evaluates the other 2"
+    ) in err
+    assert len(read_records(out)) == 2 and (out / UNFINISHED_FILE).is_file() and not (out / "summary.json").exists()
+
+    import probdiff_callback.core.evaluator as evaluator
+    from probdiff_callback.core.evaluator import Evaluation
+
+    def finish(model, tokenizer, queries, config, engine=None, on_finished=None, **options):
+        records = [make_record(query.id, 0.1, query=query.text) for query in queries]
+        on_finished(records)
+        return Evaluation(records)
+
+    monkeypatch.setattr(evaluator, "evaluate", finish)
+    assert main(["eval", "--queries", QUERIES, "--limit", "4", "--out", str(out), "--resume"]) == 0
+    assert "--resume: 2 of 4 queries were evaluated" in capsys.readouterr().err
+    assert len(read_records(out)) == 4 and (out / "summary.json").is_file() and not (out / UNFINISHED_FILE).exists()
+
+
+def test_ctrl_c_before_any_record_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "new" / "out"
+    interrupted_after(monkeypatch, 0)
+    assert main(["eval", "--queries", QUERIES, "--limit", "4", "--out", str(out)]) == 130
+    assert not (tmp_path / "new").exists(), "the folders made for the results are gone"
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    assert main(["eval", "--queries", QUERIES, "--limit", "4", "--out", str(existing)]) == 130
+    assert existing.is_dir() and list(existing.iterdir()) == [], "a folder the user made stays"
+
+
+def test_ctrl_c_while_the_model_loads_leaves_no_folder(tmp_path, monkeypatch):
+    import probdiff_callback.cli
+
+    def load(args, own_process):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(probdiff_callback.cli, "load_model", load)
+    assert main(["eval", "--queries", QUERIES, "--out", str(tmp_path / "out")]) == 130
+    assert not (tmp_path / "out").exists()

@@ -50,12 +50,14 @@ class OutputDirError(Exception):
     """--out cannot take this command's results; said before the model loads."""
 
 
-def prepare_out(out: str, overwrite: bool, resume: bool = False) -> None:
+def prepare_out(out: str, overwrite: bool, resume: bool = False) -> list[Path]:
     """Make the --out directory before the model loads, so that an unusable one stops the command at once rather
     than after the whole evaluation; earlier results there are replaced only with --overwrite, and an unfinished
-    evaluation is continued only with --resume."""
+    evaluation is continued only with --resume. Returns the folders it made, innermost first (an evaluation that
+    finishes nothing removes them again)."""
     path = Path(out)
     existing = next(p for p in (path, *path.parents) if p.exists())  # `out` itself, or where it would be made
+    made = [p for p in (path, *path.parents) if not p.exists()]
     if not existing.is_dir():
         where = "is a file" if existing == path else f"is under {existing}, a file"
         raise OutputDirError(f"--out {out} {where}: give a directory (it gets {' and '.join(RESULT_FILES)})")
@@ -68,7 +70,7 @@ def prepare_out(out: str, overwrite: bool, resume: bool = False) -> None:
             "leaves when it stops part-way)"
         )
     if resume:
-        return
+        return []
     if unfinished and not overwrite:
         raise OutputDirError(
             f"--out {out} holds an unfinished evaluation ({_count_lines(path / 'records.jsonl')} queries' records, "
@@ -86,6 +88,14 @@ def prepare_out(out: str, overwrite: bool, resume: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # no permission, read-only file system
         raise OutputDirError(f"--out {out}: cannot create the directory ({err.strerror}: {err.filename})") from None
+    return made
+
+
+def remove_empty(made: Sequence[Path]) -> None:
+    """The folders `prepare_out` made, innermost first, where they are still empty (one that holds anything stays)."""
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _count_lines(path: Path) -> int:
@@ -155,11 +165,14 @@ def kept_records(out: str, evaluated: dict, queries: Sequence[Query]) -> list[Re
 
 
 @contextlib.contextmanager
-def keeping_finished(out: str, evaluated: dict, kept: list[Record], n_queries: int) -> Iterator[Callable]:
+def keeping_finished(
+    out: str, evaluated: dict, kept: list[Record], n_queries: int, made: Sequence[Path] = ()
+) -> Iterator[Callable]:
     """--out while the evaluation runs: `UNFINISHED_FILE` says what it evaluates, and records.jsonl gets each
-    query's record as it finishes (after `kept`, an unfinished evaluation's). Should the evaluation fail, what it
-    finished stays, with a line saying how to finish it; where nothing was finished, --out is left without
-    results, as before. The caller writes the whole results and removes `UNFINISHED_FILE` once it succeeded."""
+    query's record as it finishes (after `kept`, an unfinished evaluation's). Should the evaluation fail or be
+    interrupted (Ctrl-C), what it finished stays, with a line saying how to finish it; where nothing was finished,
+    --out is left without results, as before, and the folders `prepare_out` `made` for it are removed. The caller
+    writes the whole results and removes `UNFINISHED_FILE` once it succeeded."""
     path = Path(out)
     records_path, marker = path / "records.jsonl", path / UNFINISHED_FILE
     if not kept:
@@ -182,12 +195,14 @@ def keeping_finished(out: str, evaluated: dict, kept: list[Record], n_queries: i
             if finished == 0:
                 records_path.unlink(missing_ok=True)
                 marker.unlink(missing_ok=True)
+                remove_empty(made)
                 raise
+            interrupted = isinstance(err, KeyboardInterrupt)
             write_json(marker, {**evaluated, "n_queries": n_queries, "error": str(err) or type(err).__name__})
             print(
-                f"probdiff eval: {finished} of {n_queries} queries were evaluated before the error below; their "
-                f"records are in {records_path}. The same command with --resume evaluates the other "
-                f"{n_queries - finished} and writes the summary.",
+                f"probdiff eval: {finished} of {n_queries} queries were evaluated before "
+                f"{'it was interrupted' if interrupted else 'the error below'}; their records are in {records_path}. "
+                f"The same command with --resume evaluates the other {n_queries - finished} and writes the summary.",
                 file=sys.stderr,
             )
             raise
