@@ -101,3 +101,17 @@ def test_the_continue_line_names_the_command_with_its_options(monkeypatch):
     assert resume_command(["recipe=blog"]) == (
         "python train/sft.py --config_file recipes/accelerate/zero3.yaml recipe=blog resume=true"
     )
+
+
+def test_the_run_says_how_many_processes_train_and_the_flag_when_fewer_started_than_asked():
+    plain = "/usr/bin/python train/sft.py recipe=blog model=tiny"
+    assert launch.processes_line(1, plain) == "1 training process"
+    asked = "/venv/bin/python /venv/bin/accelerate launch --num_processes 2 train/sft.py recipe=blog model=tiny"
+    assert launch.processes_line(2, asked.replace("--num_processes 2", "--num_processes 2 --multi_gpu")) == (
+        "2 training processes"
+    )
+    line = launch.processes_line(1, asked)
+    assert line.startswith("1 training process; 2 were asked for (--num_processes 2), but accelerate started 1")
+    assert "--num_processes 2 --multi_gpu" in line
+    ours = "/venv/bin/python train/sft.py --num_processes=4 recipe=blog"  # the training script as the launcher
+    assert "4 were asked for (--num_processes 4)" in launch.processes_line(1, ours)

@@ -60,6 +60,34 @@ def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def asked_processes(launcher_command: str) -> int | None:
+    """The `--num_processes N` (or `--num_processes=N`) of the command that launched this process, None without."""
+    words = launcher_command.split()
+    for index, word in enumerate(words):
+        value = None
+        if word == "--num_processes" and index + 1 < len(words):
+            value = words[index + 1]
+        elif word.startswith("--num_processes="):
+            value = word.partition("=")[2]
+        if value is not None:
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def processes_line(world_size: int, launcher_command: str) -> str:
+    """How many processes train; where the launching command asked for more than started (accelerate runs one
+    process on a CPU, or on fewer GPUs than asked, unless told how to run several), the flag that gives them."""
+    line = f"{world_size} training process{'es' if world_size != 1 else ''}"
+    asked = asked_processes(launcher_command)
+    if asked is not None and asked > world_size:
+        line += (
+            f"; {asked} were asked for (--num_processes {asked}), but accelerate started {world_size}: add "
+            f"--multi_gpu for several processes (DDP; on a CPU too, `--num_processes {asked} --multi_gpu`), or a "
+            "--config_file of recipes/accelerate/ (zero3.yaml: ZeRO-3)"
+        )
+    return line
+
+
 def under_a_launcher() -> bool:
     """This process is a training process: started by this launcher, `accelerate launch` or torchrun."""
     return any(name in os.environ for name in (LAUNCHER_PID_ENV, "LOCAL_RANK", "ACCELERATE_USE_CPU"))

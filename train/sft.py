@@ -26,8 +26,9 @@ if __name__ == "__main__":  # the command users start: the launcher of the train
     launch.follow_launcher()  # before the imports below, which take seconds: a Ctrl-C then reaches the launcher only
 
 from probdiff_callback.core.queries import DataFileError
+from probdiff_callback.runtime.parent import parent_command
 from probdiff_callback.runtime.threads import configure_threads
-from train import configure_logging, is_main_process, say
+from train import configure_logging, is_main_process, launch, say
 from train.data import load_data, report_truncation
 from train.model_setup import load_model, lora_config, prepare_model_files
 from train.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
@@ -78,6 +79,8 @@ def train(args: list[str]) -> int:
     #    then the SFTConfig, before the model loads, so that ZeRO-3 can partition the weights while they load
     prepare_model_files(recipe.model)
     training_args = sft_config(recipe, run_dir, resuming=resume_from is not None)
+    if is_main_process():
+        say(launch.processes_line(training_args.world_size, parent_command()))
     # one job per run directory (a second one stops here, naming the first); then cut-off or broken checkpoints
     # past the one resumed are moved aside, where the Trainer's lookup by name cannot take them for checkpoints
     lock = hold_on_every_rank(run_dir, training_args.world_size)
