@@ -41,7 +41,9 @@ from probdiff_callback.beside.queue import Queue  # noqa: E402
 from probdiff_callback.runs.run_files import read_history  # noqa: E402
 
 OFF = ["probdiff.baseline=false", "probdiff.at_end=false", "probdiff.every=1000", "metric_for_best_model=eval_loss"]
-SIDES = {"a: ProbDiff off": OFF, "b: in the loop": [], "c: beside training": ["probdiff.async_eval=true"]}
+# the smollm2 summarization preset evaluates beside training: (a) and (b) say the loop's way themselves
+LOOP, BESIDE = "probdiff.async_eval=false", "probdiff.async_eval=true"
+SIDES = {"a: ProbDiff off": [*OFF, LOOP], "b: in the loop": [LOOP], "c: beside training": [BESIDE]}
 
 
 class Timed:
