@@ -310,8 +310,8 @@ def start_wandb(recipe: Recipe, run_dir: Path, resume_from: str | None, trainer)
 
 def finish_wandb() -> None:
     """Close this process's W&B run before the run's summary is printed. Left open, the run is closed at exit by
-    W&B's service, whose closing lines ignore `quiet` and offer `wandb sync` for this process's segment alone."""
-    import wandb
-
-    if wandb.run is not None:
+    W&B's service, whose closing lines ignore `quiet` and offer `wandb sync` for this process's segment alone. A
+    process that never imported wandb (report_to=none, or wandb not installed) has no run to close."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
         wandb.finish()
