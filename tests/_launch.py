@@ -9,9 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from _faults import FAULT_ENV, fault_env
+from _once import made_once
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "train" / "sft.py"
@@ -68,6 +70,79 @@ def run_sft(
 
 def history_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "probdiff" / "history.jsonl").read_text().splitlines()]
+
+
+def one_error(result: subprocess.CompletedProcess) -> str:
+    """A setup error as it must end: exit 2, exactly one `error:` line on stderr, no traceback; that line."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "exitcode" not in result.stderr, result.stderr[-3000:]
+    assert "were not passed to `accelerate launch`" not in result.stderr, "accelerate's defaults warning"
+    return lines[0]
+
+
+def sft_here(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """train/sft.py's `main(args)` in this process, in `cwd`, as `python train/sft.py args` would run there without a
+    launcher: (exit status, stdout, stderr). The test asks for the `sft_in_this_process` fixture, which undoes what
+    `main` sets in the process. For what does not need a process of its own; the command as a process is the e2e
+    tests'."""
+    from train import sft
+
+    capsys.readouterr()
+    with monkeypatch.context() as here:
+        here.chdir(cwd)
+        code = sft.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def refused_here(args: list[str], cwd: Path, monkeypatch, capsys) -> str:
+    """`sft_here` for a run train/sft.py must refuse before it trains (a setup error, a run directory in use, a
+    checkpoint it cannot resume from): exit status 2, one `error:` line on stderr, nothing else said there; that line.
+    Such an error ends the same way in a process of its own, through this same `main` (`one_error`:
+    e2e/test_launcher_signals.py's)."""
+    code, _, err = sft_here(args, cwd, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ---- one cheap run that several modules read: e2e/test_sft_runs.py, e2e/test_checkpoints.py, test_wandb_run.py ----
+BLOG_RUN = "runs/blog/test"  # its output_dir, relative to its working directory
+BLOG_ARGS = ["recipe=blog", *[a for a in CHEAP if a != "report_to=none"], f"output_dir={BLOG_RUN}"]
+
+
+@dataclass(frozen=True)
+class BlogRun:
+    """`accelerate launch train/sft.py` with `BLOG_ARGS` (CHEAP's 2 steps, evaluated and saved at each) and W&B
+    offline, run to its end in `cwd`. Read it in place; a test that changes the run works on `copy_to(its folder)`."""
+
+    cwd: Path
+    stdout: str
+    stderr: str
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cwd / BLOG_RUN
+
+    def copy_to(self, cwd: Path) -> Path:
+        """The run copied into `cwd` at the same relative place (its files name their checkpoints relative to the
+        working directory); its run directory there."""
+        shutil.copytree(self.cwd / "runs", cwd / "runs", symlinks=True)
+        return cwd / BLOG_RUN
+
+
+def blog_run_once(tmp_path_factory) -> BlogRun:
+    """The session's one `BlogRun`, made by the first worker that asks (`_once.made_once`)."""
+
+    def make(cwd: Path) -> None:
+        result = run_sft(BLOG_ARGS, cwd, launcher="accelerate", WANDB_MODE="offline")
+        (cwd / "stdout.txt").write_text(result.stdout)
+        (cwd / "stderr.txt").write_text(result.stderr)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    cwd = made_once(tmp_path_factory, "blog-run", make)
+    return BlogRun(cwd, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text())
 
 
 # ---- comparing a run that was stopped and continued with one that was not ----

@@ -43,6 +43,16 @@ def tiny_model(tiny_model_path):
     return load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def blog_run(tmp_path_factory, tiny_model_path):
+    """`_launch.BlogRun`: one cheap `accelerate launch train/sft.py recipe=blog` run with W&B offline, trained once per
+    session (whichever pytest-xdist worker asks first) for the tests that read a whole run (e2e/test_sft_runs.py,
+    e2e/test_checkpoints.py, test_wandb_run.py)."""
+    from _launch import blog_run_once
+
+    return blog_run_once(tmp_path_factory)
+
+
 @pytest.fixture
 def one_torch_thread():
     """One intra-op thread while the test runs: on 2 shared cores, multi-threaded torch ops (generate's torch.isin

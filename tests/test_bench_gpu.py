@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _once import made_once
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "bench" / "gpu.py"
@@ -53,22 +54,27 @@ def vllm_expected() -> bool:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[dict[str, list[str]], dict]:
     """(the table's rows by name, the --json figures) of one small `--shape tiny` run on CPU, with the optional
-    packages made unimportable."""
-    out = tmp_path_factory.mktemp("gpu_kit") / "figures.json"
-    hide = "import sys, runpy\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in NOT_NEEDED)
-    code = hide + f"runpy.run_path({str(KIT)!r}, run_name='__main__')"
-    small = (
-        "--shape tiny --device cpu --queries 2 --max-new-tokens 3 --batch-size 2 --decode-batch 1 2 --train-tokens 32"
-    )
-    command = [sys.executable, "-c", code, *small.split(), "--json", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    packages made unimportable; run once per session whichever worker asks first (`_once.made_once`)."""
+
+    def make(folder: Path) -> None:
+        hide = "import sys, runpy\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in NOT_NEEDED)
+        code = hide + f"runpy.run_path({str(KIT)!r}, run_name='__main__')"
+        small = (
+            "--shape tiny --device cpu --queries 2 --max-new-tokens 3 --batch-size 2 --decode-batch 1 2 "
+            "--train-tokens 32"
+        )
+        command = [sys.executable, "-c", code, *small.split(), "--json", str(folder / "figures.json")]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        (folder / "stdout.txt").write_text(result.stdout)
+
+    folder = made_once(tmp_path_factory, "gpu-kit-tiny", make)
     rows = {}
-    for line in result.stdout.splitlines():
+    for line in (folder / "stdout.txt").read_text().splitlines():
         if line.startswith("| ") and not line.startswith("| figure |"):
             cells = [cell.strip() for cell in line.strip("|").split(" | ")]
             rows[cells[0]] = cells[1:]
-    return rows, json.loads(out.read_text())
+    return rows, json.loads((folder / "figures.json").read_text())
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from _chat_families import END_OF_TURN, FAMILIES, build_model, build_tokenizer, save_family_model
-from _launch import run_sft
+from _launch import sft_here
 
 from probdiff_callback.core.chat_format import (
     accepts_system_role,
@@ -181,7 +181,9 @@ def test_trl_builds_labels_from_our_masks(family, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_training_runs_on_each_family(name, tmp_path):
+def test_training_runs_on_each_family(name, tmp_path, monkeypatch, capsys, sft_in_this_process):
+    """train/sft.py's `main` in this process (its command line, as a user starts it, is e2e/test_sft_runs.py's)."""
+
     model_dir = save_family_model(name, tmp_path / f"{name}-model")
     train_file = tmp_path / "train.jsonl"
     rows = [{"id": str(i), "category": "xsum", "messages": CONVERSATION[:3]} for i in range(4)]
@@ -192,9 +194,9 @@ def test_training_runs_on_each_family(name, tmp_path):
         "per_device_train_batch_size=2", "max_length=256", "max_eval_samples=2", f"train_file={train_file}",
         "probdiff.n_queries=2", "probdiff.max_new_tokens=4", "probdiff.max_prompt_tokens=256", "threads=1",
     ]  # fmt: skip
-    done = run_sft(args, tmp_path)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
+    code, stdout, stderr = sft_here(args, tmp_path, monkeypatch, capsys)
+    out = stdout + stderr
+    assert code == 0, out[-4000:]
     assert "loss on assistant turns only (the chat template has no {% generation %} markers" in out
     assert "LoRA r=16 on down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in out
     history = [json.loads(line) for line in next(tmp_path.glob("runs/summarization/*/probdiff/history.jsonl")).open()]

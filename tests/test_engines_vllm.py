@@ -111,7 +111,7 @@ def adapter_dir(tiny_model_path, tmp_path_factory):
 
     from probdiff_callback.models import load_model_and_tokenizer
 
-    model, _ = load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")
+    model, _ = load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
     torch.manual_seed(0)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     peft_model = get_peft_model(model, config)
@@ -158,13 +158,13 @@ def test_merged_weights_equal_peft_merge_and_leave_the_model_as_it_was(tiny_mode
 
     from probdiff_callback.models import load_model_and_tokenizer
 
-    model, _ = load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")
+    model, _ = load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
     peft_model = PeftModel.from_pretrained(model, adapter_dir)
     before = {k: v.clone() for k, v in peft_model.state_dict().items()}
     merged = vllm.merged_state_dict(peft_model)
     assert all(torch.equal(v, peft_model.state_dict()[k]) for k, v in before.items())  # untouched
     reference = PeftModel.from_pretrained(
-        load_model_and_tokenizer(str(tiny_model_path), dtype="float32", device="cpu")[0], adapter_dir
+        load_model_and_tokenizer("tiny", dtype="float32", device="cpu")[0], adapter_dir
     ).merge_and_unload()
     expected = reference.state_dict()
     assert set(merged) == set(expected)

@@ -1,4 +1,4 @@
-"""The README's callback snippet, run as written on the `tiny` model (2 steps, answers capped at 16 new tokens)."""
+"""The README's callback snippet, run as written on the `tiny` model (1 step, answers capped at 16 new tokens)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def test_the_readme_callback_snippet_trains_and_evaluates(tmp_path, tiny_model_p
     # be 256 steps of its 152k-token head (minutes); what the test checks is that the snippet trains and evaluates.
     written = probdiff_callback.ProbDiffConfig
     monkeypatch.setattr(probdiff_callback, "ProbDiffConfig", lambda **kw: written(**{**kw, "max_new_tokens": 16}))
-    # and its 3 epochs (a full fine-tune of a 152k-token head, 20 s a step here) cut to 2 steps: the base model's
+    # and its 3 epochs (a full fine-tune of a 152k-token head) cut to one step of a batch of 2: the base model's
     # evaluation, then the last step's
     sft_config = trl.SFTConfig
-    monkeypatch.setattr(trl, "SFTConfig", lambda **kw: sft_config(**{**kw, "max_steps": 2}))
+    monkeypatch.setattr(trl, "SFTConfig", lambda **kw: sft_config(**{**kw, "max_steps": 1}))
     model, tokenizer = load_tiny(tiny_model_path)
     data = chat_dataset(10)
-    names = {"model": model, "tokenizer": tokenizer, "train_dataset": data.select(range(8)),
+    names = {"model": model, "tokenizer": tokenizer, "train_dataset": data.select(range(2)),
              "eval_dataset": data.select(range(8, 10))}  # fmt: skip
     exec(compile(callback_snippet(), str(README), "exec"), names)
 

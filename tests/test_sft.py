@@ -1,5 +1,6 @@
 """train/sft.py's entry point in this process: a configuration or data error stops with one `error:` line and exit
-status 2 before anything is written. (Whole runs, as a user starts them: e2e/test_sft_runs.py.)"""
+status 2 before anything is written. (Whole runs, as a user starts them: e2e/test_sft_runs.py; a setup error in a
+process of its own, through this same entry point: e2e/test_launcher_signals.py.)"""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def test_configuration_errors_stop_with_one_line_and_exit_2(in_a_new_directory, 
     assert "unknown key 'lerning_rate'" in error and "did you mean 'learning_rate'" in error
     assert "wrong type for 'max_steps'" in stops(["recipe=blog", "max_steps=ten"], capsys)
     assert "ProbDiff setting 'delta': got 'abc'" in stops(["recipe=blog", "model=tiny", "probdiff.delta=abc"], capsys)
-    assert all(name in stops(["recipe=nope"], capsys) for name in TASKS)
+    missing = stops(["recipe=nope"], capsys)
+    assert "recipe='nope' is not a recipe" in missing and all(name in missing for name in TASKS)
     assert not (in_a_new_directory / "runs").exists()  # a run that stops on its config leaves no directory behind
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from _distributed_eval import REPO, build_trainer, probdiff_config
 from _faults import inject
-from _launch import CHEAP, run_sft
+from _launch import BLOG_RUN
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 
@@ -281,7 +281,7 @@ def test_an_interrupted_and_resumed_run_is_one_wandb_run_with_each_step_once(
         )
         preemption = PreemptionCallback(trainer)
         trainer.add_callback(preemption)
-        config = probdiff_config(n_queries=8, wandb_table_rows=0)
+        config = probdiff_config(n_queries=4, wandb_table_rows=0)
         trainer.add_callback(ProbDiffCallback(trainer, queries, config, preemption=preemption))
         if interrupt_at is not None:  # after ProbDiff: its evaluation of the step is logged first
             trainer.add_callback(InterruptAt(interrupt_at))
@@ -391,15 +391,13 @@ def test_wandb_run_config_holds_the_project_keys(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_offline_wandb_run_no_url_warning_and_one_sync_line(tmp_path, tiny_model_path):
-    """A few steps of model=tiny, W&B offline: trl's model card asked the offline run for its URL at each
-    checkpoint, and W&B's own closing lines offered `wandb sync` for one segment beside the run's command."""
-    args = ["recipe=blog", *[a for a in CHEAP if a != "report_to=none"], "output_dir=runs/w"]
-    done = run_sft(args, tmp_path, WANDB_MODE="offline")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    output = done.stdout + done.stderr
+def test_offline_wandb_run_no_url_warning_and_one_sync_line(blog_run):
+    """conftest's `blog_run`, a few steps of model=tiny with W&B offline: trl's model card asked the offline run for
+    its URL at each checkpoint, and W&B's own closing lines offered `wandb sync` for one segment beside the run's
+    command."""
+    output = blog_run.stdout + blog_run.stderr
     assert "URL not available" not in output
     [sync] = [line for line in output.splitlines() if "wandb sync" in line]
-    run_id = (tmp_path / "runs" / "w" / "wandb_run_id").read_text().strip()
-    assert sync.endswith(f"upload it with: wandb sync --id {run_id} runs/w/wandb/offline-run-*-{run_id}")
-    assert len(list((tmp_path / "runs" / "w" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))) == 1
+    run_id = (blog_run.run_dir / "wandb_run_id").read_text().strip()
+    assert sync.endswith(f"upload it with: wandb sync --id {run_id} {BLOG_RUN}/wandb/offline-run-*-{run_id}")
+    assert len(list((blog_run.run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))) == 1

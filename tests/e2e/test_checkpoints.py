@@ -4,33 +4,29 @@ previous complete one offered (`resume=<it>`), never a silent fresh start or a h
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from _launch import CHEAP, history_rows, run_sft
+from _launch import BLOG_RUN, CHEAP, history_rows, refused_here, run_sft
 from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
 
 from probdiff_callback.runs.checkpoints import checkpoint_problem, weights_problem
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = pytest.mark.slow  # every test here reads a real training run (and some start train/sft.py)
 
-ARGS = ["recipe=blog", *CHEAP, "output_dir=run"]  # 2 steps, a checkpoint at each
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_model_path) -> Path:
-    """A real tiny run of train/sft.py with checkpoint-1 and checkpoint-2 (copied, never changed, by each test)."""
-    cwd = tmp_path_factory.mktemp("trained")
-    result = run_sft(ARGS, cwd)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return cwd
+ARGS = ["recipe=blog", *CHEAP, f"output_dir={BLOG_RUN}"]  # conftest's `blog_run`: 2 steps, a checkpoint at each
+RUN = BLOG_RUN  # as the messages name it
 
 
 @pytest.fixture
-def run(trained, tmp_path) -> Path:
-    shutil.copytree(trained / "run", tmp_path / "run", symlinks=True)
-    return tmp_path / "run"
+def run(blog_run, tmp_path) -> Path:
+    """A copy of conftest's `blog_run` (a real tiny run of train/sft.py with checkpoint-1 and checkpoint-2) for this
+    test to damage, in `tmp_path` at the run's own relative place."""
+    return blog_run.copy_to(tmp_path)
+
+
+def cwd_of(run: Path) -> Path:
+    return run.parents[2]  # runs/blog/test
 
 
 def truncate(path: Path, keep: float = 0.5) -> None:
@@ -65,21 +61,23 @@ def test_a_damaged_file_is_named(run, name, damage, expected):
         assert weights_problem(checkpoint) is not None
 
 
-def test_a_truncated_adapter_stops_the_resume_and_the_offered_command_continues(run):
-    cwd = run.parent
+def test_a_truncated_adapter_stops_the_resume_and_the_offered_command_continues(
+    run, monkeypatch, capsys, sft_in_this_process
+):
+    cwd = cwd_of(run)
     truncate(run / "checkpoint-2/adapter_model.safetensors", 0.9)
-    refused = run_sft([*ARGS, "resume=true"], cwd)
-    assert refused.returncode == 2
-    error = refused.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: cannot resume from run/checkpoint-2: run/checkpoint-2/adapter_model.safetensors is")
-    assert "Continue from the previous complete checkpoint with resume=run/checkpoint-1" in error
-    assert "Traceback" not in refused.stderr
-    explicit = run_sft([*ARGS, "resume=run/checkpoint-2"], cwd)
-    assert explicit.returncode == 2 and "resume=run/checkpoint-1" in explicit.stderr
+    # refused before anything trains, by train/sft.py's `main` here (one `error:` line, exit 2)
+    error = refused_here([*ARGS, "resume=true"], cwd, monkeypatch, capsys)
+    assert error.startswith(
+        f"error: cannot resume from {RUN}/checkpoint-2: {RUN}/checkpoint-2/adapter_model.safetensors is"
+    )
+    assert f"Continue from the previous complete checkpoint with resume={RUN}/checkpoint-1" in error
+    explicit = refused_here([*ARGS, f"resume={RUN}/checkpoint-2"], cwd, monkeypatch, capsys)
+    assert f"resume={RUN}/checkpoint-1" in explicit
 
-    offered = run_sft([*ARGS, "resume=run/checkpoint-1"], cwd)
+    offered = run_sft([*ARGS, f"resume={RUN}/checkpoint-1"], cwd)
     assert offered.returncode == 0, offered.stdout[-3000:] + offered.stderr[-3000:]
-    assert "set run/checkpoint-2 aside as incomplete-checkpoint-2" in offered.stdout
+    assert f"set {RUN}/checkpoint-2 aside as incomplete-checkpoint-2" in offered.stdout
     assert checkpoint_problem(run / "checkpoint-2") is None  # saved again, whole
     assert (run / "incomplete-checkpoint-2/adapter_model.safetensors").is_file()  # kept, not deleted
     # neither the Trainer's rotation nor its lookup takes the folder set aside for a checkpoint
@@ -90,17 +88,18 @@ def test_a_truncated_adapter_stops_the_resume_and_the_offered_command_continues(
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2]
 
 
-def test_a_missing_optimizer_never_resumes_half_loaded(run):
+def test_a_missing_optimizer_never_resumes_half_loaded(run, monkeypatch, capsys, sft_in_this_process):
     (run / "checkpoint-2/optimizer.pt").unlink()
-    refused = run_sft([*ARGS, "resume=true"], run.parent)
-    assert refused.returncode == 2
-    assert "run/checkpoint-2/optimizer.pt is missing" in refused.stderr and "resume=run/checkpoint-1" in refused.stderr
+    error = refused_here([*ARGS, "resume=true"], cwd_of(run), monkeypatch, capsys)
+    assert f"cannot resume from {RUN}/checkpoint-2: {RUN}/checkpoint-2/optimizer.pt is missing" in error
+    assert f"resume={RUN}/checkpoint-1" in error
 
 
-def test_with_no_complete_checkpoint_resume_offers_a_fresh_start_and_does_not_take_it(run):
+def test_with_no_complete_checkpoint_resume_offers_a_fresh_start_and_does_not_take_it(
+    run, monkeypatch, capsys, sft_in_this_process
+):
     for checkpoint in ("checkpoint-1", "checkpoint-2"):
         (run / checkpoint / "trainer_state.json").unlink()
-    refused = run_sft([*ARGS, "resume=true"], run.parent)
-    assert refused.returncode == 2
-    assert "has no complete checkpoint" in refused.stderr and "overwrite=true" in refused.stderr
+    error = refused_here([*ARGS, "resume=true"], cwd_of(run), monkeypatch, capsys)
+    assert "has no complete checkpoint" in error and "overwrite=true" in error
     assert [r["global_step"] for r in history_rows(run)] == [0, 1, 2], "nothing was started over"

@@ -25,6 +25,7 @@ from _distributed_eval import (
     load_tiny,
     probdiff_config,
 )
+from _once import made_once
 
 from probdiff_callback.callback.schedule import select_queries
 from probdiff_callback.core.evaluator import evaluate
@@ -81,17 +82,26 @@ def launch(mode: str, model_path: Path, out: Path) -> list[dict]:
     return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
 
 
+def launched_once(mode: str, model_path: Path, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """(its folder, what each rank saw) of the launch in `mode`, once per session whichever worker asks first (two
+    tests read each launch, and pytest-xdist may run them on both workers)."""
+
+    def make(folder: Path) -> None:
+        launch(mode, model_path, folder)
+
+    out = made_once(tmp_path_factory, f"distributed-{mode}", make)
+    return out, [json.loads((out / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tiny_model_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    return out, launch("ddp", tiny_model_path, out)
+    return launched_once("ddp", tiny_model_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def zero3_run(tiny_model_path, tmp_path_factory):
     pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
-    out = tmp_path_factory.mktemp("zero3")
-    return out, launch("zero3", tiny_model_path, out)
+    return launched_once("zero3", tiny_model_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

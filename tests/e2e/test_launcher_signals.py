@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,11 +23,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _launch import CHEAP, ROOT, SETTINGS, assert_same_run, run_sft, sft_command, sft_env, table
+from _launch import CHEAP, ROOT, SETTINGS, assert_same_run, one_error, run_sft, sft_command, sft_env, table
 
+from probdiff_callback.cli import main as probdiff
 from probdiff_callback.runs.checkpoints import checkpoints
-from train.recipe import TASKS
-from train.run_lock import hold_run_dir
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -188,55 +186,18 @@ def test_container_stop_then_resume_equals_an_uninterrupted_run(tmp_path, uninte
     assert_same_run(reference_run, tmp_path / "run")
 
 
-def one_error(result: subprocess.CompletedProcess) -> str:
-    """A setup error as it must end: exit 2, exactly one `error:` line on stderr, no traceback; that line."""
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "exitcode" not in result.stderr, result.stderr[-3000:]
-    assert "were not passed to `accelerate launch`" not in result.stderr, "accelerate's defaults warning"
-    return lines[0]
-
-
-def a_broken_checkpoint(run: Path) -> Path:
-    """A checkpoint whose save finished (its trainer_state.json is there) with its optimizer state missing."""
-    from safetensors.torch import save_file
-    from torch import zeros
-
-    checkpoint = run / "checkpoint-1"
-    checkpoint.mkdir(parents=True)
-    (checkpoint / "trainer_state.json").write_text('{"global_step": 1}')
-    (checkpoint / "adapter_config.json").write_text("{}")
-    save_file({"lora_A": zeros(2, 2)}, str(checkpoint / "adapter_model.safetensors"))
-    return checkpoint
-
-
-def test_setup_errors_through_the_readme_command(tmp_path, tiny_model_path):
-    """`python train/sft.py recipe=blog model=tiny ...` with a mistake: one line and exit 2."""
-    assert "unknown key 'lerning_rate'" in one_error(run_sft(["recipe=blog", "model=tiny", "lerning_rate=1"], tmp_path))
-    assert "wrong type for 'max_steps'" in one_error(run_sft(["recipe=blog", "model=tiny", "max_steps=ten"], tmp_path))
-    missing = one_error(run_sft(["recipe=nope", "model=tiny"], tmp_path))
-    assert "recipe='nope' is not a recipe" in missing and all(name in missing for name in TASKS)
-    args = ["recipe=blog", "model=tiny", "report_to=none", "output_dir=run"]
-    lock = hold_run_dir(tmp_path / "run")  # the first job on the run
-    try:
-        assert "is in use by another training job" in one_error(run_sft(args, tmp_path))
-    finally:
-        lock.release()
-    broken = a_broken_checkpoint(tmp_path / "run")
-    error = one_error(run_sft([*args, "resume=true"], tmp_path))
-    assert f"cannot resume from run/{broken.name}: run/{broken.name}/optimizer.pt is missing" in error
-
-
-def test_a_bad_probdiff_setting_gets_the_same_line_from_training_and_from_probdiff_eval(tmp_path):
-    """One validator for both: `probdiff.delta=abc` to the training script and `delta=abc` to `probdiff eval`."""
+def test_a_setup_error_through_the_readme_command_is_one_line(tmp_path, capsys):
+    """`python train/sft.py recipe=blog model=tiny probdiff.delta=abc`: one line and exit 2, the same line as
+    `probdiff eval ... delta=abc` says (one validator for both). Every setup error ends through train/sft.py's `main`
+    as this one does: the others are met there, in the test's process (test_sft.py's configuration and data errors,
+    test_run_lock.py's run in use, e2e/test_checkpoints.py's checkpoints it cannot resume from)."""
     training = one_error(run_sft(["recipe=blog", "model=tiny", "probdiff.delta=abc"], tmp_path))
     queries = str(ROOT / "data" / "samples" / "blog" / "heldout.jsonl")
-    command = [sys.executable, "-m", "probdiff_callback.cli", "eval", "--queries", queries, "--out", "o", "delta=abc"]
-    evaluation = subprocess.run(command, cwd=tmp_path, env=sft_env(), capture_output=True, text=True, timeout=300)
-    assert evaluation.returncode == 2 and "Traceback" not in evaluation.stderr
+    assert probdiff(["eval", "--queries", queries, "--out", str(tmp_path / "o"), "delta=abc"]) == 2
+    evaluation = capsys.readouterr().err
     expected = "command line: wrong type for ProbDiff setting 'delta': got 'abc', expected float"
     assert training == f"error: {expected}"
-    assert evaluation.stderr.strip().splitlines()[-1] == f"probdiff eval: error: {expected}"
+    assert evaluation.strip().splitlines()[-1] == f"probdiff eval: error: {expected}"
 
 
 def test_setup_errors_through_the_launcher(tmp_path, tiny_model_path):

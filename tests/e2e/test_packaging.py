@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from _once import made_once
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -26,24 +27,14 @@ def run(command: list[str], cwd: Path, env: dict | None = None, timeout: int = 6
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    # No build isolation: the installed setuptools builds it, so the test needs no network.
-    run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--quiet",
-            "-w",
-            str(out),
-            str(ROOT),
-        ],
-        cwd=out,
-    )
-    (path,) = out.glob("probdiff-*.whl")
+    """The package's wheel, built once per session whichever worker asks first (`_once.made_once`)."""
+
+    def make(out: Path) -> None:
+        # No build isolation: the installed setuptools builds it, so the test needs no network.
+        run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(out),
+             str(ROOT)], cwd=out)  # fmt: skip
+
+    (path,) = made_once(tmp_path_factory, "wheel", make).glob("probdiff-*.whl")
     return path
 
 

@@ -1,5 +1,6 @@
-"""train/sft.py as a user starts it, end to end with model=tiny for every recipe (a few steps, offline, report_to=none,
-in a temporary directory): the run's files, resume, truncation accounting, Ctrl-C."""
+"""train/sft.py end to end with model=tiny for every recipe (a few steps, offline, in a temporary directory): the run's
+files, resume, truncation accounting, Ctrl-C. The blog run, the resume and Ctrl-C as a user starts them (processes);
+the other recipes through the script's `main` in the test's process."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _launch import CHEAP, ROOT, history_rows, run_sft, sft_command, sft_env
+from _launch import BLOG_RUN, CHEAP, ROOT, history_rows, refused_here, run_sft, sft_command, sft_env, sft_here
 
 from probdiff_callback.runtime.threads import choose_threads
 from train.recipe import TASKS
 
-pytestmark = pytest.mark.slow  # every test here starts the training script
+pytestmark = pytest.mark.slow  # every test here trains (most start the training script)
 
 
 def assert_self_contained(directory: Path) -> None:
@@ -30,17 +31,10 @@ def assert_self_contained(directory: Path) -> None:
     assert 151645 in (stops if isinstance(stops, list) else [stops])  # <|im_end|>
 
 
-@pytest.fixture(scope="module")
-def blog_run(tmp_path_factory, tiny_model_path):
-    cwd = tmp_path_factory.mktemp("blog")
-    result = run_sft(["recipe=blog", *CHEAP, "output_dir=runs/blog/test"], cwd, launcher="accelerate")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return cwd / "runs/blog/test", result
-
-
 def test_blog_end_to_end_through_accelerate_launch(blog_run):
-    run_dir, result = blog_run
-    out = result.stdout
+    """conftest's `blog_run`: `accelerate launch train/sft.py recipe=blog` with CHEAP's 2 steps (W&B offline: its
+    lines are test_wandb_run.py's)."""
+    run_dir, out = blog_run.run_dir, blog_run.stdout
     rows = history_rows(run_dir)
     assert [(r["global_step"], r["kind"]) for r in rows] == [(0, "baseline"), (1, "evaluate"), (2, "evaluate")]
     assert all(r["summary"] is not None and r["summary"]["n"] == 3 and r["error"] is None for r in rows)
@@ -81,28 +75,18 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
 def test_checkpoint_loads_for_probdiff_eval(blog_run):
     from probdiff_callback.models import load_model_and_tokenizer
 
-    run_dir, _ = blog_run
     model, tokenizer = load_model_and_tokenizer(
-        "tiny", adapter=str(run_dir / "checkpoint-2"), dtype="float32", device="cpu"
+        "tiny", adapter=str(blog_run.run_dir / "checkpoint-2"), dtype="float32", device="cpu"
     )
     assert type(model).__name__ == "PeftModelForCausalLM" and tokenizer.chat_template
 
 
-def test_resume_latest_checkpoint(blog_run):
-    run_dir, _ = blog_run
-    cwd = run_dir.parents[2]
-    again = run_sft(["recipe=blog", *CHEAP, "output_dir=runs/blog/test"], cwd)
-    assert again.returncode == 2 and "already has checkpoints" in again.stderr and "resume=true" in again.stderr
-    resumed = run_sft(
-        [
-            "recipe=blog",
-            *[a for a in CHEAP if not a.startswith("max_steps")],
-            "max_steps=3",
-            "output_dir=runs/blog/test",
-            "resume=true",
-        ],
-        cwd,
-    )
+def test_resume_latest_checkpoint(blog_run, tmp_path, monkeypatch, capsys, sft_in_this_process):
+    run_dir = blog_run.copy_to(tmp_path)
+    args = ["recipe=blog", *CHEAP, f"output_dir={BLOG_RUN}"]
+    again = refused_here(args, tmp_path, monkeypatch, capsys)  # a fresh start on it: refused before it trains
+    assert "already has checkpoints" in again and "resume=true" in again
+    resumed = run_sft([*[a for a in args if not a.startswith("max_steps")], "max_steps=3", "resume=true"], tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = history_rows(run_dir)
     assert [r["global_step"] for r in rows] == [0, 1, 2, 3]  # the earlier rows kept, step 3 added
@@ -134,30 +118,35 @@ EXTRA = {"translation": [], "summarization": ["max_length=300"], "alignbench": [
 
 
 @pytest.mark.parametrize("task", [t for t in TASKS if t != "blog"])
-def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenizer):
-    result = run_sft([f"recipe={task}", *CHEAP, "max_steps=1", "output_dir=run", *EXTRA[task]], tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenizer, monkeypatch, capsys,
+                                  sft_in_this_process):  # fmt: skip
+    """Each recipe's data, reference metrics and report, through train/sft.py's `main` in this process (the command
+    as a process: the blog run above, the resume and Ctrl-C here, and e2e/test_launcher_signals.py)."""
+    code, stdout, stderr = sft_here(
+        [f"recipe={task}", *CHEAP, "max_steps=1", "output_dir=run", *EXTRA[task]], tmp_path, monkeypatch, capsys
+    )
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     rows = history_rows(tmp_path / "run")
     assert [r["global_step"] for r in rows] == [0, 1] and all(r["summary"] is not None for r in rows)
     assert_self_contained(tmp_path / "run" / "checkpoint-1")
     if task == "alignbench":
-        assert "data/samples/alignbench/train.jsonl" in result.stdout  # the tiny fallback says so
-        assert "ProbDiff: no reference metric for" in result.stdout
+        assert "data/samples/alignbench/train.jsonl" in stdout  # the tiny fallback says so
+        assert "ProbDiff: no reference metric for" in stdout
         assert all("reference" not in r["summary"] for r in rows)
     else:  # reference metrics in the history and the summary table, and the cross-check line
         names = {"translation": ["BLEU", "chrF"], "summarization": ["ROUGE-1", "ROUGE-2", "ROUGE-L"]}[task]
-        table = result.stdout[result.stdout.index("ProbDiff over training") :]
+        table = stdout[stdout.index("ProbDiff over training") :]
         assert all(name in table.splitlines()[1] for name in names) and "vs base" in table
         assert all(r["summary"]["reference"]["overall"] for r in rows)
         assert rows[1]["vs_base"] is not None and rows[1]["eval_loss"] is not None
-    assert "Cross-check over 2 steps" in result.stdout
+    assert "Cross-check over 2 steps" in stdout
     if task == "summarization":
         # conversations that truncation leaves with no assistant token are counted and named, not dropped silently
         reaching, total = summarization_prompts_reaching(qwen_tokenizer, 300)
         assert 0 < reaching < total
-        assert f"warning: {reaching} of {total} training conversations keep no assistant token" in result.stdout
+        assert f"warning: {reaching} of {total} training conversations keep no assistant token" in stdout
     else:
-        assert "training conversations: all" in result.stdout
+        assert "training conversations: all" in stdout
 
 
 def test_ctrl_c_says_how_to_continue(tmp_path, tiny_model_path):
