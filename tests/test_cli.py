@@ -180,7 +180,7 @@ EVAL_KEYS = [
     *("revision_top_p", "n_samples", "seed", "max_new_tokens", "max_prompt_tokens", "batch_size", "score_chunk_tokens"),
     "score_prompt_once",
     *("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_timeout", "vllm_stall_timeout"),
-    *("vllm_gpu_memory_utilization", "vllm_weight_sync"),
+    *("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_weight_sync"),
 ]
 SCORE_KEYS = [
     *("delta", "sweep", "system_prompt", "max_prompt_tokens", "batch_size", "score_chunk_tokens", "score_prompt_once")

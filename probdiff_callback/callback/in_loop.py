@@ -19,8 +19,10 @@ from transformers.trainer_utils import SaveStrategy
 
 from probdiff_callback.callback.cost import CostReport
 from probdiff_callback.callback.outputs import TrainerOutputs
+from probdiff_callback.callback.ranks import any_error
 from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome, evaluate_trainer_model, start_vllm
 from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.engines.vllm import in_this_process
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import compare_to_base, is_finite
 from probdiff_callback.core.queries import Query
@@ -52,7 +54,7 @@ class InLoop:
         self.state = LoopState()
         self.files = RunFiles(trainer.args.output_dir, config.output_subdir)  # written on the main process
         self.cost = CostReport()
-        self.vllm = None  # VLLMGeneration (use_vllm), on the main process: started when training begins
+        self.vllm = None  # VLLMGeneration (use_vllm), on each rank that holds one: started when training begins
 
     @property
     def evaluated(self) -> dict[int, dict[str, float]]:
@@ -100,15 +102,16 @@ class InLoop:
         return kept, self.files.baseline_records()
 
     def _start_vllm(self):
-        """The vLLM of this run on the main process (None on the others); a failure to start stops training on every
-        rank with the same message, before the first step."""
+        """The vLLM of this run: on every rank where it runs in the evaluating process (each rank writes its share's
+        texts), else on the main process (None on the others). A failure to start stops training on every rank with
+        the same message, before the first step."""
         vllm, error = None, None
-        if self.outputs.is_main:
+        if self.outputs.is_main or in_this_process(self.config):
             try:
                 vllm = start_vllm(self.trainer, self.tokenizer, self.config)
             except Exception as err:  # noqa: BLE001 - every rank raises it below
                 error = f"{type(err).__name__}: {err}"
-        error = self.outputs.broadcast(error)
+        error = any_error(self.trainer.accelerator, error)
         if error is not None:
             raise RuntimeError(f"ProbDiff: use_vllm=true: {error}")
         return vllm

@@ -68,6 +68,14 @@ def run_in_shares(
     return (results, cost, None) if error is None else ([], Cost(), error)
 
 
+def any_error(accelerator, error: str | None) -> str | None:
+    """Every rank's error (None: none had one), the same on every rank (every rank calls it)."""
+    if accelerator.num_processes == 1:
+        return error
+    errors = [e for e in gather_object([error]) if e is not None]
+    return "\n".join(errors) if errors else None
+
+
 def broadcast(accelerator, value: T) -> T:
     """The main process's `value` on every rank."""
     if accelerator.num_processes == 1:

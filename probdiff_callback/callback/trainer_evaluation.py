@@ -1,10 +1,12 @@
 """The trainer's model evaluated across ranks, one gathered outcome that every rank holds: every rank generates and
-scores an equal share with HF `generate`, or (`use_vllm=true`) the main process's vLLM writes every text and every
-rank scores an equal share. Here too: vLLM started for the trainer's model, where a run can have it.
+scores an equal share, with HF `generate` or (`use_vllm=true`, vLLM in the evaluating process) its own vLLM engine;
+or, through a server, the main process's vLLM writes every text and every rank scores an equal share. Here too: vLLM
+started for the trainer's model, where a run can have it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -17,7 +19,7 @@ from probdiff_callback.callback.model_in_training import model_for_evaluation
 from probdiff_callback.callback.ranks import broadcast, is_zero3, max_over_ranks, run_in_shares
 from probdiff_callback.core import reference_metrics
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines.vllm import VLLMGeneration
+from probdiff_callback.core.engines.vllm import VLLMGeneration, in_this_process
 from probdiff_callback.core.evaluator import (
     ABANDONED,
     Chain,
@@ -62,13 +64,13 @@ def evaluate_trainer_model(
     """The trainer's current weights evaluated on `queries`, shared across ranks, and summarised with the reference
     metrics `reference_plan` (the queries' `plan_references`) promises; every rank returns the same records (in query
     order), summary, error and cost (but for the reference metrics' seconds, each rank's own). `should_stop` abandons
-    the evaluation (`evaluator.evaluate`). With `config.use_vllm`, `vllm` (the main process's; None on the others)
-    writes the texts."""
+    the evaluation (`evaluator.evaluate`). With `config.use_vllm`, `vllm` writes the texts: each rank's own (vLLM in
+    this process), or the main process's (a server; None on the others)."""
     started = time.perf_counter()
-    if config.use_vllm:
+    if config.use_vllm and not in_this_process(config):
         gathered, error = _records_by_vllm(trainer, tokenizer, queries, config, vllm, base_model, should_stop)
     else:
-        gathered, error = _records_by_hf(trainer, tokenizer, queries, config, base_model, should_stop)
+        gathered, error = _records_in_shares(trainer, tokenizer, queries, config, base_model, should_stop, vllm)
     if error is not None:
         return EvaluationOutcome([], None, error, time.perf_counter() - started, abandoned=ABANDONED in error)
     try:  # deterministic on the gathered records: every rank fails alike or not at all
@@ -79,26 +81,40 @@ def evaluate_trainer_model(
     return EvaluationOutcome(evaluation.records, summary, None, seconds, evaluation.cost)
 
 
-def _records_by_hf(
-    trainer, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, base_model: bool, should_stop
+def _records_in_shares(
+    trainer,
+    tokenizer,
+    queries: Sequence[Query],
+    config: ProbDiffConfig,
+    base_model: bool,
+    should_stop,
+    vllm: VLLMGeneration | None = None,
 ) -> tuple[Evaluation, str | None]:
-    """Every rank evaluates an equal share (`evaluator.evaluate`: HF generate, then scoring); under ZeRO-3 with
-    `gather_params=false` the parameters stay sharded and the ranks generate in step."""
+    """Every rank evaluates an equal share (`evaluator.evaluate`: HF generate or this rank's vLLM engine, then
+    scoring); under ZeRO-3 with `gather_params=false` the parameters stay sharded and the ranks generate in step. A
+    rank's vLLM gets the weights being evaluated in memory (gathered on every rank under ZeRO-3) and sleeps after its
+    share."""
     accelerator = trainer.accelerator
-    sharded = is_zero3(accelerator) and not config.gather_params
+    sharded = is_zero3(accelerator) and not config.gather_params and vllm is None
 
     def one_share(share: list[Query]) -> tuple[list[Record], Cost]:
-        with model_for_evaluation(trainer, gather_params=config.gather_params, base_model=base_model) as model:
+        gather = config.gather_params or vllm is not None
+        with contextlib.ExitStack() as stack:
+            model = stack.enter_context(model_for_evaluation(trainer, gather_params=gather, base_model=base_model))
+            engine = None if vllm is None else stack.enter_context(vllm.holding(model, base_model=base_model))
             evaluation = evaluate(
                 model,
                 tokenizer,
                 share,
                 config,
+                engine=engine,
                 progress=config.progress and accelerator.is_main_process,
                 synced_gpus=sharded,
                 sync_n_chunks=max_over_ranks(accelerator.device) if sharded else None,
                 should_stop=should_stop,
             )
+        if vllm is not None:
+            vllm.sleep()
         return evaluation.records, evaluation.cost
 
     records, cost, error = run_in_shares(accelerator, queries, one_share)
@@ -114,10 +130,10 @@ def _records_by_vllm(
     base_model: bool,
     should_stop,
 ) -> tuple[Evaluation, str | None]:
-    """vLLM writes every text on the main process (which holds it) while the other ranks wait; then every rank scores
-    an equal share with the model in training, as without vLLM. The weights go to vLLM first: under ZeRO-3 they are
-    gathered on every rank (a collective), and the main process writes or links them. The cost: the main process's
-    writing, then the ranks' scoring side by side."""
+    """A server's vLLM writes every text through the main process (which holds it) while the other ranks wait; then
+    every rank scores an equal share with the model in training, as without vLLM. The weights go to vLLM first: under
+    ZeRO-3 they are gathered on every rank (a collective), and the main process writes or links them. The cost: the
+    main process's writing, then the ranks' scoring side by side."""
     accelerator = trainer.accelerator
     error: str | None = None
     chains, written = None, Cost()
@@ -152,8 +168,9 @@ def _records_by_vllm(
 
 
 def start_vllm(trainer, tokenizer, config: ProbDiffConfig) -> VLLMGeneration:
-    """The run's vLLM (`config.vllm_mode`) for the model in `trainer`, on the main process: a server this job starts on
-    the base model's folder, or the server you started. Refused where the run cannot hand it the weights."""
+    """The run's vLLM (`config.vllm_mode`) for the model in `trainer`, on this rank: the engine in this process on the
+    base model's folder, a server this job starts there, or the server you started. Refused where the run cannot hand
+    it the weights."""
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     if getattr(model, "peft_config", {}).get("default") is None and config.vllm_mode == "server":
         raise ValueError(

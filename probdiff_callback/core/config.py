@@ -169,10 +169,20 @@ class ProbDiffConfig:
     vllm_gpu_memory_utilization: float = _setting(
         0.55, help="`colocate` on a GPU: vLLM's share of its memory", group=ENGINE, read_by=_GENERATING
     )
+    # TRL's name; on by default here (TRL's is off): an evaluation comes every few hundred steps, not every step as
+    # GRPO's generation does, so the engine's weights and KV cache go back to training between evaluations
+    vllm_enable_sleep_mode: bool = _setting(
+        True,
+        help="`colocate` on a GPU: the engine frees its weights and KV cache between evaluations and takes them "
+        "again at the next",
+        group=ENGINE,
+        read_by=_GENERATING,
+    )
     vllm_weight_sync: Literal["auto", "merged", "lora"] = _setting(
         "auto",
-        help="how a colocated engine gets the evaluated weights: `merged` (written, then reloaded: fast on a CPU), "
-        "`lora` (the adapter by path: the GPU's way); `auto`: merged on a CPU, lora on a GPU",
+        help="how a colocated engine gets the evaluated weights: `merged` (the adapters merged in, handed over in "
+        "memory), `lora` (the adapter by path, vLLM's LoRA kernels); `auto`: merged (a server of this job's on a "
+        "GPU: lora)",
         group=ENGINE,
         read_by=_GENERATING,
     )

@@ -1,17 +1,17 @@
 """vLLM as the engine that writes answers and revisions (`use_vllm=true`), in TRL's two modes:
 
-- `colocate`: this job starts a vLLM server of its own on 127.0.0.1, on the devices it trains on, once per run (or
-  per `probdiff eval`), and stops it at the end; it gets the weights to evaluate as a LoRA adapter by path or as
-  merged weights written to a folder and reloaded in place. On a GPU it sleeps between evaluations, so training gets
-  the memory back.
+- `colocate`: vLLM in the process that evaluates, through its Python API (`vllm_colocate.py`), once per run (or per
+  `probdiff eval`); the weights to evaluate go to it in memory (a LoRA run's adapters merged in, or on a GPU the
+  adapter by path). On a GPU it sleeps between evaluations, so training gets the memory back. Where vLLM cannot be
+  installed beside the project, `$PROBDIFF_VLLM_PYTHON` names another environment's Python, and this job starts a
+  vLLM server of its own from there instead (`vllm_server.py`).
 - `server`: a `vllm serve <base model> --enable-lora` that you started (other GPUs, other cores); the adapter to
   evaluate is loaded by path through its runtime LoRA endpoint.
 
 This module owns what the evaluator holds, `VLLMGeneration`: which engine `config` asks for, started on the model's
 base weights, and the weights of each evaluation handed to it (`weight_sync`: the adapter by path, or the merged
-weights, `merged_state_dict` and `write_weights`, through a scratch folder). The engine is beside it: the server
-(one this job starts, or yours) and the HTTP client that speaks to it in `vllm_server.py`; the terms every vLLM engine
-shares (sampling stated whole, texts decoded from token ids, `EngineUnavailable`) in `vllm_common.py`.
+weights, `merged_state_dict`, in memory or for a server through a scratch folder). The terms every vLLM engine shares
+(sampling stated whole, texts decoded from token ids, `EngineUnavailable`) are in `vllm_common.py`.
 
 Scoring does not go through vLLM: the model scores both texts itself, in fp32 (scoring.py).
 """
@@ -19,39 +19,62 @@ Scoring does not go through vLLM: the model scores both texts itself, in fp32 (s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from probdiff_callback.core.chat_format import stop_token_ids
-from probdiff_callback.core.engines.vllm_common import EngineUnavailable, on_gpu
+from probdiff_callback.core.engines.vllm_colocate import ColocatedEngine
+from probdiff_callback.core.engines.vllm_common import PYTHON_VARIABLE, EngineUnavailable, on_gpu, vllm_problem
 from probdiff_callback.core.engines.vllm_server import ServerEngine, start_colocated
 
 # EngineUnavailable, the error callers of this module catch (`probdiff eval`), is defined in vllm_common.py.
-__all__ = ["EngineUnavailable", "VLLMGeneration", "merged_state_dict", "weight_sync", "write_weights"]
+__all__ = [
+    "EngineUnavailable",
+    "VLLMGeneration",
+    "in_this_process",
+    "merged_state_dict",
+    "merged_weights",
+    "vllm_problem",
+    "weight_sync",
+    "write_weights",
+]
+
+
+def in_this_process(config) -> bool:
+    """Whether `use_vllm=true` runs vLLM in the evaluating process (vllm_mode=colocate, vLLM installed here): then every
+    training rank holds an engine of its own and writes its share's texts, as TRL's colocate mode does. Otherwise the
+    main process speaks to a server (yours, or one this job starts from `$PROBDIFF_VLLM_PYTHON`) for every rank."""
+    return config.use_vllm and config.vllm_mode == "colocate" and not os.environ.get(PYTHON_VARIABLE)
 
 
 def weight_sync(config) -> str:
-    """How the engine gets the weights of a LoRA run: `lora` (the adapter by path) or `merged` (written, then
-    reloaded). A server you started takes adapters only; `auto` is merged on a CPU (vLLM's CPU LoRA kernels are
-    many times slower than the base model; docs/vllm.md) and lora on a GPU."""
+    """How the engine gets the weights of a LoRA run: `lora` (the adapter by path) or `merged` (the adapters merged
+    into the weights, handed over whole). A server you started takes adapters only. `auto`: merged for vLLM in this
+    process (in memory, as TRL's colocate mode syncs them: nothing written, and the base model's kernels, where vLLM's
+    CPU LoRA kernels are many times slower; docs/vllm.md); for a server of this job's from `$PROBDIFF_VLLM_PYTHON`,
+    merged on a CPU and the adapter by path on a GPU (its merged weights would go through a folder)."""
     if config.vllm_mode == "server":
         return "lora"
     if config.vllm_weight_sync != "auto":
         return config.vllm_weight_sync
-    return "lora" if on_gpu() else "merged"
+    return "lora" if os.environ.get(PYTHON_VARIABLE) and on_gpu() else "merged"
 
 
-def merged_state_dict(model) -> dict:
-    """The model's weights under the base model's names, each LoRA layer's active adapters merged in, without
-    touching the model (no merge and unmerge, whose rounding would move the weights being trained). Tied tensors
-    are written once. Under ZeRO-3 the parameters must be gathered (the callback's evaluation gathers them)."""
+def merged_weights(model) -> Iterator[tuple[str, object]]:
+    """The model's weights under the base model's names, one `(name, tensor)` at a time, each LoRA layer's active
+    adapters merged in, without touching the model (no merge and unmerge, whose rounding would move the weights being
+    trained). One at a time, so that an engine taking them in memory holds one merged layer more than the model, not a
+    second model. Tied tensors come once. Under ZeRO-3 the parameters must be gathered (the callback's evaluation
+    gathers them)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     lora_layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    state, seen = {}, set()
+    seen = set()
     for name, param in base.named_parameters():
         if ".lora_" in name or ".original_module." in name:
             continue
@@ -65,12 +88,16 @@ def merged_state_dict(model) -> dict:
         if param.data_ptr() in seen:  # tied (embeddings and LM head)
             continue
         seen.add(param.data_ptr())
-        state[name.replace(".base_layer", "").replace(".modules_to_save.default", "")] = tensor.contiguous()
-    return state
+        yield name.replace(".base_layer", "").replace(".modules_to_save.default", ""), tensor.contiguous()
+
+
+def merged_state_dict(model) -> dict:
+    """`merged_weights(model)` as one dict, for a file (`write_weights`)."""
+    return dict(merged_weights(model))
 
 
 def write_weights(model, directory: str | os.PathLike) -> Path:
-    """`merged_state_dict(model)` as `directory`/model.safetensors, for `ServerEngine.use_weights`."""
+    """`merged_state_dict(model)` as `directory`/model.safetensors, for a server's `ServerEngine.use_weights`."""
     from safetensors.torch import save_file
 
     path = Path(directory) / "model.safetensors"
@@ -88,8 +115,13 @@ class VLLMGeneration:
     `close` stops a server this job started (a server you started is left running).
     """
 
-    def __init__(self, engine: ServerEngine, weight_sync: str, scratch_parent: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self, engine: ServerEngine | ColocatedEngine, weight_sync: str, scratch_parent: str | os.PathLike | None = None
+    ) -> None:
         self.engine, self.weight_sync, self.scratch_parent = engine, weight_sync, scratch_parent
+        self.in_memory = isinstance(engine, ColocatedEngine)  # whole weights by reference, never through a folder
+        self.handed_over: HandOver | None = None  # the last evaluation's weights: how long, how much written
+        self.where = "in this process" if self.in_memory else "a server of this job's"
 
     @classmethod
     def start(
@@ -103,11 +135,12 @@ class VLLMGeneration:
         log_dir: str | os.PathLike | None = None,
         scratch_parent: str | os.PathLike | None = None,
     ) -> VLLMGeneration:
-        """vLLM for `model` (a PEFT model or not): with vllm_mode=colocate a server of this job's on the base model's
-        folder, in `dtype` (default: the model's own), with LoRA slots for `lora_rank` (default: the model's adapter's
-        when its weights go as an adapter) and its log in `log_dir`; with vllm_mode=server the server you started.
-        Weights on their way to the engine go to a folder in `scratch_parent` (default: the system's temporary
-        folder), which a server you started must be able to read."""
+        """vLLM for `model` (a PEFT model or not): with vllm_mode=colocate in this process on the base model's folder
+        (or, where `$PROBDIFF_VLLM_PYTHON` names vLLM's own environment, a server of this job's from there, its log in
+        `log_dir`), in `dtype` (default: the model's own), with LoRA slots for `lora_rank` (default: the model's
+        adapter's when its weights go as an adapter); with vllm_mode=server the server you started. Weights that go
+        to a server through a folder go to one in `scratch_parent` (default: the system's temporary folder), which a
+        server you started must be able to read."""
         import torch
 
         sync = weight_sync(config)
@@ -116,6 +149,8 @@ class VLLMGeneration:
         if lora_rank is None:
             adapter = getattr(model, "peft_config", {}).get("default")
             lora_rank = int(adapter.r) if adapter is not None and sync == "lora" else 0
+        if dtype in (None, "auto"):  # the model's own: vLLM's `auto` runs a float32 model in bfloat16 on a CPU
+            dtype = str(next(base.parameters()).dtype).removeprefix("torch.")
         if config.vllm_mode == "server":
             engine = ServerEngine(
                 config.vllm_server_base_url,
@@ -124,14 +159,14 @@ class VLLMGeneration:
                 timeout=config.vllm_server_timeout,
                 stall_timeout=config.vllm_stall_timeout,
             )
-        else:
+        elif not in_this_process(config):  # vLLM in an environment of its own: a server of this job's from there
             engine = start_colocated(
                 base.name_or_path,
                 tokenizer,
                 stop_ids,
                 max_model_len=config.max_prompt_tokens + config.max_new_tokens,
                 seed=config.seed,
-                dtype=dtype or str(next(base.parameters()).dtype).removeprefix("torch."),
+                dtype=dtype,
                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 max_lora_rank=lora_rank,
                 threads=torch.get_num_threads(),
@@ -139,17 +174,31 @@ class VLLMGeneration:
                 stall_timeout=config.vllm_stall_timeout,
                 log_dir=log_dir,
             )
+        else:
+            engine = ColocatedEngine.start(
+                base.name_or_path,
+                tokenizer,
+                stop_ids,
+                max_model_len=config.max_prompt_tokens + config.max_new_tokens,
+                seed=config.seed,
+                dtype=dtype,
+                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                sleep_mode=config.vllm_enable_sleep_mode,
+                max_lora_rank=lora_rank,
+                threads=torch.get_num_threads(),
+            )
         return cls(engine, sync, scratch_parent)
 
     @contextlib.contextmanager
     def holding(
         self, model, *, base_model: bool = False, adapter: str | os.PathLike | None = None
-    ) -> Iterator[ServerEngine]:
+    ) -> Iterator[ServerEngine | ColocatedEngine]:
         """The engine holding the weights being evaluated while the block runs: the base model's (`base_model`);
         else, with `weight_sync` lora, `model`'s adapter by path (`adapter`, its folder, or saved to a scratch
-        folder); else `model`'s weights, its adapters merged in (or fully fine-tuned), written to a scratch folder
-        and reloaded in place. The scratch folder is removed after the block. Under ZeRO-3 the parameters must be
-        gathered."""
+        folder); else `model`'s weights, its adapters merged in (or fully fine-tuned), handed over in memory (a server:
+        written to a scratch folder and reloaded in place). A scratch folder is removed after the block. Under ZeRO-3
+        the parameters must be gathered."""
+        started, scratch = time.perf_counter(), None
         with contextlib.ExitStack() as stack:
             if base_model:
                 self.engine.use_base()
@@ -159,18 +208,34 @@ class VLLMGeneration:
                 scratch = stack.enter_context(_scratch_folder(self.scratch_parent))
                 model.save_pretrained(str(scratch))  # the adapter only
                 self.engine.use_adapter(str(scratch))
+            elif self.in_memory:
+                self.engine.use_weights(merged_weights(model))
             else:  # a server you started refuses whole weights, naming what to do
                 scratch = stack.enter_context(_scratch_folder(self.scratch_parent))
                 write_weights(model, scratch)
                 self.engine.use_weights(str(scratch))
+            written = 0 if scratch is None else sum(f.stat().st_size for f in scratch.rglob("*") if f.is_file())
+            self.handed_over = HandOver(time.perf_counter() - started, written)
             yield self.engine
 
     def sleep(self) -> None:
-        """Between evaluations on a GPU, a server this job started gives training the memory back."""
+        """Between evaluations on a GPU, the engine this job started gives training the memory back."""
         self.engine.sleep()
 
     def close(self) -> None:
         self.engine.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class HandOver:
+    """How an evaluation's weights reached the engine: seconds from the model in training (or on disk) to the engine
+    holding them, and the bytes written to a folder on the way (0: in memory, or an adapter read where it lies)."""
+
+    seconds: float
+    bytes_written: int
+
+    def __str__(self) -> str:
+        return f"weights handed over in {self.seconds:.1f}s, {self.bytes_written / 1e6:,.0f} MB written"
 
 
 @contextlib.contextmanager

