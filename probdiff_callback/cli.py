@@ -15,7 +15,8 @@ from probdiff_callback.analysis.report import degenerate_note, format_comparison
 from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
 from probdiff_callback.core.engines.vllm_common import EngineUnavailable, vllm_problem
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
-from probdiff_callback.models.command_loading import load_model, reuse_freed_memory
+from probdiff_callback.models import check_model_arguments
+from probdiff_callback.models.command_loading import load_model
 from probdiff_callback.runs.eval_output import (
     UNFINISHED_FILE,
     OutputDirError,
@@ -261,7 +262,6 @@ def _vllm_engine(args, config: ProbDiffConfig, model, tokenizer) -> Iterator[Eng
 
 
 def cmd_eval(args) -> int:
-    from probdiff_callback.core.evaluator import Evaluation, evaluate, summarise
     from probdiff_callback.core.queries import load_queries
     from probdiff_callback.core.reference_metrics import plan_references
 
@@ -287,6 +287,10 @@ def cmd_eval(args) -> int:
             file=sys.stderr,
         )
     try:
+        check_model_arguments(args.model, args.adapter, args.dtype)
+        # torch and transformers: after every check of the arguments, which then stop within a second
+        from probdiff_callback.core.evaluator import Evaluation, evaluate, summarise
+
         model, tokenizer = load_model(args, _own_process)
     except BaseException:  # no model (or Ctrl-C while loading): the folders made for the results go again
         remove_empty(made)
@@ -330,8 +334,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_score(args) -> int:
-    from probdiff_callback.core.evaluator import summarise
-    from probdiff_callback.core.pairs import score_pairs
     from probdiff_callback.core.queries import load_pairs
     from probdiff_callback.core.reference_metrics import plan_references
 
@@ -340,6 +342,10 @@ def cmd_score(args) -> int:
     queries = [query for query, _, _ in pairs]
     plan = plan_references(queries)
     prepare_out(args.out, args.overwrite)
+    check_model_arguments(args.model, args.adapter, args.dtype)
+    from probdiff_callback.core.evaluator import summarise  # torch and transformers: after the checks, as in eval
+    from probdiff_callback.core.pairs import score_pairs
+
     model, tokenizer = load_model(args, _own_process)
     started = time.time()
     evaluation, summary = summarise(score_pairs(model, tokenizer, pairs, config), queries, config, plan)
@@ -425,11 +431,6 @@ def cmd_watch(args) -> int:
 
     if args.started_by_training and not args.follow:
         raise ValueError("--started-by-training follows the run until training ends: leave out --no-follow")
-    if _own_process:
-        import torch
-
-        if not torch.cuda.is_available():
-            reuse_freed_memory()
     return run_watch(
         Watch(
             Path(args.run_dir),
@@ -438,6 +439,7 @@ def cmd_watch(args) -> int:
             args.started_by_training,
             args.poll_seconds,
             helpers_after_training=args.helpers_after_training,
+            own_process=_own_process,  # torch is imported after the checks of the run directory
         )
     )
 

@@ -1,7 +1,9 @@
 """The training script (`sft.py`) and what only it uses, one concern per module: the recipe and its `SFTConfig`
 (`recipe`), the run directory and resuming (`run_dir`), one job per run directory (`run_lock`), the conversations and
 held-out queries (`data`), the model and its LoRA (`model_setup`), trl's `SFTTrainer` with the ProbDiff and preemption
-callbacks (`trainer`), one W&B run across resumes (`wandb_run`) and the end-of-run report (`report`).
+callbacks (`trainer`), one W&B run across resumes (`wandb_run`) and the end-of-run report (`report`); the settings
+checked before torch, transformers and trl are imported (`precheck`), with SFTConfig's fields known without them
+(`sft_config_cache`).
 
 It lives beside the library, as alignment-handbook keeps `scripts/` beside `src/`: it runs from a checkout, which
 holds the recipes and data it reads (`PROJECT_ROOT`), and the installed package (`probdiff_callback`) does not ship it.

@@ -6,9 +6,11 @@ The recipe's `lora.*` keys and `quantization` map onto trl's `ModelConfig` (`mod
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
+from collections.abc import Iterator
 
 from train import say
 from train.recipe import Recipe, RecipeError
@@ -18,8 +20,22 @@ def prepare_model_files(name: str) -> None:
     """Build or unpack the model's files on first use (the `tiny` preset); every rank waits for the one copy."""
     from probdiff_callback.models import resolve_model_path
 
-    try:
+    with refused_as_the_model(name):
         resolve_model_path(name)
+
+
+def check_model_name(name: str) -> None:
+    """A preset, a model directory or a hub id: what `prepare_model_files` refuses first, without torch."""
+    from probdiff_callback.models import check_model_name
+
+    with refused_as_the_model(name):
+        check_model_name(name)
+
+
+@contextlib.contextmanager
+def refused_as_the_model(name: str) -> Iterator[None]:
+    try:
+        yield
     except (FileNotFoundError, ValueError) as err:
         raise RecipeError(f"model={name}: {err}") from None
 

@@ -13,12 +13,13 @@ paths. A refusal names the layer that set the key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import re
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -156,8 +157,7 @@ class Recipe(RecipeKeys):
 
     def setting(self, key: str) -> Any:
         """An SFTConfig key as the run will have it: the recipe's value, else SFTConfig's default."""
-        from trl import SFTConfig
-
+        SFTConfig = sft_config_class()
         if key in self.training:
             return self.training[key]
         spec = {f.name: f for f in dataclasses.fields(SFTConfig)}[next(iter(as_installed({key: None})))]
@@ -202,17 +202,39 @@ def as_installed(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def sft_fields() -> dict[str, Any]:
+    return _fields(sft_config_class())
+
+
+def sft_config_class() -> type:
+    """trl's SFTConfig; inside `sft_config_stand_in`, its stand-in (train/sft_config_cache.py: the same fields, types
+    and defaults, without importing trl, transformers and torch)."""
+    if _STAND_INS:
+        return _STAND_INS[-1]
     from trl import SFTConfig
 
-    return _fields(SFTConfig)
+    return SFTConfig
+
+
+_STAND_INS: list[type] = []  # while the settings are checked before the imports (train/precheck.py)
+
+
+@contextlib.contextmanager
+def sft_config_stand_in(stand_in: type) -> Iterator[None]:
+    """Recipes loaded meanwhile are typed against `stand_in` for SFTConfig; the schema made of it goes with it."""
+    _STAND_INS.append(stand_in)
+    _schema.cache_clear()
+    try:
+        yield
+    finally:
+        _STAND_INS.pop()
+        _schema.cache_clear()
 
 
 @functools.cache
 def _schema() -> type:
     """The dataclass OmegaConf types a recipe by: SFTConfig's fields as a recipe writes them (`_as_written`), and the
     project's own keys, whose `probdiff` section is a mapping here: ProbDiffConfig checks it itself."""
-    from trl import SFTConfig
-
+    SFTConfig = sft_config_class()
     own, sft = _fields(RecipeKeys), _fields(SFTConfig)
     specs = {f.name: f for f in (*dataclasses.fields(SFTConfig), *dataclasses.fields(RecipeKeys))}
     specs |= {written: specs[name] for written, name in installed_fields(specs).items()}

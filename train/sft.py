@@ -19,11 +19,15 @@ if __package__ in (None, ""):  # run as a script (python train/sft.py): import `
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 if __name__ == "__main__":  # the command users start: the launcher of the training processes where one is needed
-    from train import launch
+    from train import launch, precheck
 
-    if launch.needs_launcher(launch.split_arguments(sys.argv[1:])[0]):
+    options, arguments = launch.split_arguments(sys.argv[1:])
+    launch.follow_launcher()  # before anything that takes time: a Ctrl-C then reaches the launcher only
+    # a mistake in the settings is said before the imports below, which take seconds (tens on a loaded machine)
+    if (status := precheck.refused(options, arguments)) is not None:
+        sys.exit(status)
+    if launch.needs_launcher(options):
         sys.exit(launch.main(sys.argv[1:], script=__file__))
-    launch.follow_launcher()  # before the imports below, which take seconds: a Ctrl-C then reaches the launcher only
 
 from probdiff_callback.core.queries import DataFileError
 from probdiff_callback.runtime.parent import parent_command
@@ -31,6 +35,7 @@ from probdiff_callback.runtime.threads import configure_threads
 from train import configure_logging, is_main_process, launch, say
 from train.data import load_data, report_truncation
 from train.model_setup import load_model, lora_config, prepare_model_files
+from train.precheck import setup_error
 from train.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
 from train.report import summarize_run
 from train.run_dir import preempted_hint, resolve_run, resume_hint, set_aside_unusable
@@ -38,24 +43,13 @@ from train.run_lock import hold_on_every_rank
 from train.trainer import build_trainer, save_inference_files
 from train.wandb_run import finish_wandb, setup_wandb, start_wandb
 
-# A setup error on a rank other than the main one: how long it waits for the launcher to stop it (torchrun and
-# accelerate stop the other ranks within a second of the main one's exit)
-OTHER_RANKS_WAIT_SECONDS = 10.0
-
 
 def main(argv: list[str] | None = None) -> int:
     """Train; a configuration or data error stops with its message (exit status 2) before anything is written."""
     try:
         return train(sys.argv[1:] if argv is None else argv)
-    except RecipeError as err:  # the same on every rank: said once, by the main process
-        if is_main_process():
-            print(f"error: {err}", file=sys.stderr)
-        else:  # the main process meets it too: its launcher stops this one when it exits, after the line is out
-            time.sleep(OTHER_RANKS_WAIT_SECONDS)  # (exiting first, this one could have the main one stopped unsaid)
-        return 2
-    except DataFileError as err:  # a node's own copy of a file may differ: every rank says its own
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (RecipeError, DataFileError) as err:
+        return setup_error(err)
     except KeyboardInterrupt:  # before training started: nothing to continue
         say("interrupted before training started")
         return 130

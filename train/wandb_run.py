@@ -16,7 +16,6 @@ the rewinds on upload (`sync_command`).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -31,7 +30,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from train import say
-from train.recipe import Recipe, RecipeError, report_to_list
+from train.precheck import check_wandb_installed
+from train.recipe import Recipe, report_to_list
 
 RUN_ID_FILE = "wandb_run_id"
 STEP_RECORD_FILE = "wandb_step.json"
@@ -262,8 +262,7 @@ def setup_wandb(recipe: Recipe, run_dir: Path) -> str | None:
     """Environment for the Trainer's W&B integration. Returns the `wandb sync` command for an offline run, else None."""
     if "wandb" not in report_to_list(recipe):
         return None
-    if importlib.util.find_spec("wandb") is None:
-        raise RecipeError("report_to includes wandb but wandb is not installed: pip install wandb, or report_to=none")
+    check_wandb_installed(recipe)  # the one message, also said before the imports (train/precheck.py)
     os.environ.setdefault("WANDB_PROJECT", recipe.wandb_project or f"probdiff-{recipe.recipe}")
     if recipe.wandb_entity:
         os.environ["WANDB_ENTITY"] = recipe.wandb_entity

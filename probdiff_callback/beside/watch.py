@@ -38,6 +38,7 @@ class Watch:
     started_by_training: bool = False
     poll_seconds: float = POLL_SECONDS
     helpers_after_training: int = 0  # helper processes once training has queued its last step (CPU, HF engine)
+    own_process: bool = False  # the console script's: on the CPU, freed memory is kept for reuse (command_loading)
 
 
 def run_watch(options: Watch) -> int:
@@ -52,6 +53,8 @@ def run_watch(options: Watch) -> int:
     try:
         with StopSignals() as signals:
             try:
+                if options.own_process:
+                    reuse_freed_memory_on_cpu()
                 from probdiff_callback.beside.loop import Evaluator  # the model's libraries: after the checks
 
                 evaluator = Evaluator(queue, signals, say, follow=options.follow, poll_seconds=options.poll_seconds,
@@ -63,3 +66,13 @@ def run_watch(options: Watch) -> int:
     finally:
         lock.release()
     return 0
+
+
+def reuse_freed_memory_on_cpu() -> None:
+    """Once the checks passed (torch is imported here): on the CPU, freed memory is kept for the next evaluation."""
+    import torch
+
+    from probdiff_callback.models.command_loading import reuse_freed_memory
+
+    if not torch.cuda.is_available():
+        reuse_freed_memory()

@@ -9,9 +9,12 @@ from pathlib import Path
 import torch
 
 from probdiff_callback.models import (
+    DTYPES,
     PRESET_HUB_IDS,
-    PRESETS,
     QWEN_V1_HUB_IDS,
+    check_adapter,
+    check_dtype,
+    check_model_name,
     peft_without_deprecated_alias_warning,
 )
 
@@ -19,6 +22,7 @@ from probdiff_callback.models import (
 def resolve_model_path(name: str) -> str:
     """A local directory or hub id for a preset name, a directory or a hub id (a hub id becomes its cached copy where
     the Hub cannot be reached: `hub_model_source`)."""
+    check_model_name(name)
     if name == "tiny":
         from probdiff_callback.models.presets import tiny_model_dir
 
@@ -30,14 +34,8 @@ def resolve_model_path(name: str) -> str:
     if name in PRESET_HUB_IDS:
         return hub_model_source(PRESET_HUB_IDS[name])
     if Path(name).exists():
-        if not (Path(name) / "config.json").is_file():
-            raise FileNotFoundError(f"{name} has no config.json; is it a model directory?")
         return name
-    if name.count("/") == 1 and not name.startswith((".", "/")):
-        return hub_model_source(name)
-    raise ValueError(
-        f"model={name!r} is neither a preset ({', '.join(PRESETS)}), an existing directory, nor a hub id (owner/name)"
-    )
+    return hub_model_source(name)  # a hub id (owner/name): check_model_name refused anything else
 
 
 class ModelUnavailable(FileNotFoundError):
@@ -114,6 +112,7 @@ def is_qwen_v1(path_or_id: str) -> bool:
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
+    check_dtype(dtype)  # a name: one of DTYPES
     if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     table = {
@@ -125,7 +124,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
         "fp16": torch.float16,
     }
     if dtype not in table:
-        raise ValueError(f"dtype={dtype!r}: use one of auto, {', '.join(table)}")
+        raise ValueError(f"dtype={dtype!r}: use one of auto, {', '.join(DTYPES)}")
     return table[dtype]
 
 
@@ -178,8 +177,7 @@ def load_model_and_tokenizer(
     if adapter is not None:
         from peft import PeftModel
 
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (a PEFT adapter directory?)")
+        check_adapter(adapter)
         with peft_without_deprecated_alias_warning():
             model = PeftModel.from_pretrained(model, adapter)
     if device is not None:
