@@ -195,9 +195,7 @@ def installed_fields(fields) -> dict[str, str]:
 
 def as_installed(settings: Mapping[str, Any]) -> dict[str, Any]:
     """SFTConfig keyword arguments under the installed SFTConfig's names (see `installed_fields`)."""
-    from trl import SFTConfig
-
-    names = installed_fields({f.name for f in dataclasses.fields(SFTConfig)})
+    names = installed_fields({f.name for f in dataclasses.fields(sft_config_class())})
     return {names.get(key, key): value for key, value in settings.items()}
 
 
