@@ -114,8 +114,9 @@ BLOG_ARGS = ["recipe=blog", *[a for a in CHEAP if a != "report_to=none"], f"outp
 
 @dataclass(frozen=True)
 class BlogRun:
-    """`accelerate launch train/sft.py` with `BLOG_ARGS` (CHEAP's 2 steps, evaluated and saved at each) and W&B
-    offline, run to its end in `cwd`. Read it in place; a test that changes the run works on `copy_to(its folder)`."""
+    """`accelerate launch --num_processes 2 train/sft.py` with `BLOG_ARGS` (CHEAP's 2 steps, evaluated and saved at
+    each) and W&B offline, run to its end in `cwd`: one process on a CPU without `--multi_gpu`. Read it in place; a
+    test that changes the run works on `copy_to(its folder)`."""
 
     cwd: Path
     stdout: str
@@ -136,7 +137,10 @@ def blog_run_once(tmp_path_factory) -> BlogRun:
     """The session's one `BlogRun`, made by the first worker that asks (`_once.made_once`)."""
 
     def make(cwd: Path) -> None:
-        result = run_sft(BLOG_ARGS, cwd, launcher="accelerate", WANDB_MODE="offline")
+        # `--num_processes 2` without `--multi_gpu`, as a newcomer types it: on a CPU accelerate starts one process,
+        # and the run says so with the flag that gives two (`--num_machines 1` only stands in for `--multi_gpu`)
+        result = run_sft(BLOG_ARGS, cwd, launcher="accelerate", processes=2, launcher_args=("--num_machines", "1"),
+                         WANDB_MODE="offline")  # fmt: skip
         (cwd / "stdout.txt").write_text(result.stdout)
         (cwd / "stderr.txt").write_text(result.stderr)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -35,6 +35,8 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
     """conftest's `blog_run`: `accelerate launch train/sft.py recipe=blog` with CHEAP's 2 steps (W&B offline: its
     lines are test_wandb_run.py's)."""
     run_dir, out = blog_run.run_dir, blog_run.stdout
+    # asked for 2 processes without --multi_gpu: accelerate started one, and the run says so with the flag
+    assert "1 training process; 2 were asked for (--num_processes 2), but accelerate started 1: add --multi_gpu" in out
     rows = history_rows(run_dir)
     assert [(r["global_step"], r["kind"]) for r in rows] == [(0, "baseline"), (1, "evaluate"), (2, "evaluate")]
     assert all(r["summary"] is not None and r["summary"]["n"] == 3 and r["error"] is None for r in rows)
