@@ -42,7 +42,7 @@ UNFINISHED_FILE = "unfinished.json"
 # running out of memory, longer waits for a slow engine, a server restarted elsewhere).
 HOW_NOT_WHAT = frozenset(
     {"batch_size", "score_chunk_tokens", "vllm_server_base_url", "vllm_server_timeout", "vllm_stall_timeout",
-     "vllm_gpu_memory_utilization"}
+     "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode"}
 )  # fmt: skip
 
 
