@@ -132,9 +132,8 @@ def sides(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[int], d
     """What each side runs for a pair: the three ways of `eval`, the two engines in training, or the two ways an
     adapter reaches vLLM."""
     if args.what == "eval":
-        options = [f"max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
-        if args.adapter:
-            options += ["--adapter", str(random_adapter(folder / "adapter"))]
+        options = ["--adapter", str(random_adapter(folder / "adapter"))] if args.adapter else []  # options first
+        options += [f"max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
         vllm = [*options, "use_vllm=true"]
         ways = {
             "colocate": partial(eval_side, "colocate", vllm, args.limit, folder),

@@ -58,11 +58,14 @@ def split_batches(batches: list[list[Query]], parts: int) -> list[list[Query]]:
 _helper: tuple[Weights, ProbDiffConfig] | None = None  # the base model and settings, once the initializer ran
 
 
-def load_base_model(spec: EvaluatorSpec, config: ProbDiffConfig, threads: int, pids) -> None:
+def load_base_model(spec: EvaluatorSpec, config: ProbDiffConfig, threads: int, pids, evaluator: int) -> None:
     """A helper's initializer: its pid said first (the evaluator stops a helper by it), then the base model loaded
-    as the evaluator loads it. It ends with the evaluator; Ctrl-C is the evaluator's to act on."""
+    as the evaluator loads it. It ends with the evaluator (pid `evaluator`), also when the evaluator was killed while
+    this process was still importing, before it could ask to be; Ctrl-C is the evaluator's to act on."""
     pids.put(os.getpid())
     set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != evaluator:  # gone before the line above (kill -9 while this one imported): no signal will come
+        os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(threads)
@@ -86,7 +89,10 @@ class Helpers:
         context = multiprocessing.get_context("spawn")
         self.count, self.used, self._pids = count, False, context.SimpleQueue()
         self.pool = ProcessPoolExecutor(
-            count, mp_context=context, initializer=load_base_model, initargs=(spec, config, threads, self._pids)
+            count,
+            mp_context=context,
+            initializer=load_base_model,
+            initargs=(spec, config, threads, self._pids, os.getpid()),
         )
         for _ in range(count):  # the pool spawns a worker per task it cannot hand to an idle one: all of them now
             self.pool.submit(os.getpid)

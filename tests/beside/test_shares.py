@@ -3,6 +3,8 @@ killed one, equal the loop's in tests/beside/test_watch.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from probdiff_callback.beside.shares import HELPER_WORTH_SECONDS, helpers_worth, split_batches
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query
@@ -25,3 +27,30 @@ def test_helpers_only_on_the_cpu_with_the_hf_engine_after_a_long_enough_evaluati
     assert helpers_worth(2, "cpu", config, HELPER_WORTH_SECONDS - 1) == 0  # a helper's start would not pay
     assert helpers_worth(2, "cuda", config, None) == 0  # the evaluator keeps its own devices
     assert helpers_worth(2, "cpu", ProbDiffConfig(use_vllm=True), None) == 0
+
+
+@pytest.mark.slow  # starts two processes
+def test_a_helper_whose_evaluator_died_while_it_started_ends_before_loading_anything():
+    """kill -9 of the evaluator while a helper still imports (seconds, before it can ask the kernel for a signal on
+    its parent's death) left the helper running for good, with its model loaded. Its initializer now sees that its
+    parent is not the evaluator it was started by, and ends at once: with a spec that cannot load (no such model) it
+    exits 0, which it could not if it had tried to load."""
+    import multiprocessing
+    import os
+
+    from probdiff_callback.beside.queue import EvaluatorSpec
+    from probdiff_callback.beside.shares import load_base_model
+
+    context = multiprocessing.get_context("spawn")
+    pids = context.SimpleQueue()
+    spec = EvaluatorSpec(model="/no/such/model", dtype=None)
+    not_its_parent = os.getpid() + 1_000_000  # as if the evaluator had been replaced by init
+    helper = context.Process(target=load_base_model, args=(spec, ProbDiffConfig(), 1, pids, not_its_parent))
+    helper.start()
+    helper.join(timeout=120)
+    assert helper.exitcode == 0 and pids.get() == helper.pid
+    # the evaluator alive: the same initializer goes on to load, and fails on the missing model
+    loading = context.Process(target=load_base_model, args=(spec, ProbDiffConfig(), 1, pids, os.getpid()))
+    loading.start()
+    loading.join(timeout=120)
+    assert loading.exitcode != 0
