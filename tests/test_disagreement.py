@@ -419,3 +419,27 @@ def test_the_study_broken_runs_pick_significantly_below_the_base_models_rouge2_a
         judged = select_checkpoints(tmp_path / "clean", alarm_gain_share=share).disagreements
         assert [d.verdict for d in judged].count("alarm") == alarms, share
     assert clean.alarm_gain_share == 0.25
+
+
+# A pair nobody had seen when the rule and its default were set: another split of XSum (`prepare.py --seed 1`), 30
+# steps evaluated every 10 on 16 documents at 128 new tokens, a clean run and one at learning rate 2e-2, which breaks
+# the model (eval loss 3.16 -> 11.7-34.4, answers "for for for ..."; its confidence 100% at the pick). Numbers only,
+# from bench/trust_study.py's `alarm_values`; docs/agreement.md quotes the lines.
+EXTRA_PAIR = Path(__file__).with_name("data") / "alarm_extra_pair.json"
+
+
+@pytest.mark.parametrize(
+    "kind, docs, alarms, notes",
+    [("clean", "seed-1 clean", 0, 1), ("highlr", "seed-1 high-learning-rate", 1, 2)],
+)
+def test_on_a_pair_nobody_had_seen_the_damaged_run_alarms_and_the_clean_run_does_not(
+    kind, docs, alarms, notes, tmp_path, capsys
+):
+    run = tmp_path / f"s1-{kind}"
+    write_study_run(run, json.loads(EXTRA_PAIR.read_text(encoding="utf-8"))[kind])
+    verdicts = [d.verdict for d in select_checkpoints(run).disagreements]
+    assert (verdicts.count("alarm"), verdicts.count("note")) == (alarms, notes)
+    assert main(["select", str(run)]) == 0
+    printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
+    first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
+    assert printed[first:].splitlines() == quoted_in_the_docs(docs)
