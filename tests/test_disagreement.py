@@ -85,7 +85,12 @@ def test_agreeing_measures_equal_confidence_and_missing_measures_say_nothing():
     assert find_disagreements(agree, picked_step=20) == []
     assert format_disagreements([]) == ""
     flat = [step(0, 0.5, 30.0, kind="baseline"), step(10, 0.5, 20.0)]  # confidence did not rise
-    assert find_disagreements(flat, picked_step=10) == []
+    assert find_disagreements(flat, picked_step=None) == []
+    # ...but the pick is held against the base model whichever way confidence went
+    (at_pick,) = find_disagreements(flat, picked_step=10)
+    assert (
+        "confidence went from 50.0% at step 0 (before training) to 50.0% (ProbDiff does not put" in at_pick.sentence()
+    )
     blind = [step(0, 0.25, kind="baseline"), step(10, 0.75)]  # no reference metric, no eval loss
     assert find_disagreements(blind, picked_step=10) == []
     within_print = [step(0, 0.25, 30.0, kind="baseline"), step(10, 0.5, 29.995)]  # prints as 30.00 both times
@@ -443,3 +448,19 @@ def test_on_a_pair_nobody_had_seen_the_damaged_run_alarms_and_the_clean_run_does
     printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
     first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
     assert printed[first:].splitlines() == quoted_in_the_docs(docs)
+
+
+# The trust study's two runs again (2026-11-28: the same training, ProbDiff's texts drawn by today's sampler), numbers
+# only from `bench/trust_study.py --alarm-fixture`: the base model above every checkpoint in the broken run.
+RERUN = Path(__file__).with_name("data") / "trust_study_rerun_alarm.json"
+
+
+@pytest.mark.parametrize("kind, alarms", [("clean", 0), ("broken", 1)])
+def test_the_study_rerun_alarms_in_the_broken_run_only(kind, alarms, tmp_path, capsys):
+    write_study_run(tmp_path / kind, json.loads(RERUN.read_text(encoding="utf-8"))[kind])
+    verdicts = [d.verdict for d in select_checkpoints(tmp_path / kind).disagreements]
+    assert verdicts.count("alarm") == alarms
+    assert main(["select", str(tmp_path / kind)]) == 0
+    printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
+    first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
+    assert printed[first:].splitlines() == quoted_in_the_docs(f"rerun's {kind}")

@@ -160,3 +160,17 @@ def test_probdiff_select_takes_the_share_and_refuses_one_that_is_not(tmp_path, c
     assert main(["select", str(tmp_path / "run"), "--alarm-gain-share", "0.1"]) == 0
     assert main(["select", str(tmp_path / "run"), "--alarm-gain-share", "1.5"]) == 2
     assert "probdiff select: error: alarm_gain_share=1.5: the share of what training gained" in capsys.readouterr().err
+
+
+def test_the_pick_is_held_against_the_base_model_even_where_probdiff_ranks_the_base_model_higher():
+    run = steps(19.0)
+    run[0]["confidence"] = 0.875  # the base model above every checkpoint, by ProbDiff too
+    found = disagreements_of(run, 20, per_query(run), SHARE)
+    assert [(d.earlier, d.later, d.verdict) for d in found] == [(0, 20, "alarm"), (10, 20, "alarm")]
+    text = format_disagreements(found)
+    assert (
+        "step 20 (the checkpoint ProbDiff picks): confidence went from 87.5% at step 0 (before training) to 75.0% "
+        "(ProbDiff does not put the pick above it either), and ROUGE-L fell from 20.00 to 19.00, significant" in text
+    )
+    # away from the pick a rise is still needed: step 10 (50.0%, below the base model's 87.5%) has no line of its own
+    assert all(d.later == 20 for d in found)

@@ -5,7 +5,8 @@ not come from the model's own judgement (a reference metric of the answers, the 
 gets worse. Two places matter, and each is checked for every measure the run has:
 
 - from the baseline to a checkpoint: confidence rose, the measure got worse;
-- at the checkpoint ProbDiff picks: another evaluated step had a lower confidence and a better measure.
+- at the checkpoint ProbDiff picks: another evaluated step had a lower confidence and a better measure; and against
+  the base model whichever way confidence went (the pick is what a user takes, even below the base model).
 
 Each change is then graded (`grade_disagreements`) by a paired test over the same queries: the queries' sentence-level
 reference metric at the two steps, or the held-out conversations' eval loss (`significance.paired_permutation_p`),
@@ -147,9 +148,13 @@ class Disagreement:
         since = f"step {self.earlier}" + (" (before training)" if self.earlier_is_baseline else "")
         low, high = self.confidence
         joint = ", and " if any(w.grade is not None for w in self.worse) else " and "
-        return f"{where}: confidence rose from {pct(low)} at {since} to {pct(high)}, but " + joint.join(
-            w.words() for w in self.worse
+        moved = (
+            f"confidence rose from {pct(low)} at {since} to {pct(high)}, but "
+            if high > low
+            else f"confidence went from {pct(low)} at {since} to {pct(high)} (ProbDiff does not put the pick above "
+            "it either), and "
         )
+        return f"{where}: {moved}" + joint.join(w.words() for w in self.worse)
 
 
 def _worse(measure: str, before: object, after: object) -> Worse | None:
@@ -168,10 +173,13 @@ def _measures(steps: Sequence[Mapping]) -> list[str]:
     return names + ([LOSS] if any(is_finite(s.get(LOSS)) for s in steps) else [])
 
 
-def _between(earlier: Mapping, later: Mapping, measures: Sequence[str], **flags: bool) -> Disagreement | None:
-    """A Disagreement if confidence rose from `earlier` to `later` while some measure got worse."""
+def _between(
+    earlier: Mapping, later: Mapping, measures: Sequence[str], rise_needed: bool = True, **flags: bool
+) -> Disagreement | None:
+    """A Disagreement if confidence rose from `earlier` to `later` (or, without `rise_needed`, whichever way it went)
+    while some measure got worse."""
     low, high = earlier["confidence"], later["confidence"]
-    if not (is_finite(low) and is_finite(high) and high > low):
+    if not (is_finite(low) and is_finite(high) and (high > low or not rise_needed)):
         return None
     worse = tuple(w for m in measures if (w := _worse(m, _value(earlier, m), _value(later, m))) is not None)
     if not worse:
@@ -206,8 +214,10 @@ def find_disagreements(steps: Sequence[Mapping], picked_step: int | None) -> lis
                 if best not in earlier_steps:
                     earlier_steps.append(best)
         for earlier in earlier_steps:
+            # The pick against the base model whichever way confidence went: a user takes the pick (RUN_DIR/best) even
+            # where ProbDiff puts the base model above every checkpoint, so damage to it is said either way.
             flags = {"at_pick": True, "earlier_is_baseline": earlier is baseline}
-            found += [d for d in [_between(earlier, pick, measures, **flags)] if d]
+            found += [d for d in [_between(earlier, pick, measures, earlier is not baseline, **flags)] if d]
     return found
 
 
