@@ -20,7 +20,7 @@ Run: python bench/trust_study.py [--work runs/trust-study] [--source ../shared/d
 
 `--alarm-fixture` writes what the disagreement alarm of the two runs reads, numbers only (the history rows without
 checkpoint paths; each record's id, d, log-probs, lengths and sentence-level ROUGE, no text; each step's eval losses),
-for tests/test_alarm_grading.py, which checks the graded lines docs/agreement.md quotes.
+for tests/test_disagreement.py, which checks the graded and sized lines docs/agreement.md quotes.
 """
 
 from __future__ import annotations

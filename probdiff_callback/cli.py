@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from probdiff_callback.analysis.report import degenerate_note, format_comparison, format_summary
-from probdiff_callback.core.config import EVAL, SCORE, ProbDiffConfig, config_for_command
+from probdiff_callback.core.config import DEFAULT_ALARM_GAIN_SHARE, EVAL, SCORE, ProbDiffConfig, config_for_command
 from probdiff_callback.core.engines.vllm_common import EngineUnavailable, vllm_problem
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
 from probdiff_callback.models import check_model_arguments
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     select = commands.add_parser("select", help="rank the checkpoints of a training run evaluated by ProbDiffCallback")
     select.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
     select.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
+    share = f"the share of what training gained on a measure that the pick may give up [{DEFAULT_ALARM_GAIN_SHARE:g}]"
+    select.add_argument("--alarm-gain-share", type=float, default=DEFAULT_ALARM_GAIN_SHARE, help=share)
     select_target = select.add_mutually_exclusive_group()
     select_target.add_argument("--link", action="store_true", help="make RUN_DIR/best a symlink to the best checkpoint")
     select_target.add_argument("--copy", action="store_true", help="copy the best checkpoint to RUN_DIR/best")
@@ -386,7 +388,7 @@ def cmd_select(args) -> int:
     from probdiff_callback.analysis.select import format_selection, point_best, select
     from probdiff_callback.runs.run_files import read_run
 
-    selection = select(read_run(args.run_dir, args.subdir))
+    selection = select(read_run(args.run_dir, args.subdir), args.alarm_gain_share)
     print(format_selection(selection))
     if args.link or args.copy:
         if selection.best_checkpoint is None:

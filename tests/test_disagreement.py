@@ -85,7 +85,12 @@ def test_agreeing_measures_equal_confidence_and_missing_measures_say_nothing():
     assert find_disagreements(agree, picked_step=20) == []
     assert format_disagreements([]) == ""
     flat = [step(0, 0.5, 30.0, kind="baseline"), step(10, 0.5, 20.0)]  # confidence did not rise
-    assert find_disagreements(flat, picked_step=10) == []
+    assert find_disagreements(flat, picked_step=None) == []
+    # ...but the pick is held against the base model whichever way confidence went
+    (at_pick,) = find_disagreements(flat, picked_step=10)
+    assert (
+        "confidence went from 50.0% at step 0 (before training) to 50.0% (ProbDiff does not put" in at_pick.sentence()
+    )
     blind = [step(0, 0.25, kind="baseline"), step(10, 0.75)]  # no reference metric, no eval loss
     assert find_disagreements(blind, picked_step=10) == []
     within_print = [step(0, 0.25, 30.0, kind="baseline"), step(10, 0.5, 29.995)]  # prints as 30.00 both times
@@ -107,18 +112,24 @@ def test_probdiff_select_says_it_with_the_steps_and_figures(tmp_path, capsys):
     write_disagreeing_run(run)
     assert main(["select", str(run)]) == 0
     printed = capsys.readouterr().out
-    assert "!! ProbDiff DISAGREES with a measure that does not come from the model's own judgement" in printed
-    # these records have no per-query scores and no per-conversation eval losses: not graded, so in the alarm
+    alarm, notes = printed.split("!! Confidence may be rewarding")
+    assert "!! ProbDiff DISAGREES with a measure that does not come from the model's own judgement" in alarm
+    # these records have no per-query scores and no per-conversation eval losses: not graded, so judged by size alone:
+    # the pick worse than the base model is an alarm...
     assert (
-        "!!   step 10: confidence rose from 12.5% at step 0 (before training) to 62.5%, but ROUGE-L fell from 30.00 to "
-        "26.50, not graded (no per-query ROUGE-L at step 0), and eval loss rose from 2.0000 to 2.2000, not graded "
-        "(no eval loss per conversation at step 0)" in printed
+        "!!   step 20 (the checkpoint ProbDiff picks): confidence rose from 12.5% at step 0 (before training) to "
+        "100.0%, but ROUGE-L fell from 30.00 to 21.25, not graded (no per-query ROUGE-L at step 0) [5.25 worse than "
+        "the best checkpoint (step 10: 26.50), and training gained nothing on it; 8.75 worse than the base model]"
+        in alarm
     )
+    # ...a step that is not the pick is a note, with its size
     assert (
-        "step 20 (the checkpoint ProbDiff picks): confidence rose from 12.5% at step 0 (before training) to 100.0%"
-        in printed
+        "\n  step 10: confidence rose from 12.5% at step 0 (before training) to 62.5%, but ROUGE-L fell from 30.00 to "
+        "26.50, not graded (no per-query ROUGE-L at step 0) [the best checkpoint on it; 3.50 worse than the base "
+        "model], and eval loss rose from 2.0000 to 2.2000, not graded (no eval loss per conversation at step 0) [the "
+        "best checkpoint on it; 0.2000 worse than the base model]" in notes
     )
-    assert "ROUGE-L fell from 30.00 to 21.25" in printed
+    assert "step 10: confidence" not in alarm
 
 
 def test_the_callback_warns_once_per_disagreement_and_alerts_wandb(tmp_path, monkeypatch, caplog):
@@ -260,10 +271,12 @@ def test_probdiff_select_prints_the_grade_and_p_on_every_line(tmp_path, capsys):
     p_noise_loss = paired_permutation_p(LOSSES[0], LOSSES[10])
     assert (
         "!!   step 20 (the checkpoint ProbDiff picks): confidence rose from 12.5% at step 0 (before training) to "
-        "100.0%, but ROUGE-L fell from 30.00 to 24.62, significant (p = 0.0078, 8 queries), and eval loss rose from "
-        "2.0000 to 2.3000, significant (p = 0.031, 6 conversations)" in alarm
+        "100.0%, but ROUGE-L fell from 30.00 to 24.62, significant (p = 0.0078, 8 queries) [4.88 worse than the best "
+        "checkpoint (step 10: 29.50), and training gained nothing on it; 5.38 worse than the base model], and eval "
+        "loss rose from 2.0000 to 2.3000, significant (p = 0.031, 6 conversations) [0.2917 worse than the best "
+        "checkpoint (step 10: 2.0083), and training gained nothing on it; 0.3000 worse than the base model]" in alarm
     )
-    assert "step 10:" not in alarm  # the noise is not in the alarm...
+    assert "step 10: confidence" not in alarm  # the noise is not in the alarm...
     assert (
         "ProbDiff and an independent measure moved apart, within noise (a paired test over the same queries finds no "
         "change beyond chance, p >= 0.05):\n"
@@ -333,11 +346,13 @@ def test_the_callback_alerts_wandb_only_for_significant_changes_and_logs_the_noi
         announcer.announce(files.rows(), str(run), to_wandb=True)
         announcer.announce(files.rows(), str(run), to_wandb=True)  # the next evaluation: nothing new
     assert len(sent) == 1
-    assert "significant (p = 0.0078, 8 queries)" in sent[0][1] and "step 10:" not in sent[0][1]
+    assert "significant (p = 0.0078, 8 queries)" in sent[0][1] and "step 10: confidence" not in sent[0][1]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert len(warnings) == 1 and "step 10:" not in warnings[0] and "ProbDiff DISAGREES" in warnings[0]
-    assert len(infos) == 1 and "step 10: confidence rose" in infos[0] and "within noise (p = " in infos[0]
+    assert len(warnings) == 1 and "step 10: confidence" not in warnings[0] and "ProbDiff DISAGREES" in warnings[0]
+    notes, noise = infos  # significant from step 10 to the pick, where training gained nothing: a note, as are sizes
+    assert "beyond chance, by less than a material amount" in notes and "confidence rose from 62.5% at step 10" in notes
+    assert "step 10: confidence rose" in noise and "within noise (p = " in noise
 
 
 # ---- the trust study's two runs ----
@@ -364,12 +379,88 @@ def quoted_in_the_docs(kind: str) -> list[str]:
     return text[start : text.index("```", start)].splitlines()
 
 
+def study_selection(kind: str, tmp_path: Path):
+    write_study_run(tmp_path / kind, json.loads(STUDY.read_text(encoding="utf-8"))[kind])
+    return select_checkpoints(tmp_path / kind)
+
+
 @pytest.mark.parametrize("kind", ["clean", "broken"])
 def test_the_study_runs_graded_lines_are_the_ones_the_docs_quote(kind, tmp_path, capsys):
     write_study_run(tmp_path / kind, json.loads(STUDY.read_text(encoding="utf-8"))[kind])
     assert main(["select", str(tmp_path / kind)]) == 0
     printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
-    lines = printed[printed.index("!! ProbDiff DISAGREES") :].splitlines()
+    first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
+    lines = printed[first:].splitlines()
     assert lines == quoted_in_the_docs(kind)
-    # what the docs conclude: one alarming line in each run, so the alarm alone does not tell them apart
-    assert sum(line.startswith("!!   ") for line in lines) == 1
+    # what the docs conclude: the broken run alarms, the clean run does not
+    alarms = [line for line in lines if line.startswith("!!   step") and "confidence rose" in line]
+    assert len(alarms) == {"clean": 0, "broken": 1}[kind]
+
+
+def test_the_study_clean_runs_pick_gives_up_three_percent_of_its_eval_loss_gain_a_note(tmp_path):
+    found = study_selection("clean", tmp_path).disagreements
+    assert [d.verdict for d in found] == ["noise", "noise", "noise", "note"]  # the last: step 30 against the pick
+    loss = next(w for d in found for w in d.worse if d.verdict == "note" and w.measure == "eval_loss")
+    assert loss.grade.significant and loss.verdict == "note"
+    given_up = loss.standing.worse_by(loss.before, loss.after)
+    assert given_up == pytest.approx(0.0163, abs=1e-4)
+    assert given_up / loss.standing.gain == pytest.approx(0.030, abs=0.001)  # far below the default quarter
+    assert loss.standing.worse_by(loss.standing.base, loss.after) < 0  # better than the base model
+
+
+def test_the_study_broken_runs_pick_significantly_below_the_base_models_rouge2_alarms(tmp_path):
+    found = study_selection("broken", tmp_path).disagreements
+    (alarm,) = [d for d in found if d.verdict == "alarm"]
+    assert (alarm.earlier, alarm.later, alarm.earlier_is_baseline) == (0, 18, True)
+    (rouge2,) = alarm.worse
+    assert rouge2.measure == "rouge2" and rouge2.grade.significant
+    assert rouge2.standing.gain < 0  # no checkpoint beat the base model's ROUGE-2: the share is not what decides
+    # whatever share is set, the damage alarms; and the clean run stays quiet up to a share of 3%
+    assert [d.verdict for d in select_checkpoints(tmp_path / "broken", alarm_gain_share=1.0).disagreements].count(
+        "alarm"
+    ) == 1
+    clean = study_selection("clean", tmp_path)
+    for share, alarms in ((0.031, 0), (0.029, 1)):
+        judged = select_checkpoints(tmp_path / "clean", alarm_gain_share=share).disagreements
+        assert [d.verdict for d in judged].count("alarm") == alarms, share
+    assert clean.alarm_gain_share == 0.25
+
+
+# A pair nobody had seen when the rule and its default were set: another split of XSum (`prepare.py --seed 1`), 30
+# steps evaluated every 10 on 16 documents at 128 new tokens, a clean run and one at learning rate 2e-2, which breaks
+# the model (eval loss 3.16 -> 11.7-34.4, answers "for for for ..."; its confidence 100% at the pick). Numbers only,
+# from bench/trust_study.py's `alarm_values`; docs/agreement.md quotes the lines.
+EXTRA_PAIR = Path(__file__).with_name("data") / "alarm_extra_pair.json"
+
+
+@pytest.mark.parametrize(
+    "kind, docs, alarms, notes",
+    [("clean", "seed-1 clean", 0, 1), ("highlr", "seed-1 high-learning-rate", 1, 2)],
+)
+def test_on_a_pair_nobody_had_seen_the_damaged_run_alarms_and_the_clean_run_does_not(
+    kind, docs, alarms, notes, tmp_path, capsys
+):
+    run = tmp_path / f"s1-{kind}"
+    write_study_run(run, json.loads(EXTRA_PAIR.read_text(encoding="utf-8"))[kind])
+    verdicts = [d.verdict for d in select_checkpoints(run).disagreements]
+    assert (verdicts.count("alarm"), verdicts.count("note")) == (alarms, notes)
+    assert main(["select", str(run)]) == 0
+    printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
+    first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
+    assert printed[first:].splitlines() == quoted_in_the_docs(docs)
+
+
+# The trust study's two runs again (2026-11-28: the same training, ProbDiff's texts drawn by today's sampler), numbers
+# only from `bench/trust_study.py --alarm-fixture`: the base model above every checkpoint in the broken run.
+RERUN = Path(__file__).with_name("data") / "trust_study_rerun_alarm.json"
+
+
+@pytest.mark.parametrize("kind, alarms", [("clean", 0), ("broken", 1)])
+def test_the_study_rerun_alarms_in_the_broken_run_only(kind, alarms, tmp_path, capsys):
+    write_study_run(tmp_path / kind, json.loads(RERUN.read_text(encoding="utf-8"))[kind])
+    verdicts = [d.verdict for d in select_checkpoints(tmp_path / kind).disagreements]
+    assert verdicts.count("alarm") == alarms
+    assert main(["select", str(tmp_path / kind)]) == 0
+    printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
+    first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
+    assert printed[first:].splitlines() == quoted_in_the_docs(f"rerun's {kind}")

@@ -73,7 +73,7 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         print(f"no cross-check: {err}")
     best_dir = selection = None
     try:
-        selection = select(run)
+        selection = select(run, recipe.probdiff.alarm_gain_share)
         print("\n" + format_selection(selection))
         if selection.best_checkpoint is not None:
             best_dir = point_best(run_dir, selection.best_checkpoint.checkpoint)

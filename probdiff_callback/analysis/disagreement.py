@@ -5,12 +5,15 @@ not come from the model's own judgement (a reference metric of the answers, the 
 gets worse. Two places matter, and each is checked for every measure the run has:
 
 - from the baseline to a checkpoint: confidence rose, the measure got worse;
-- at the checkpoint ProbDiff picks: another evaluated step had a lower confidence and a better measure.
+- at the checkpoint ProbDiff picks: another evaluated step had a lower confidence and a better measure; and against
+  the base model whichever way confidence went (the pick is what a user takes, even below the base model).
 
 Each change is then graded (`grade_disagreements`) by a paired test over the same queries: the queries' sentence-level
-reference metric at the two steps, or the held-out conversations' eval loss (`significance.paired_permutation_p`).
-Only a disagreement with a significant change, or one that cannot be graded (a run without per-query values), is an
-alarm; the rest are listed quietly, as within noise.
+reference metric at the two steps, or the held-out conversations' eval loss (`significance.paired_permutation_p`),
+and judged (`judge_disagreements`) by its size against what training gained on the measure (materiality.py): only a
+material change at the pick is an alarm (the pick significantly worse than the base model, or giving up more than a
+share of the run's gain), with the checkpoints the measures favour and their confidence; other significant changes are
+notes, with their sizes; the rest are listed quietly, as within noise.
 
 Pure functions over `agreement.step_measures` entries and the steps' per-query values; callers print
 `format_disagreements`.
@@ -23,7 +26,9 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from probdiff_callback.analysis.materiality import Standing, Verdict, share_of_gain, verdict
 from probdiff_callback.analysis.report import pct
+from probdiff_callback.core.config import DEFAULT_ALARM_GAIN_SHARE
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.records import Record
 from probdiff_callback.core.reference_metrics import METRIC_LABELS
@@ -59,18 +64,61 @@ class Grade:
         return f"{'significant' if self.significant else 'within noise'} (p = {self.p:.2g}, {self.n} {self.unit})"
 
 
+def _spec(measure: str) -> str:
+    return ".4f" if measure == LOSS else ".2f"
+
+
 @dataclass(frozen=True)
 class Worse:
     measure: str  # a reference metric name or "eval_loss"
     before: float
     after: float
     grade: Grade | None = None  # None: not graded yet (`grade_disagreements`)
+    standing: Standing | None = None  # the measure over the run; None: not judged yet (`judge_disagreements`)
+    verdict: Verdict | None = None
+
+    @property
+    def settled_verdict(self) -> Verdict:
+        """The verdict; unjudged, as before sizes: noise when graded within noise, else an alarm."""
+        if self.verdict is not None:
+            return self.verdict
+        return "noise" if self.grade is not None and self.grade.within_noise else "alarm"
+
+    def size(self) -> str:
+        """The later value against the best checkpoint (as a share of what training gained) and the base model."""
+        standing, spec = self.standing, _spec(self.measure)
+        if standing is None:
+            return ""
+        parts = []
+        if standing.best is not None:
+            behind = standing.worse_by(standing.best, self.after)
+            if behind <= 0:
+                parts.append("the best checkpoint on it")
+            else:
+                best = f"step {standing.best_step}: {standing.best:{spec}}"
+                parts.append(f"{behind:{spec}} worse than the best checkpoint ({best})")
+                if (share := share_of_gain(behind, standing.gain)) is not None:
+                    parts[-1] += f", {pct(share)} of the {standing.gain:{spec}} training gained on it"
+                elif standing.gain is not None:
+                    parts[-1] += ", and training gained nothing on it"
+        if standing.base is None:
+            parts.append("no base model evaluated to set it against")
+        else:
+            behind_base = standing.worse_by(standing.base, self.after)
+            side = "worse" if behind_base > 0 else "better"
+            parts.append(
+                f"{abs(behind_base):{spec}} {side} than the base model" if behind_base else "level with the base model"
+            )
+        return "[" + "; ".join(parts) + "]"
 
     def words(self) -> str:
         verb = "rose" if self.measure == LOSS else "fell"
-        spec = ".4f" if self.measure == LOSS else ".2f"
+        spec = _spec(self.measure)
         change = f"{LABELS[self.measure]} {verb} from {self.before:{spec}} to {self.after:{spec}}"
-        return change if self.grade is None else f"{change}, {self.grade.words()}"
+        if self.grade is None:
+            return change
+        sized = self.settled_verdict != "noise" and self.standing is not None
+        return f"{change}, {self.grade.words()}" + (f" {self.size()}" if sized else "")
 
 
 @dataclass(frozen=True)
@@ -85,18 +133,28 @@ class Disagreement:
     at_pick: bool = False  # `later` is the step ProbDiff picks
 
     @property
+    def verdict(self) -> Verdict:
+        """An alarm if any change is one, else a note if any is one, else noise (materiality.py)."""
+        verdicts = {w.settled_verdict for w in self.worse}
+        return "alarm" if "alarm" in verdicts else "note" if "note" in verdicts else "noise"
+
+    @property
     def within_noise(self) -> bool:
         """Every change was graded, and none is significant: listed quietly, not an alarm."""
-        return all(w.grade is not None and w.grade.within_noise for w in self.worse)
+        return self.verdict == "noise"
 
     def sentence(self) -> str:
         where = f"step {self.later}" + (" (the checkpoint ProbDiff picks)" if self.at_pick else "")
         since = f"step {self.earlier}" + (" (before training)" if self.earlier_is_baseline else "")
         low, high = self.confidence
         joint = ", and " if any(w.grade is not None for w in self.worse) else " and "
-        return f"{where}: confidence rose from {pct(low)} at {since} to {pct(high)}, but " + joint.join(
-            w.words() for w in self.worse
+        moved = (
+            f"confidence rose from {pct(low)} at {since} to {pct(high)}, but "
+            if high > low
+            else f"confidence went from {pct(low)} at {since} to {pct(high)} (ProbDiff does not put the pick above "
+            "it either), and "
         )
+        return f"{where}: {moved}" + joint.join(w.words() for w in self.worse)
 
 
 def _worse(measure: str, before: object, after: object) -> Worse | None:
@@ -115,10 +173,13 @@ def _measures(steps: Sequence[Mapping]) -> list[str]:
     return names + ([LOSS] if any(is_finite(s.get(LOSS)) for s in steps) else [])
 
 
-def _between(earlier: Mapping, later: Mapping, measures: Sequence[str], **flags: bool) -> Disagreement | None:
-    """A Disagreement if confidence rose from `earlier` to `later` while some measure got worse."""
+def _between(
+    earlier: Mapping, later: Mapping, measures: Sequence[str], rise_needed: bool = True, **flags: bool
+) -> Disagreement | None:
+    """A Disagreement if confidence rose from `earlier` to `later` (or, without `rise_needed`, whichever way it went)
+    while some measure got worse."""
     low, high = earlier["confidence"], later["confidence"]
-    if not (is_finite(low) and is_finite(high) and high > low):
+    if not (is_finite(low) and is_finite(high) and (high > low or not rise_needed)):
         return None
     worse = tuple(w for m in measures if (w := _worse(m, _value(earlier, m), _value(later, m))) is not None)
     if not worse:
@@ -153,8 +214,10 @@ def find_disagreements(steps: Sequence[Mapping], picked_step: int | None) -> lis
                 if best not in earlier_steps:
                     earlier_steps.append(best)
         for earlier in earlier_steps:
+            # The pick against the base model whichever way confidence went: a user takes the pick (RUN_DIR/best) even
+            # where ProbDiff puts the base model above every checkpoint, so damage to it is said either way.
             flags = {"at_pick": True, "earlier_is_baseline": earlier is baseline}
-            found += [d for d in [_between(earlier, pick, measures, **flags)] if d]
+            found += [d for d in [_between(earlier, pick, measures, earlier is not baseline, **flags)] if d]
     return found
 
 
@@ -234,18 +297,133 @@ def grade_disagreements(found: Sequence[Disagreement], values: Callable[[int], S
     ]
 
 
+# --- judging: the size against what training gained (materiality.py) -----------------------------------------------
+def standings(steps: Sequence[Mapping]) -> dict[str, Standing]:
+    """Each measure of the run: the base model's value and the best checkpoint's (the earliest of equals), with their
+    confidence. `steps`: `agreement.step_measures(rows)`."""
+    baseline = next((s for s in steps if s.get("kind") == "baseline"), None)
+    found = {}
+    for measure in _measures(steps):
+        lower_is_better = measure == LOSS
+        checkpoints = [s for s in steps if s is not baseline and is_finite(_value(s, measure))]
+        best = (min if lower_is_better else max)(checkpoints, key=lambda s: _value(s, measure), default=None)
+        base = _value(baseline, measure) if baseline is not None else None
+        found[measure] = Standing(
+            lower_is_better=lower_is_better,
+            base=float(base) if is_finite(base) else None,  # type: ignore[arg-type]
+            base_confidence=baseline["confidence"] if baseline is not None and is_finite(base) else None,
+            best_step=None if best is None else best["step"],
+            best=None if best is None else float(_value(best, measure)),  # type: ignore[arg-type]
+            best_confidence=None if best is None else best["confidence"],
+        )
+    return found
+
+
+def judge_disagreements(
+    found: Sequence[Disagreement], steps: Sequence[Mapping], gain_share: float
+) -> list[Disagreement]:
+    """`found` (graded), each change with its measure's standing over the run and its verdict: an alarm only for a
+    material change at the pick (`materiality.verdict`; `gain_share`: probdiff.alarm_gain_share)."""
+    by_measure = standings(steps)
+
+    def judged(d: Disagreement, w: Worse) -> Worse:
+        standing = by_measure[w.measure]
+        p = None if w.grade is None else w.grade.p
+        given_up = standing.worse_by(w.before, w.after)
+        call = verdict(
+            at_pick=d.at_pick,
+            against_base=d.earlier_is_baseline,
+            given_up=given_up,
+            gain=standing.gain,
+            p=p,
+            gain_share=gain_share,
+        )
+        return dataclasses.replace(w, standing=standing, verdict=call)
+
+    return [dataclasses.replace(d, worse=tuple(judged(d, w) for w in d.worse)) for d in found]
+
+
+def disagreements_of(
+    steps: Sequence[Mapping], picked_step: int | None, values: Callable[[int], StepValues], gain_share: float
+) -> list[Disagreement]:
+    """A run's disagreements found, graded and judged: what `format_disagreements` says."""
+    graded = grade_disagreements(find_disagreements(steps, picked_step), values)
+    return judge_disagreements(graded, steps, gain_share)
+
+
 # --- in words -----------------------------------------------------------------------------------------------------
-def format_alarm(found: Sequence[Disagreement], run_dir: object = "RUN_DIR") -> str:
-    """A block a user cannot miss, or "" without disagreements."""
+def _rule(gain_share: float) -> str:
+    return (
+        "at the checkpoint ProbDiff picks, the measure is worse than the base model, or gives up more than "
+        f"{100 * gain_share:g}% of what training gained on it against another checkpoint"
+    )
+
+
+def _favoured(found: Sequence[Disagreement]) -> dict[str, tuple[float | None, list[str]]]:
+    """For the alarming changes at the pick: the steps their measures favour (the best checkpoint on the measure, and
+    the base model where no checkpoint beat it), each with its confidence and the measures' figures there."""
+    favoured: dict[str, tuple[float | None, list[str]]] = {}
+    seen: set[str] = set()
+    for w, pick in ((w, d.later) for d in found for w in d.worse if w.settled_verdict == "alarm"):
+        s, spec = w.standing, _spec(w.measure)
+        if s is None or w.measure in seen:
+            continue
+        seen.add(w.measure)
+        options = [(f"step {s.best_step}", s.best_confidence, s.best, s.best_step != pick)]
+        options.append(("the base model", s.base_confidence, s.base, s.gain is not None and s.gain <= 0))
+        for where, confidence, value, eligible in options:
+            if eligible and value is not None and s.worse_by(value, w.after) > 0:
+                figure = f"{LABELS[w.measure]} {value:{spec}} against the pick's {w.after:{spec}}"
+                favoured.setdefault(where, (confidence, []))[1].append(figure)
+    return favoured
+
+
+def format_favoured(found: Sequence[Disagreement]) -> list[str]:
+    """What the independent measures favour instead of the pick, and what each costs in ProbDiff confidence."""
+    pick = next((d for d in found if d.at_pick), None)
+    if pick is None or not (favoured := _favoured(found)):
+        return []
+    pick_confidence = pick.confidence[1]
+    lines = [
+        f"!! The independent measures favour instead (the pick: step {pick.later}, confidence {pct(pick_confidence)}):"
+    ]
+    for where, (confidence, figures) in favoured.items():
+        cost = f"confidence {pct(confidence)}"
+        if is_finite(confidence) and (points := 100 * (pick_confidence - confidence)):  # type: ignore[operator]
+            cost += f", {abs(points):.1f} points {'below' if points > 0 else 'above'} the pick's"
+        lines.append(f"!!   {where}: {', '.join(figures)}; {cost}")
+    return lines
+
+
+def format_alarm(
+    found: Sequence[Disagreement], run_dir: object = "RUN_DIR", gain_share: float = DEFAULT_ALARM_GAIN_SHARE
+) -> str:
+    """A block a user cannot miss, or "" without disagreements: the material disagreements at the pick, what the
+    independent measures favour instead and at what confidence."""
     if not found:
         return ""
-    lines = ["!! ProbDiff DISAGREES with a measure that does not come from the model's own judgement:"]
+    lines = [
+        "!! ProbDiff DISAGREES with a measure that does not come from the model's own judgement, by a material amount "
+        f"({_rule(gain_share)}, beyond chance or not graded):"
+    ]
     lines += [f"!!   {d.sentence()}" for d in found]
+    lines += format_favoured(found)
     lines.append(
         "!! Confidence may be rewarding something else than quality here (length, style, the model's own taste): "
         f"read the answers in {run_dir}/probdiff/step-<N>/ before trusting the pick."
     )
     return "\n".join(lines)
+
+
+def format_notes(found: Sequence[Disagreement], gain_share: float = DEFAULT_ALARM_GAIN_SHARE) -> str:
+    """The disagreements with a significant change that is not material, with their sizes; "" without any."""
+    if not found:
+        return ""
+    lines = [
+        "ProbDiff and an independent measure moved apart beyond chance, by less than a material amount (an alarm: "
+        f"{_rule(gain_share)}; probdiff.alarm_gain_share):"
+    ]
+    return "\n".join(lines + [f"  {d.sentence()}" for d in found])
 
 
 def format_within_noise(found: Sequence[Disagreement]) -> str:
@@ -259,9 +437,14 @@ def format_within_noise(found: Sequence[Disagreement]) -> str:
     return "\n".join(lines + [f"  {d.sentence()}" for d in found])
 
 
-def format_disagreements(found: Sequence[Disagreement], run_dir: object = "RUN_DIR") -> str:
-    """The alarm for the disagreements that are not within noise, then the quiet list of those that are; "" when
-    ProbDiff and the independent measures do not disagree."""
-    loud = [d for d in found if not d.within_noise]
-    quiet = [d for d in found if d.within_noise]
-    return "\n".join(block for block in (format_alarm(loud, run_dir), format_within_noise(quiet)) if block)
+def format_disagreements(
+    found: Sequence[Disagreement], run_dir: object = "RUN_DIR", gain_share: float = DEFAULT_ALARM_GAIN_SHARE
+) -> str:
+    """The alarm for the material disagreements, then the notes (significant, not material), then the quiet list of
+    those within noise; "" when ProbDiff and the independent measures do not disagree."""
+    blocks = (
+        format_alarm([d for d in found if d.verdict == "alarm"], run_dir, gain_share),
+        format_notes([d for d in found if d.verdict == "note"], gain_share),
+        format_within_noise([d for d in found if d.verdict == "noise"]),
+    )
+    return "\n".join(block for block in blocks if block)

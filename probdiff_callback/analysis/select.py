@@ -16,13 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from probdiff_callback.analysis.crosscheck import step_measures
-from probdiff_callback.analysis.disagreement import (
-    Disagreement,
-    find_disagreements,
-    format_disagreements,
-    grade_disagreements,
-)
+from probdiff_callback.analysis.disagreement import Disagreement, disagreements_of, format_disagreements
+from probdiff_callback.analysis.materiality import check_gain_share
 from probdiff_callback.analysis.report import fmt, format_p, format_win_tie_lose, pct
+from probdiff_callback.core.config import DEFAULT_ALARM_GAIN_SHARE
 from probdiff_callback.core.metric import compare
 from probdiff_callback.core.records import Comparison
 from probdiff_callback.runs.checkpoints import weights_problem
@@ -57,6 +54,7 @@ class Selection:
     delta: float
     run_dir: Path
     disagreements: list[Disagreement]  # where an independent measure moves against ProbDiff (disagreement.py)
+    alarm_gain_share: float = DEFAULT_ALARM_GAIN_SHARE  # what they were judged by (materiality.py)
 
     @property
     def baseline_beats_all(self) -> bool:
@@ -101,14 +99,17 @@ def picked_step(ranked: Sequence[HistoryRow], run_dir: str | os.PathLike) -> int
 
 
 def disagreements(
-    rows: Sequence[HistoryRow], run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR
+    rows: Sequence[HistoryRow],
+    run_dir: str | os.PathLike,
+    subdir: str = DEFAULT_SUBDIR,
+    gain_share: float = DEFAULT_ALARM_GAIN_SHARE,
 ) -> list[Disagreement]:
     """Where an independent measure moves against ProbDiff, from the rows (the callback's, in memory), each change
-    graded with the per-query values in the files the rows name."""
+    graded with the per-query values in the files the rows name and judged by its size (`gain_share`)."""
     directory = probdiff_dir(run_dir, subdir)
     by_step = {row.global_step: row for row in rows}
-    found = find_disagreements(step_measures(rows), picked_step(ranked_rows(rows), run_dir))
-    return grade_disagreements(found, lambda step: step_files(directory, by_step[step]))
+    pick = picked_step(ranked_rows(rows), run_dir)
+    return disagreements_of(step_measures(rows), pick, lambda step: step_files(directory, by_step[step]), gain_share)
 
 
 def _ranked_step(row: HistoryRow, run_dir: Path) -> RankedStep:
@@ -127,8 +128,10 @@ def _ranked_step(row: HistoryRow, run_dir: Path) -> RankedStep:
     )
 
 
-def select(run: Run) -> Selection:
-    """The ranking of a run read by `run_files.read_run`; the p-values compare each step's records with the best's."""
+def select(run: Run, alarm_gain_share: float = DEFAULT_ALARM_GAIN_SHARE) -> Selection:
+    """The ranking of a run read by `run_files.read_run`; the p-values compare each step's records with the best's;
+    the disagreements judged by `alarm_gain_share` (probdiff.alarm_gain_share)."""
+    check_gain_share(alarm_gain_share)
     if not run.rows:
         raise FileNotFoundError(f"{run.history_path}: no evaluations yet; was the run trained with ProbDiffCallback?")
     ranked = ranked_rows(run.rows)
@@ -164,15 +167,20 @@ def select(run: Run) -> Selection:
         skipped=skipped,
         delta=delta,
         run_dir=run.run_dir,
-        disagreements=grade_disagreements(
-            find_disagreements(step_measures(run.rows), picked_step(ranked, run.run_dir)),
+        disagreements=disagreements_of(
+            step_measures(run.rows),
+            picked_step(ranked, run.run_dir),
             lambda step: (run.records.get(step), run.eval_losses.get(step)),
+            alarm_gain_share,
         ),
+        alarm_gain_share=alarm_gain_share,
     )
 
 
-def select_checkpoints(run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Selection:
-    return select(read_run(run_dir, subdir))
+def select_checkpoints(
+    run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR, alarm_gain_share: float = DEFAULT_ALARM_GAIN_SHARE
+) -> Selection:
+    return select(read_run(run_dir, subdir), alarm_gain_share)
 
 
 def format_selection(selection: Selection) -> str:
@@ -234,7 +242,7 @@ def format_selection(selection: Selection) -> str:
         elif selection.ranked and selection.ranked[0] is not best:
             lines.append(f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved)")
     if selection.disagreements:
-        lines.append(format_disagreements(selection.disagreements, selection.run_dir))
+        lines.append(format_disagreements(selection.disagreements, selection.run_dir, selection.alarm_gain_share))
     return "\n".join(lines)
 
 

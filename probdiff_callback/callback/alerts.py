@@ -1,37 +1,49 @@
 """The disagreement alarm during training: as soon as an independent measure (a reference metric, the eval loss) moves
-against ProbDiff by more than noise, a warning on the console and a W&B alert, once per disagreement; a disagreement
-that a paired test puts within noise is listed quietly (the log at info level). Main process only."""
+against ProbDiff by a material amount at the pick (analysis/materiality.py), a warning on the console and a W&B alert,
+once per disagreement; a significant change that is not material (a note, with its size) and a disagreement that a
+paired test puts within noise are listed quietly (the log at info level). Main process only."""
 
 from __future__ import annotations
 
 import logging
 
-from probdiff_callback.core.config import DEFAULT_SUBDIR
+from probdiff_callback.core.config import DEFAULT_ALARM_GAIN_SHARE, DEFAULT_SUBDIR
 
 logger = logging.getLogger(__name__)
 
 
 class DisagreementAlerts:
     """As soon as an independent measure moves against ProbDiff: a warning on the console and a W&B alert, once per
-    disagreement, for those graded significant (or that cannot be graded); the rest once, quietly."""
+    disagreement, for the material ones (`materiality.verdict`); the notes and the noise once, quietly."""
 
     def __init__(self) -> None:
         self.said: set = set()
 
-    def announce(self, rows, run_dir: str, to_wandb: bool, subdir: str = DEFAULT_SUBDIR) -> None:
-        from probdiff_callback.analysis.disagreement import format_alarm, format_within_noise
+    def announce(
+        self,
+        rows,
+        run_dir: str,
+        to_wandb: bool,
+        subdir: str = DEFAULT_SUBDIR,
+        gain_share: float = DEFAULT_ALARM_GAIN_SHARE,
+    ) -> None:
+        from probdiff_callback.analysis.disagreement import format_alarm, format_notes, format_within_noise
         from probdiff_callback.analysis.select import disagreements
 
-        new = [d for d in disagreements(rows, run_dir, subdir) if d not in self.said]
+        new = [d for d in disagreements(rows, run_dir, subdir, gain_share) if d not in self.said]
         if not new:
             return
         self.said.update(new)
-        if quiet := format_within_noise([d for d in new if d.within_noise]):
-            logger.info(quiet)
-        loud = [d for d in new if not d.within_noise]
+        for quiet in (
+            format_notes([d for d in new if d.verdict == "note"], gain_share),
+            format_within_noise([d for d in new if d.verdict == "noise"]),
+        ):
+            if quiet:
+                logger.info(quiet)
+        loud = [d for d in new if d.verdict == "alarm"]
         if not loud:
             return
-        text = format_alarm(loud, run_dir)
+        text = format_alarm(loud, run_dir, gain_share)
         logger.warning(text)
         if to_wandb:
             try:

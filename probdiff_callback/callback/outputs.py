@@ -76,4 +76,5 @@ class TrainerOutputs:
         """The disagreement alarm over the history so far (main process): each disagreement once."""
         if self.is_main:
             run_dir = self.trainer.args.output_dir
-            self._alerts.announce(rows, str(run_dir), self.to_wandb_too, self.config.output_subdir)
+            config = self.config
+            self._alerts.announce(rows, str(run_dir), self.to_wandb_too, config.output_subdir, config.alarm_gain_share)
