@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from probdiff_callback.core.config import (
-    ConfigError,
-    ProbDiffConfig,
-    config_for_command,
-    settings_table,
-)
+from probdiff_callback.core.config import ConfigError, ProbDiffConfig, config_for_command
+from probdiff_callback.core.settings_docs import settings_table
 from train.recipe import LoraArgs, RecipeError, RecipeKeys, load_recipe
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
