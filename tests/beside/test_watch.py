@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from _faults import fault_env
+from _vllm import needs_vllm
 
 from probdiff_callback.beside import loop as evaluator_loop
 from probdiff_callback.beside import queue as q
@@ -425,21 +426,8 @@ def test_an_evaluator_started_by_training_ends_with_it(tmp_path):
     assert evaluator_holder(Queue(run)) is None
 
 
-def _vllm_found() -> bool:
-    from probdiff_callback.core.engines import vllm_server
-
-    try:
-        vllm_server.vllm_python()
-    except vllm_server.EngineUnavailable:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _vllm_found() and not os.environ.get("CI"),
-    reason="vLLM is not installed (README's Setup: its own environment, $PROBDIFF_VLLM_PYTHON); CI installs it",
-)
+@needs_vllm
 def test_through_vllm_the_evaluator_writes_what_probdiff_eval_writes(tmp_path, tiny_model_path, one_thread_for_watch):
     """use_vllm=true: one engine for the run, handed the base model, then a LoRA adapter; the adapter's records are
     those `probdiff eval --adapter` writes through vLLM on the same queries and settings."""

@@ -159,34 +159,29 @@ class VLLMGeneration:
                 timeout=config.vllm_server_timeout,
                 stall_timeout=config.vllm_stall_timeout,
             )
-        elif not in_this_process(config):  # vLLM in an environment of its own: a server of this job's from there
-            engine = start_colocated(
-                base.name_or_path,
-                tokenizer,
-                stop_ids,
+        else:  # colocate: the engine on the base model's folder, started by this job
+            shared = dict(
                 max_model_len=config.max_prompt_tokens + config.max_new_tokens,
                 seed=config.seed,
                 dtype=dtype,
                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 max_lora_rank=lora_rank,
                 threads=torch.get_num_threads(),
-                timeout=config.vllm_server_timeout,
-                stall_timeout=config.vllm_stall_timeout,
-                log_dir=log_dir,
             )
-        else:
-            engine = ColocatedEngine.start(
-                base.name_or_path,
-                tokenizer,
-                stop_ids,
-                max_model_len=config.max_prompt_tokens + config.max_new_tokens,
-                seed=config.seed,
-                dtype=dtype,
-                gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                sleep_mode=config.vllm_enable_sleep_mode,
-                max_lora_rank=lora_rank,
-                threads=torch.get_num_threads(),
-            )
+            if in_this_process(config):
+                engine = ColocatedEngine.start(
+                    base.name_or_path, tokenizer, stop_ids, sleep_mode=config.vllm_enable_sleep_mode, **shared
+                )
+            else:  # vLLM in an environment of its own: a server of this job's from there
+                engine = start_colocated(
+                    base.name_or_path,
+                    tokenizer,
+                    stop_ids,
+                    timeout=config.vllm_server_timeout,
+                    stall_timeout=config.vllm_stall_timeout,
+                    log_dir=log_dir,
+                    **shared,
+                )
         return cls(engine, sync, scratch_parent)
 
     @contextlib.contextmanager
