@@ -56,6 +56,7 @@ def main() -> int:
     from probdiff_callback.core.queries import load_queries, read_jsonl
     from probdiff_callback.core.scoring import SCORE_ROWS_PER_FORWARD
     from probdiff_callback.models import load_model_and_tokenizer
+    from train.recipe import as_installed
 
     model, tokenizer = load_model_and_tokenizer("tiny", dtype="float32")
     model.train()
@@ -68,20 +69,24 @@ def main() -> int:
         trainer = SFTTrainer(
             model=model,
             args=SFTConfig(
-                output_dir=out,
-                max_steps=args.steps,
-                per_device_train_batch_size=args.batch_size,
-                max_length=args.max_length,
-                learning_rate=2e-3,
-                logging_steps=10,
-                save_strategy="no",
-                eval_strategy="no",
-                report_to="none",
-                use_cpu=True,
-                bf16=False,
-                disable_tqdm=True,
-                seed=0,
-                activation_checkpointing=True,
+                **as_installed(  # activation_checkpointing under the installed transformers' name for it
+                    dict(
+                        output_dir=out,
+                        max_steps=args.steps,
+                        per_device_train_batch_size=args.batch_size,
+                        max_length=args.max_length,
+                        learning_rate=2e-3,
+                        logging_steps=10,
+                        save_strategy="no",
+                        eval_strategy="no",
+                        report_to="none",
+                        use_cpu=True,
+                        bf16=False,
+                        disable_tqdm=True,
+                        seed=0,
+                        activation_checkpointing=True,
+                    )
+                )
             ),
             train_dataset=Dataset.from_list([{"messages": row["messages"]} for row in rows]),
             processing_class=tokenizer,

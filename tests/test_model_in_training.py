@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from probdiff_callback.callback.model_in_training import (
-    preserved_rng_state,
-    set_activation_checkpointing,
-    unwrapped_for_generation,
-)
+from probdiff_callback.callback.model_in_training import preserved_rng_state, unwrapped_for_generation
+from probdiff_callback.models.checkpointing import activation_checkpointing_on, set_activation_checkpointing
+from train.recipe import as_installed
 
 
 def test_preserved_rng_state_restores_every_stream():
@@ -67,16 +65,15 @@ def test_unwrapping_restores_zero3_hooks_and_the_runs_checkpointing_even_when_ev
     monkeypatch.setattr(trl_utils, "remove_hooks", lambda m: events.append("remove hooks"))
     monkeypatch.setattr(trl_utils, "add_hooks", lambda m: events.append("add hooks"))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    args = TrainingArguments(
-        output_dir="unused", activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2}
-    )
-    set_activation_checkpointing(model, True, args)
+    options = {"use_reentrant": False, "every_n_layers": 2}
+    args = TrainingArguments(**as_installed({"output_dir": "unused", "activation_checkpointing_kwargs": options}))
+    set_activation_checkpointing(model, True, options)
     layers_before = [getattr(m, "gradient_checkpointing", None) for m in model.modules()]
     assert True in layers_before and False in layers_before  # every second layer only
 
     with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
         with unwrapped_for_generation(model, Zero3Accelerator(), gather_params, args) as unwrapped:
-            assert unwrapped is model and not unwrapped.is_activation_checkpointing
+            assert unwrapped is model and not activation_checkpointing_on(unwrapped)
             if fails:
                 raise RuntimeError("evaluation failed")
     expected = (  # the hooks back once: on a failure by us, after deepspeed partitioned; else by trl, inside

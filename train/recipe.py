@@ -79,10 +79,10 @@ RENAMED = {
     "warmup_ratio": "warmup_steps",
 }
 SFTCONFIG_DOCS = "https://huggingface.co/docs/trl/sft_trainer#trl.SFTConfig"
-# transformers 5.23 named gradient_checkpointing* activation_checkpointing*; vLLM's newer releases pin 5.16-5.20
-# (reaching them is prepared here, not yet supported: docs/vllm.md#install). Recipes, docs and RUN_DIR/recipe.yaml
-# write the new names; under an older transformers they go to SFTConfig under the old ones (the same settings: the
-# flag, its kwargs). `installed_fields` and `as_installed` are the one place that maps them.
+# transformers 5.23 named gradient_checkpointing* activation_checkpointing*; the project takes >= 5.17, the range
+# vLLM's newer releases and the GPU device's image (5.17) sit in. Recipes, docs and RUN_DIR/recipe.yaml write the new
+# names; under an older transformers they go to SFTConfig under the old ones (the same settings: the flag, its
+# kwargs). `installed_fields` and `as_installed` are the one place that maps them.
 CHECKPOINTING_BEFORE_5_23 = {
     "activation_checkpointing": "gradient_checkpointing",
     "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",

@@ -23,6 +23,8 @@ def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows,
     say(LOSS_MASKING_NOTES[masking])
     if masking == "spans":
         args.assistant_only_loss = False  # the masks in the tokenized rows keep the loss on assistant turns
+    if args.world_size > 1 and args.device.type == "cpu":
+        read_indexed_cpu_locations_as_cpu()
     with peft_without_deprecated_alias_warning():
         trainer = trainer_class(plain_loss=args.use_cpu, base_model=resolved_model_name(recipe.model))(
             model=model,
@@ -42,6 +44,20 @@ def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows,
     trainer.add_callback(ProbDiffCallback(trainer, queries, recipe.probdiff, preemption=preemption))
     trainer.add_callback(SelfContainedCheckpoints(tokenizer, model.generation_config))
     return trainer, preemption
+
+
+def read_indexed_cpu_locations_as_cpu() -> None:
+    """transformers before 5.18 resumes a run of several CPU processes with `torch.load(map_location=args.device)`,
+    "cpu:N", which torch cannot restore to, so the resume dies in the optimizer's state (5.18 passes "cpu"). Before
+    5.18, such a location is read as the CPU, through torch's public registry of storage locations."""
+    import torch
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.18"):
+        torch.serialization.register_package(
+            30, lambda storage: None, lambda storage, location: storage if location.startswith("cpu:") else None
+        )
 
 
 def trainer_class(plain_loss: bool, base_model: str):

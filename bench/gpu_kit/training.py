@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from probdiff_callback.models.checkpointing import set_activation_checkpointing
+
 from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory
 from .evaluation import Measured
 from .floor import Hardware, ModelCost, training_floor
@@ -82,7 +84,7 @@ def lora_training_steps(
     )
     base = peft_model.get_base_model()
     base.config.use_cache = False
-    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    set_activation_checkpointing(base, True, {"use_reentrant": False})
     extra = {}
     if loss == "trl":
         from trl.trainer.utils import add_fused_lm_head
@@ -128,7 +130,7 @@ def lora_training_steps(
     del optimizer, trainable
     if loss == "trl":
         del base.forward  # add_fused_lm_head set it on the instance; the class's forward comes back
-    base.activation_checkpointing_disable()
+    set_activation_checkpointing(base, False)
     base.config.use_cache = True
     model = peft_model.unload()
     for parameter in model.parameters():

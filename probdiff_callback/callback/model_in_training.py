@@ -19,6 +19,11 @@ import torch
 from transformers import TrainingArguments
 
 from probdiff_callback.callback.ranks import is_zero3
+from probdiff_callback.models.checkpointing import (
+    activation_checkpointing_on,
+    checkpointing_kwargs,
+    set_activation_checkpointing,
+)
 
 
 @contextlib.contextmanager
@@ -39,37 +44,6 @@ def preserved_rng_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _has_activation_checkpointing_api(model) -> bool:
-    # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn)
-    return hasattr(model, "activation_checkpointing_enable")
-
-
-def activation_checkpointing_on(model) -> bool:
-    if _has_activation_checkpointing_api(model):
-        return bool(model.is_activation_checkpointing)
-    return bool(getattr(model, "is_gradient_checkpointing", False))
-
-
-def set_activation_checkpointing(model, enabled: bool, args: TrainingArguments) -> None:
-    """Switch activation checkpointing; re-enabling uses the run's settings as the Trainer does."""
-    modern = _has_activation_checkpointing_api(model)
-    if not enabled:
-        (model.activation_checkpointing_disable if modern else model.gradient_checkpointing_disable)()
-        return
-    kwargs = dict(
-        getattr(args, "activation_checkpointing_kwargs", None)
-        or getattr(args, "gradient_checkpointing_kwargs", None)
-        or {}
-    )
-    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
-    if modern:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
-        )
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
-
-
 @contextlib.contextmanager
 def unwrapped_for_generation(model_wrapped, accelerator, gather_params: bool, args: TrainingArguments):
     """trl's `unwrap_model_for_generation` (the bare model, PEFT wrapper included; under ZeRO-3 the parameters
@@ -87,7 +61,7 @@ def unwrapped_for_generation(model_wrapped, accelerator, gather_params: bool, ar
     unwrapped = accelerator.unwrap_model(model_wrapped)
     checkpointing = activation_checkpointing_on(unwrapped)
     if checkpointing:
-        set_activation_checkpointing(unwrapped, False, args)
+        set_activation_checkpointing(unwrapped, False)
     hooks_lifted = False
     try:
         with contextlib.ExitStack() as unwrapping:
@@ -106,7 +80,7 @@ def unwrapped_for_generation(model_wrapped, accelerator, gather_params: bool, ar
         if hooks_lifted:
             trl_utils.add_hooks(model_wrapped)
         if checkpointing:
-            set_activation_checkpointing(unwrapped, True, args)
+            set_activation_checkpointing(unwrapped, True, checkpointing_kwargs(args))
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Models: the presets (`tiny` and `smollm2` built once into the cache, the Qwen hub ids), Qwen v1 converted to
-Qwen2 on load, and one loader for a preset, a directory or a hub id.
+Qwen2 on load, one loader for a preset, a directory or a hub id, and activation checkpointing switched under the
+installed transformers' names (`checkpointing`).
 
 The loader's names are imported on first use: the presets' table, `peft_without_deprecated_alias_warning` and the
 checks of a model's name, dtype and adapter (`check_model_arguments`) come without torch.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from pathlib import Path
 
@@ -82,13 +83,15 @@ def hub_model_source(hub_id: str) -> str:
 def hub_unreachable() -> str | None:
     """None when the Hub answers (any HTTP status) within HUB_PROBE_TIMEOUT_S, else why not: one request, through
     huggingface_hub's own client (its proxies and certificates), without its retries."""
-    import httpx2  # huggingface_hub's HTTP client
     from huggingface_hub import constants
     from huggingface_hub.utils import get_session
 
+    session = get_session()
+    # huggingface_hub 1.x's client is httpx, 2.x's httpx2: the transport errors of whichever this one is
+    client = importlib.import_module(type(session).__module__.partition(".")[0])
     try:
-        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
-    except httpx2.TransportError as err:  # DNS, refused, timeout, proxy, TLS
+        session.head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+    except client.TransportError as err:  # DNS, refused, timeout, proxy, TLS
         return str(err) or type(err).__name__
     return None
 

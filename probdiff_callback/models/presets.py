@@ -212,6 +212,11 @@ def dequantize_into(source: Path, directory: Path) -> None:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = HUB_ID
+    # transformers 5.17 gives the GGUF tokenizer the file's bos token as eos and no pad token, where 5.24 reads the
+    # file's own ids (<|im_end|> for both); the model config holds those ids under either version
+    for role, token_id in (("eos_token", model.config.eos_token_id), ("pad_token", model.config.pad_token_id)):
+        if token_id is not None and getattr(tokenizer, f"{role}_id") != token_id:
+            setattr(tokenizer, role, tokenizer.convert_ids_to_tokens(token_id))
     model.save_pretrained(directory)
     tokenizer.model_max_length = MAX_CONTEXT
     tokenizer.save_pretrained(directory)
