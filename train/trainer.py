@@ -4,6 +4,7 @@ model card that names the base model, and the plain loss on a CPU."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -46,6 +47,7 @@ def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows,
     return trainer, preemption
 
 
+@functools.cache  # once per process: torch keeps the registration
 def read_indexed_cpu_locations_as_cpu() -> None:
     """transformers before 5.18 resumes a run of several CPU processes with `torch.load(map_location=args.device)`,
     "cpu:N", which torch cannot restore to, so the resume dies in the optimizer's state (5.18 passes "cpu"). Before
