@@ -151,8 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     select = commands.add_parser("select", help="rank the checkpoints of a training run evaluated by ProbDiffCallback")
     select.add_argument("run_dir", help="the training output directory (holds probdiff/history.jsonl)")
     select.add_argument("--subdir", default="probdiff", help="ProbDiffCallback's output subdirectory [probdiff]")
-    share = f"the share of what training gained on a measure that the pick may give up [{DEFAULT_ALARM_GAIN_SHARE:g}]"
-    select.add_argument("--alarm-gain-share", type=float, default=DEFAULT_ALARM_GAIN_SHARE, help=share)
+    share = (
+        "the share of what training gained on a measure that the pick may give up [the run's "
+        f"probdiff.alarm_gain_share, else {DEFAULT_ALARM_GAIN_SHARE:g}]"
+    )
+    select.add_argument("--alarm-gain-share", type=float, default=None, help=share)
+    select.add_argument(
+        "--by",
+        choices=["probdiff_guarded", "probdiff_confidence"],
+        default=None,
+        help="what picks the best checkpoint: the confidence of the checkpoints the run's independent measures do not "
+        "call damaged, or the confidence alone [what the run selected by; probdiff_guarded for a run written before "
+        "it was recorded]",
+    )
     select_target = select.add_mutually_exclusive_group()
     select_target.add_argument("--link", action="store_true", help="make RUN_DIR/best a symlink to the best checkpoint")
     select_target.add_argument("--copy", action="store_true", help="copy the best checkpoint to RUN_DIR/best")
@@ -385,14 +396,17 @@ def cmd_convert(args) -> int:
 
 
 def cmd_select(args) -> int:
-    from probdiff_callback.analysis.select import format_selection, point_best, select
+    from probdiff_callback.analysis.select import format_selection, point_best, select, unpoint_best
     from probdiff_callback.runs.run_files import read_run
 
-    selection = select(read_run(args.run_dir, args.subdir), args.alarm_gain_share)
+    selection = select(read_run(args.run_dir, args.subdir), args.alarm_gain_share, args.by)
     print(format_selection(selection))
     if args.link or args.copy:
         if selection.best_checkpoint is None:
-            raise FileNotFoundError("no checkpoint to point RUN_DIR/best at")
+            if removed := unpoint_best(args.run_dir):
+                print(f"removed {removed}: it named a checkpoint that is not the pick")
+            why = "no checkpoint passes the guard" if selection.pick and selection.pick.none_passes else "no checkpoint"
+            raise FileNotFoundError(f"{why}: RUN_DIR/best is not made")
         target = point_best(args.run_dir, selection.best_checkpoint.checkpoint, copy=args.copy)
         print(f"{'copied' if args.copy else 'linked'} {target} -> {selection.best_checkpoint.checkpoint}")
     return 0

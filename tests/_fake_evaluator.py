@@ -13,6 +13,9 @@ schedule test and tests/e2e/test_async_eval.py.
 Its behaviour for a test, from the environment:
 - `FAKE_CONFIDENCES`: JSON {"step": confidence}; 0.5 where a step is not named. The step's records are one per query,
   that share of them confident (d 0.2, else -0.3).
+- `FAKE_ROUGE_L`: JSON {"step": share}: that share of the step's queries (the first ones) get ROUGE-L 100 against their
+  reference, the others 0, in their records and the step's summary (an independent measure for the guard); none where
+  a step is not named.
 - `FAKE_SECONDS`: seconds each evaluation takes (default 0).
 - `FAKE_DIE_AT`: a step at which the evaluator exits with status 1 before writing anything, once per marker file
   (`FAKE_DIE_MARKER`, created at the first death), or every time without a marker.
@@ -37,17 +40,35 @@ from probdiff_callback.beside import queue as q
 from probdiff_callback.beside.queue import Queue  # noqa: E402
 from probdiff_callback.core.config import ProbDiffConfig  # noqa: E402
 from probdiff_callback.core.metric import compare_to_base, summary_of  # noqa: E402
+from probdiff_callback.core.records import ReferenceSummary  # noqa: E402
 from probdiff_callback.runs.checkpoints import weights_problem  # noqa: E402
 from probdiff_callback.runs.run_files import RunFiles  # noqa: E402
 from probdiff_callback.runtime.parent import set_parent_death_signal  # noqa: E402
 
 
-def records_for(queries, confidence: float, delta: float):
+def records_for(queries, confidence: float, delta: float, rouge_l: float | None = None):
     confident = round(confidence * len(queries))
+    right = None if rouge_l is None else round(rouge_l * len(queries))
     return [
-        make_record(query.id, 0.2 if i < confident else -0.3, delta=delta, query=query.text, category=query.category)
+        make_record(
+            query.id,
+            0.2 if i < confident else -0.3,
+            delta=delta,
+            query=query.text,
+            category=query.category,
+            ref=None if right is None else {"rougeL": 100.0 if i < right else 0.0},
+        )  # fmt: skip
         for i, query in enumerate(queries)
     ]
+
+
+def reference_of(records) -> ReferenceSummary | None:
+    scores = [r.ref["rougeL"] for r in records if r.ref]
+    if not scores:
+        return None
+    return ReferenceSummary(
+        overall={"rougeL": sum(scores) / len(scores)}, n_scored={"rougeL": len(scores)}, by_category={}
+    )
 
 
 def main() -> int:
@@ -74,6 +95,7 @@ def main() -> int:
     files = RunFiles(options.run_dir, options.subdir)
     files.continue_from(sys.maxsize)  # every row: training dropped the stale ones when it started
     confidences = {int(k): v for k, v in json.loads(os.environ.get("FAKE_CONFIDENCES", "{}")).items()}
+    rouge_l = {int(k): v for k, v in json.loads(os.environ.get("FAKE_ROUGE_L", "{}")).items()}
     seconds = float(os.environ.get("FAKE_SECONDS", "0"))
     die_at = int(os.environ.get("FAKE_DIE_AT", "-1"))
     marker = Path(os.environ["FAKE_DIE_MARKER"]) if os.environ.get("FAKE_DIE_MARKER") else None
@@ -104,8 +126,9 @@ def main() -> int:
         if problem is not None:
             row.error = f"the weights of step {step} are gone ({problem})"
         else:
-            records = records_for(queries, confidences.get(step, 0.5), config.delta)
+            records = records_for(queries, confidences.get(step, 0.5), config.delta, rouge_l.get(step))
             row.summary = summary_of(records, config.delta, config.sweep)
+            row.summary.reference = reference_of(records)
             row.vs_base = (
                 None if request.base_model else compare_to_base(records, files.baseline_records(), config.delta)
             )

@@ -116,33 +116,6 @@ def test_metrics_from_summary_names_every_logged_key_and_is_nan_on_failure():
     assert all(math.isnan(v) for v in failed.values())
 
 
-@pytest.mark.parametrize(
-    ("metric", "save_strategy", "values", "best"),
-    [
-        # NaN is never best; a tie keeps the first step
-        ("probdiff_confidence", "steps", [0.5, math.nan, 0.75, 0.75, 0.5], (0.75, 3)),
-        ("eval_loss", "steps", [2.0, 1.5, 1.5, 1.75], (1.5, 2)),  # greater_is_better False for a loss
-        ("probdiff_confidence", "no", [0.5, 0.75], (0.75, None)),  # no checkpoints: no best step
-        (None, "steps", [0.5], (None, None)),
-    ],
-)
-def test_the_best_metric_is_recorded_as_the_trainer_records_it(tmp_path, metric, save_strategy, values, best):
-    """What a resumed run sets for a step evaluated again (`record_best_metric`) follows the Trainer's own rule."""
-    from transformers import TrainerState, TrainingArguments
-
-    from probdiff_callback.callback.probdiff import record_best_metric
-
-    args = TrainingArguments(
-        output_dir=str(tmp_path), metric_for_best_model=metric, eval_strategy="steps", save_strategy=save_strategy,
-        use_cpu=True, report_to=[],
-    )  # fmt: skip
-    state = TrainerState()
-    for step, value in enumerate(values, start=1):
-        state.global_step = step
-        record_best_metric(state, args, {"eval_probdiff_confidence": value, "eval_loss": value})
-    assert (state.best_metric, state.best_global_step) == best
-
-
 def test_options_are_validated():
     with pytest.raises(ValueError, match="every=0"):
         ProbDiffConfig(every=0)

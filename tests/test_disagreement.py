@@ -22,6 +22,7 @@ from probdiff_callback.analysis.disagreement import (
     format_disagreements,
     grade_disagreements,
 )
+from probdiff_callback.analysis.pick import CONFIDENCE
 from probdiff_callback.analysis.select import select_checkpoints
 from probdiff_callback.callback import alerts
 from probdiff_callback.cli import main
@@ -110,7 +111,7 @@ def write_disagreeing_run(run):
 def test_probdiff_select_says_it_with_the_steps_and_figures(tmp_path, capsys):
     run = tmp_path / "run"
     write_disagreeing_run(run)
-    assert main(["select", str(run)]) == 0
+    assert main(["select", str(run), "--by", "probdiff_confidence"]) == 0
     printed = capsys.readouterr().out
     alarm, notes = printed.split("!! Confidence may be rewarding")
     assert "!! ProbDiff DISAGREES with a measure that does not come from the model's own judgement" in alarm
@@ -244,7 +245,7 @@ def test_beyond_sixteen_pairs_the_sign_patterns_are_drawn_and_stay_close_to_the_
 def test_a_significant_drop_is_an_alarm_and_a_drop_within_noise_is_listed_quietly(tmp_path):
     run = tmp_path / "run"
     write_graded_run(run)
-    found = select_checkpoints(run).disagreements
+    found = select_checkpoints(run, metric=CONFIDENCE).disagreements
     assert [(d.earlier, d.later, d.at_pick, d.within_noise) for d in found] == [
         (0, 10, False, True),
         (0, 20, True, False),
@@ -264,7 +265,7 @@ def test_a_significant_drop_is_an_alarm_and_a_drop_within_noise_is_listed_quietl
 def test_probdiff_select_prints_the_grade_and_p_on_every_line(tmp_path, capsys):
     run = tmp_path / "run"
     write_graded_run(run)
-    assert main(["select", str(run)]) == 0
+    assert main(["select", str(run), "--by", "probdiff_confidence"]) == 0
     printed = capsys.readouterr().out
     alarm, quiet = printed.split("!! Confidence may be rewarding")
     p_noise_rouge = paired_permutation_p(ROUGE_L[0], ROUGE_L[10])
@@ -291,7 +292,7 @@ def test_only_noise_prints_no_alarm(tmp_path, capsys):
     write_graded_run(run)
     rows = read_history(history_path(run))
     write_jsonl(history_path(run), [row.to_json() for row in rows if row.global_step != 20])  # stop at step 10
-    assert main(["select", str(run)]) == 0
+    assert main(["select", str(run), "--by", "probdiff_confidence"]) == 0
     printed = capsys.readouterr().out
     assert "!!" not in printed and "DISAGREES" not in printed
     assert "within noise (p = " in printed and "step 10 (the checkpoint ProbDiff picks)" in printed
@@ -300,7 +301,7 @@ def test_only_noise_prints_no_alarm(tmp_path, capsys):
 def test_without_per_query_values_a_change_is_not_graded_and_stays_an_alarm(tmp_path, capsys):
     run = tmp_path / "run"
     write_graded_run(run, with_per_query=False)  # a run written before per-query values were kept
-    found = select_checkpoints(run).disagreements
+    found = select_checkpoints(run, metric=CONFIDENCE).disagreements
     assert found and not any(d.within_noise for d in found)
     reasons = {w.grade.why_not for d in found for w in d.worse}
     assert reasons == {
@@ -309,7 +310,7 @@ def test_without_per_query_values_a_change_is_not_graded_and_stays_an_alarm(tmp_
         "no eval loss per conversation at step 0",
         "no eval loss per conversation at step 10",
     }
-    assert main(["select", str(run)]) == 0
+    assert main(["select", str(run), "--by", "probdiff_confidence"]) == 0
     assert "ROUGE-L fell from 30.00 to 29.50, not graded (no per-query ROUGE-L at step 0)" in capsys.readouterr().out
 
 
@@ -381,13 +382,13 @@ def quoted_in_the_docs(kind: str) -> list[str]:
 
 def study_selection(kind: str, tmp_path: Path):
     write_study_run(tmp_path / kind, json.loads(STUDY.read_text(encoding="utf-8"))[kind])
-    return select_checkpoints(tmp_path / kind)
+    return select_checkpoints(tmp_path / kind, metric=CONFIDENCE)
 
 
 @pytest.mark.parametrize("kind", ["clean", "broken"])
 def test_the_study_runs_graded_lines_are_the_ones_the_docs_quote(kind, tmp_path, capsys):
     write_study_run(tmp_path / kind, json.loads(STUDY.read_text(encoding="utf-8"))[kind])
-    assert main(["select", str(tmp_path / kind)]) == 0
+    assert main(["select", str(tmp_path / kind), "--by", "probdiff_confidence"]) == 0
     printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
     first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
     lines = printed[first:].splitlines()
@@ -416,12 +417,13 @@ def test_the_study_broken_runs_pick_significantly_below_the_base_models_rouge2_a
     assert rouge2.measure == "rouge2" and rouge2.grade.significant
     assert rouge2.standing.gain < 0  # no checkpoint beat the base model's ROUGE-2: the share is not what decides
     # whatever share is set, the damage alarms; and the clean run stays quiet up to a share of 3%
-    assert [d.verdict for d in select_checkpoints(tmp_path / "broken", alarm_gain_share=1.0).disagreements].count(
-        "alarm"
-    ) == 1
+    assert [
+        d.verdict
+        for d in select_checkpoints(tmp_path / "broken", alarm_gain_share=1.0, metric=CONFIDENCE).disagreements
+    ].count("alarm") == 1
     clean = study_selection("clean", tmp_path)
     for share, alarms in ((0.031, 0), (0.029, 1)):
-        judged = select_checkpoints(tmp_path / "clean", alarm_gain_share=share).disagreements
+        judged = select_checkpoints(tmp_path / "clean", alarm_gain_share=share, metric=CONFIDENCE).disagreements
         assert [d.verdict for d in judged].count("alarm") == alarms, share
     assert clean.alarm_gain_share == 0.25
 
@@ -442,9 +444,9 @@ def test_on_a_pair_nobody_had_seen_the_damaged_run_alarms_and_the_clean_run_does
 ):
     run = tmp_path / f"s1-{kind}"
     write_study_run(run, json.loads(EXTRA_PAIR.read_text(encoding="utf-8"))[kind])
-    verdicts = [d.verdict for d in select_checkpoints(run).disagreements]
+    verdicts = [d.verdict for d in select_checkpoints(run, metric=CONFIDENCE).disagreements]
     assert (verdicts.count("alarm"), verdicts.count("note")) == (alarms, notes)
-    assert main(["select", str(run)]) == 0
+    assert main(["select", str(run), "--by", "probdiff_confidence"]) == 0
     printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
     first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
     assert printed[first:].splitlines() == quoted_in_the_docs(docs)
@@ -458,9 +460,9 @@ RERUN = Path(__file__).with_name("data") / "trust_study_rerun_alarm.json"
 @pytest.mark.parametrize("kind, alarms", [("clean", 0), ("broken", 1)])
 def test_the_study_rerun_alarms_in_the_broken_run_only(kind, alarms, tmp_path, capsys):
     write_study_run(tmp_path / kind, json.loads(RERUN.read_text(encoding="utf-8"))[kind])
-    verdicts = [d.verdict for d in select_checkpoints(tmp_path / kind).disagreements]
+    verdicts = [d.verdict for d in select_checkpoints(tmp_path / kind, metric=CONFIDENCE).disagreements]
     assert verdicts.count("alarm") == alarms
-    assert main(["select", str(tmp_path / kind)]) == 0
+    assert main(["select", str(tmp_path / kind), "--by", "probdiff_confidence"]) == 0
     printed = capsys.readouterr().out.replace(f"{tmp_path}/", "")
     first = min(printed.find(h) for h in ("!! ProbDiff DISAGREES", "ProbDiff and an independent") if h in printed)
     assert printed[first:].splitlines() == quoted_in_the_docs(f"rerun's {kind}")

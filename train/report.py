@@ -43,7 +43,7 @@ def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: 
 def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb_sync: str | None, seconds: float):
     from probdiff_callback.analysis.crosscheck import crosscheck
     from probdiff_callback.analysis.plot import plot_run
-    from probdiff_callback.analysis.select import format_selection, point_best, select
+    from probdiff_callback.analysis.select import format_selection, point_best, select, unpoint_best
     from probdiff_callback.core.reference_metrics import METRIC_LABELS
     from probdiff_callback.runs.run_files import read_run
 
@@ -77,6 +77,8 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
         print("\n" + format_selection(selection))
         if selection.best_checkpoint is not None:
             best_dir = point_best(run_dir, selection.best_checkpoint.checkpoint)
+        elif removed := unpoint_best(run_dir):  # an earlier start's link: it names no pick now
+            print(f"removed {removed}: it named a checkpoint that is not the pick")
     except FileNotFoundError as err:
         print(f"no checkpoint selection: {err}")
     plot = None
@@ -95,6 +97,13 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     if plot is not None:
         print(f"  plot                 {plot}")
     print(f"  final weights        {final_dir}")
+    if selection is not None and selection.pick is not None and selection.pick.none_passes:
+        held = (
+            "the base model (load_best_model_at_end put the adapter back)"
+            if final_is_base(trainer)
+            else "the last step's"
+        )
+        print(f"  best checkpoint      none: no checkpoint passes the guard; the final weights are {held}")
     if best_dir is not None and selection is not None:
         print(f"  best checkpoint      {best_dir} -> {selection.best_checkpoint.checkpoint}")
         base = f"{recipe.model} --adapter {best_dir}" if recipe.lora.enabled else str(best_dir)
@@ -103,6 +112,16 @@ def summarize_run(trainer, recipe: Recipe, run_dir: Path, final_dir: Path, wandb
     print(f"  cross-check          probdiff crosscheck {run_dir}")
     if wandb_sync:
         print(f"  W&B run (offline)    upload it with: {wandb_sync}")
+
+
+def final_is_base(trainer) -> bool:
+    """Whether the callback put the model back to the base model at the end (no checkpoint passed the guard)."""
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
+
+    return any(
+        isinstance(callback, ProbDiffCallback) and callback.best.restored_base
+        for callback in trainer.callback_handler.callbacks
+    )
 
 
 def not_evaluated(run_dir: Path, subdir: str) -> str | None:

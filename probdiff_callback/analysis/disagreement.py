@@ -64,7 +64,7 @@ class Grade:
         return f"{'significant' if self.significant else 'within noise'} (p = {self.p:.2g}, {self.n} {self.unit})"
 
 
-def _spec(measure: str) -> str:
+def figure_spec(measure: str) -> str:
     return ".4f" if measure == LOSS else ".2f"
 
 
@@ -86,7 +86,7 @@ class Worse:
 
     def size(self) -> str:
         """The later value against the best checkpoint (as a share of what training gained) and the base model."""
-        standing, spec = self.standing, _spec(self.measure)
+        standing, spec = self.standing, figure_spec(self.measure)
         if standing is None:
             return ""
         parts = []
@@ -113,7 +113,7 @@ class Worse:
 
     def words(self) -> str:
         verb = "rose" if self.measure == LOSS else "fell"
-        spec = _spec(self.measure)
+        spec = figure_spec(self.measure)
         change = f"{LABELS[self.measure]} {verb} from {self.before:{spec}} to {self.after:{spec}}"
         if self.grade is None:
             return change
@@ -164,11 +164,11 @@ def _worse(measure: str, before: object, after: object) -> Worse | None:
     return Worse(measure, float(before), float(after)) if change > TOLERANCE[measure] else None  # type: ignore[arg-type]
 
 
-def _value(step: Mapping, measure: str) -> object:
+def measure_value(step: Mapping, measure: str) -> object:
     return step.get(LOSS) if measure == LOSS else step["metrics"].get(measure)
 
 
-def _measures(steps: Sequence[Mapping]) -> list[str]:
+def measures_of(steps: Sequence[Mapping]) -> list[str]:
     names = [name for name in METRIC_LABELS if any(is_finite(s["metrics"].get(name)) for s in steps)]
     return names + ([LOSS] if any(is_finite(s.get(LOSS)) for s in steps) else [])
 
@@ -181,7 +181,9 @@ def _between(
     low, high = earlier["confidence"], later["confidence"]
     if not (is_finite(low) and is_finite(high) and (high > low or not rise_needed)):
         return None
-    worse = tuple(w for m in measures if (w := _worse(m, _value(earlier, m), _value(later, m))) is not None)
+    worse = tuple(
+        w for m in measures if (w := _worse(m, measure_value(earlier, m), measure_value(later, m))) is not None
+    )
     if not worse:
         return None
     return Disagreement(earlier["step"], later["step"], (low, high), worse, **flags)
@@ -193,7 +195,7 @@ def find_disagreements(steps: Sequence[Mapping], picked_step: int | None) -> lis
     `steps`: `agreement.step_measures(rows)`; the baseline is the step of kind "baseline" (if any).
     `picked_step`: the step whose checkpoint ProbDiff picks, or None.
     """
-    measures = _measures(steps)
+    measures = measures_of(steps)
     if not measures:
         return []
     by_step = {s["step"]: s for s in steps}
@@ -208,9 +210,9 @@ def find_disagreements(steps: Sequence[Mapping], picked_step: int | None) -> lis
         # At the pick: against the baseline, then against the step each measure prefers among the others.
         earlier_steps = [baseline] if baseline is not None else []
         for measure in measures:
-            others = [s for s in steps if s is not pick and s is not baseline and is_finite(_value(s, measure))]
+            others = [s for s in steps if s is not pick and s is not baseline and is_finite(measure_value(s, measure))]
             if others:
-                best = (min if measure == LOSS else max)(others, key=lambda s: _value(s, measure))
+                best = (min if measure == LOSS else max)(others, key=lambda s: measure_value(s, measure))
                 if best not in earlier_steps:
                     earlier_steps.append(best)
         for earlier in earlier_steps:
@@ -303,17 +305,17 @@ def standings(steps: Sequence[Mapping]) -> dict[str, Standing]:
     confidence. `steps`: `agreement.step_measures(rows)`."""
     baseline = next((s for s in steps if s.get("kind") == "baseline"), None)
     found = {}
-    for measure in _measures(steps):
+    for measure in measures_of(steps):
         lower_is_better = measure == LOSS
-        checkpoints = [s for s in steps if s is not baseline and is_finite(_value(s, measure))]
-        best = (min if lower_is_better else max)(checkpoints, key=lambda s: _value(s, measure), default=None)
-        base = _value(baseline, measure) if baseline is not None else None
+        checkpoints = [s for s in steps if s is not baseline and is_finite(measure_value(s, measure))]
+        best = (min if lower_is_better else max)(checkpoints, key=lambda s: measure_value(s, measure), default=None)
+        base = measure_value(baseline, measure) if baseline is not None else None
         found[measure] = Standing(
             lower_is_better=lower_is_better,
             base=float(base) if is_finite(base) else None,  # type: ignore[arg-type]
             base_confidence=baseline["confidence"] if baseline is not None and is_finite(base) else None,
             best_step=None if best is None else best["step"],
-            best=None if best is None else float(_value(best, measure)),  # type: ignore[arg-type]
+            best=None if best is None else float(measure_value(best, measure)),  # type: ignore[arg-type]
             best_confidence=None if best is None else best["confidence"],
         )
     return found
@@ -365,7 +367,7 @@ def _favoured(found: Sequence[Disagreement]) -> dict[str, tuple[float | None, li
     favoured: dict[str, tuple[float | None, list[str]]] = {}
     seen: set[str] = set()
     for w, pick in ((w, d.later) for d in found for w in d.worse if w.settled_verdict == "alarm"):
-        s, spec = w.standing, _spec(w.measure)
+        s, spec = w.standing, figure_spec(w.measure)
         if s is None or w.measure in seen:
             continue
         seen.add(w.measure)

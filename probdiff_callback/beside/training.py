@@ -35,12 +35,15 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from probdiff_callback.beside.late import log_at_step, logged_steps
+from probdiff_callback.analysis.pick import GUARDED_KEY
+from probdiff_callback.beside.late import log_at_step
 from probdiff_callback.beside.local import LocalEvaluator
 from probdiff_callback.beside.lock import describe_holder, evaluator_holder
 from probdiff_callback.beside.queue import EvaluatorSpec, Queue, Request
 from probdiff_callback.beside.rotation import rotate
 from probdiff_callback.beside.steps import QueuedSteps, Stage, describe_steps, several
+from probdiff_callback.callback.best import TrainerBest
+from probdiff_callback.callback.metrics import logged_steps
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import is_finite
@@ -107,8 +110,9 @@ class BesideTraining:
     same methods at the same hooks: weights are saved on every rank, and what the main process reads (results,
     decisions) it hands to the others through `outputs`."""
 
-    def __init__(self, trainer, config: ProbDiffConfig, queries: Sequence[Query], outputs) -> None:
+    def __init__(self, trainer, config: ProbDiffConfig, queries: Sequence[Query], outputs, best: TrainerBest) -> None:
         self.trainer, self.config, self.queries, self.outputs = trainer, config, list(queries), outputs
+        self.best = best  # the Trainer's best-model record, decided again as results arrive
         self.run_dir = Path(trainer.args.output_dir)
         self.queue = Queue(self.run_dir, config.output_subdir)
         self.files = RunFiles(self.run_dir, config.output_subdir)
@@ -128,6 +132,10 @@ class BesideTraining:
     def known(self, step: int) -> bool:
         """The step is queued or evaluated: the schedule does not take it again."""
         return step in self.steps
+
+    def history(self) -> list[HistoryRow]:
+        """The history rows so far (main process; the evaluator writes them)."""
+        return read_history(self.files.history_path)
 
     # ---- train begin ----
     def begin(self, args: TrainingArguments, state: TrainerState) -> None:
@@ -343,10 +351,17 @@ class BesideTraining:
             if self.evaluator is not None and left:
                 self.evaluator.check()
         arrived, left = self.outputs.broadcast((arrived, left))
+        if arrived:  # the pick over every step logged so far and those that arrived now
+            known = {row.global_step for row, _ in arrived} | set(self.steps.at(Stage.LOGGED))
+            history = read_history(self.files.history_path) if self.outputs.is_main else []
+            self.best.decide([row for row in history if row.global_step in known] if self.outputs.is_main else None)
         for row, seconds in arrived:
             self._apply(row, seconds)
+        if arrived:
+            self.best.apply()
         if arrived and self.outputs.is_main:
-            self.outputs.say_disagreements(read_history(self.files.history_path))
+            rows = read_history(self.files.history_path)
+            self.outputs.say_disagreements(rows, self.best.alarm_pick(rows))
         return left
 
     def _arrived(self) -> list[tuple[HistoryRow, float | None]]:
@@ -368,10 +383,12 @@ class BesideTraining:
 
     def _apply(self, row: HistoryRow, seconds: float | None) -> None:
         """A late result where the loop's land (every rank): the Trainer's log and its integrations at the result's
-        step, the best-model record, W&B's histogram and table."""
+        step (with the guard's decision on it), W&B's histogram and table."""
         metrics = self.outputs.metrics(row.summary, row.vs_base)
+        if GUARDED_KEY in metrics:
+            metrics[GUARDED_KEY] = self.best.value_at(row.global_step)
         self.steps.set(row.global_step, Stage.LOGGED, metrics=metrics)
-        log_at_step(self.trainer, row.global_step, row.epoch, metrics, may_be_best=row.kind != "baseline")
+        log_at_step(self.trainer, row.global_step, row.epoch, metrics)
         error = row.error if row.failed else None
         if self.outputs.is_main:
             if seconds is not None:

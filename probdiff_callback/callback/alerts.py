@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from probdiff_callback.analysis.select import BY_CONFIDENCE
 from probdiff_callback.core.config import DEFAULT_ALARM_GAIN_SHARE, DEFAULT_SUBDIR
 
 logger = logging.getLogger(__name__)
@@ -26,11 +27,12 @@ class DisagreementAlerts:
         to_wandb: bool,
         subdir: str = DEFAULT_SUBDIR,
         gain_share: float = DEFAULT_ALARM_GAIN_SHARE,
+        picked: int | None | object = BY_CONFIDENCE,
     ) -> None:
         from probdiff_callback.analysis.disagreement import format_alarm, format_notes, format_within_noise
         from probdiff_callback.analysis.select import disagreements
 
-        new = [d for d in disagreements(rows, run_dir, subdir, gain_share) if d not in self.said]
+        new = [d for d in disagreements(rows, run_dir, subdir, gain_share, picked) if d not in self.said]
         if not new:
             return
         self.said.update(new)

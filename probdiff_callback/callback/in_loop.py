@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import SaveStrategy
 
+from probdiff_callback.analysis.pick import GUARDED_KEY
+from probdiff_callback.callback.best import TrainerBest
 from probdiff_callback.callback.cost import CostReport
+from probdiff_callback.callback.metrics import logged_steps
 from probdiff_callback.callback.outputs import TrainerOutputs
 from probdiff_callback.callback.ranks import any_error
 from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome, evaluate_trainer_model, start_vllm
@@ -47,10 +47,17 @@ class InLoop:
     """The evaluation in the loop for one `ProbDiffCallback`; every rank calls the same methods at the same hooks."""
 
     def __init__(
-        self, trainer, tokenizer, config: ProbDiffConfig, queries: Sequence[Query], outputs: TrainerOutputs, preemption
+        self,
+        trainer,
+        tokenizer,
+        config: ProbDiffConfig,
+        queries: Sequence[Query],
+        outputs: TrainerOutputs,
+        best: TrainerBest,
+        preemption,
     ) -> None:
         self.trainer, self.tokenizer, self.config, self.queries = trainer, tokenizer, config, list(queries)
-        self.outputs, self.preemption = outputs, preemption
+        self.outputs, self.best, self.preemption = outputs, best, preemption
         self.state = LoopState()
         self.files = RunFiles(trainer.args.output_dir, config.output_subdir)  # written on the main process
         self.cost = CostReport()
@@ -62,6 +69,10 @@ class InLoop:
 
     def known(self, step: int) -> bool:
         return step in self.state.evaluated
+
+    def history(self) -> list[HistoryRow]:
+        """The history rows so far (main process; this way writes them)."""
+        return self.files.rows()
 
     # ---- train begin ----
     def begin(self, args: TrainingArguments, state: TrainerState) -> None:
@@ -124,18 +135,17 @@ class InLoop:
         was saved (by an earlier resume that was then killed) is logged again, since the Trainer's log and W&B go
         back to the checkpoint."""
         for row in kept:
-            if not row.abandoned and row.global_step == state.global_step > 0 and not logged(state, row):
+            if not row.abandoned and row.global_step == state.global_step > 0:
+                if row.global_step in logged_steps(state.log_history):
+                    continue
                 metrics = self.state.evaluated[row.global_step]
                 self.trainer.log(dict(metrics))
                 if self.outputs.is_main and row.records:
                     self.outputs.to_wandb(row.global_step, read_records(self.files.directory / row.records))
-                record_best_metric(self.trainer.state, self.trainer.args, metrics)
         for row in [row for row in kept if row.abandoned]:
             if row.global_step == state.global_step or row.base_model:
                 logger.warning(f"ProbDiff: evaluating step {row.global_step}, abandoned when the run was stopped")
-                outcome = self._run(dataclasses.replace(row, error=None, abandoned=False))
-                if row.global_step == state.global_step and row.kind != "baseline":
-                    record_best_metric(self.trainer.state, self.trainer.args, outcome.metrics)
+                self._run(dataclasses.replace(row, error=None, abandoned=False))
                 continue
             why = (
                 f"{ABANDONED} when the run stopped, and resuming from step {state.global_step} cannot run it: the "
@@ -174,7 +184,8 @@ class InLoop:
 
     def metrics_at_evaluation(self, step: int) -> dict[str, float]:
         """The step's metrics for the Trainer's evaluation, after the alarm has seen them."""
-        self.outputs.say_disagreements(self.files.rows())
+        rows = self.files.rows()
+        self.outputs.say_disagreements(rows, self.best.alarm_pick(rows))
         return dict(self.state.evaluated[step])
 
     def _run(self, row: HistoryRow, eval_losses: list[float] | None = None) -> EvaluationOutcome:
@@ -191,20 +202,27 @@ class InLoop:
         else:
             row.vs_base = compare_to_base(outcome.records, self.state.baseline_records, self.config.delta)
         outcome.metrics = self.outputs.metrics(outcome.summary, row.vs_base)
-        self.state.evaluated[row.global_step] = outcome.metrics
         if not is_finite(row.eval_loss):
             self.state.without_eval_loss.add(row.global_step)
         self.cost.evaluated(outcome.seconds, outcome.cost, before_training=row.kind == "baseline")
         if outcome.error is not None:
             logger.error(f"ProbDiff evaluation at step {row.global_step} failed; training goes on:\n{outcome.error}")
+        if self.outputs.is_main:
+            row.summary, row.error, row.seconds = outcome.summary, outcome.error, round(outcome.seconds, 3)
+            row.cost = outcome.cost
+            self.files.add(row, outcome.records if outcome.error is None else None, eval_losses)
+        # the pick over every step so far, this one with the checkpoint the Trainer is about to save
+        pending = row.global_step if row.checkpoint is not None else None
+        self.best.decide(self.files.rows() if self.outputs.is_main else None, pending_step=pending)
+        if GUARDED_KEY in outcome.metrics:
+            outcome.metrics[GUARDED_KEY] = self.best.value_at(row.global_step)
+        self.state.evaluated[row.global_step] = outcome.metrics
         # Trainer.evaluate logs its metrics before on_evaluate, so ours need their own log call (W&B,
         # TensorBoard and log_history then get them at this step).
         self.trainer.log(dict(outcome.metrics))
         if self.outputs.is_main:
             self.outputs.to_wandb(row.global_step, outcome.records)
-            row.summary, row.error, row.seconds = outcome.summary, outcome.error, round(outcome.seconds, 3)
-            row.cost = outcome.cost
-            self.files.add(row, outcome.records if outcome.error is None else None, eval_losses)
+        self.best.apply()
         if outcome.error is not None and self.config.fail_on_error:
             raise RuntimeError(
                 f"ProbDiff evaluation at step {row.global_step} failed (fail_on_error=True):\n{outcome.error}"
@@ -264,7 +282,8 @@ class InLoop:
 
     def end(self, args: TrainingArguments, state: TrainerState, stopped: bool) -> None:
         """The alarm over the whole history; the vLLM server this run started stopped."""
-        self.outputs.say_disagreements(self.files.rows())
+        rows = self.files.rows()
+        self.outputs.say_disagreements(rows, self.best.alarm_pick(rows))
         self.close_engine()
 
     def close_engine(self) -> None:
@@ -275,27 +294,3 @@ class InLoop:
 
     def summary(self) -> str | None:
         return self.cost.totals()
-
-
-def logged(state: TrainerState, row: HistoryRow) -> bool:
-    return any(e.get("step") == row.global_step and "eval_probdiff_confidence" in e for e in state.log_history)
-
-
-def record_best_metric(state: TrainerState, args: TrainingArguments, metrics: dict[str, float]) -> None:
-    """`state.best_metric` and `state.best_global_step` after an evaluation's `metrics`, set as the Trainer sets them
-    after its own evaluations (transformers 5): the metric named by `metric_for_best_model` (`eval_` added) beats the
-    best so far by `greater_is_better` (NaN never does); the step is kept where checkpoints are saved by steps, epochs
-    or best, and the Trainer's next save names its checkpoint `best_model_checkpoint`. Nothing without that metric."""
-    name = args.metric_for_best_model
-    if name is None:
-        return
-    key = name if name.startswith("eval_") else f"eval_{name}"
-    if key not in metrics:
-        return
-    if state.best_metric is None:
-        state.best_metric = -math.inf if args.greater_is_better else math.inf
-    better = operator.gt if args.greater_is_better else operator.lt
-    if better(metrics[key], state.best_metric):
-        state.best_metric = metrics[key]
-        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
-            state.best_global_step = state.global_step

@@ -5,8 +5,10 @@ process's values handed to every rank. Both ways of evaluating get the same `Tra
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 
+from probdiff_callback.analysis.pick import GUARDED_KEY, Pick, is_guarded
 from probdiff_callback.analysis.report import resolution_line
 from probdiff_callback.callback.alerts import DisagreementAlerts
 from probdiff_callback.callback.metrics import metrics_from_summary, vs_base_metrics
@@ -17,7 +19,7 @@ from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Comparison, Record, Summary
-from probdiff_callback.runs.run_files import HistoryRow
+from probdiff_callback.runs.run_files import HistoryRow, probdiff_dir
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,11 @@ class TrainerOutputs:
         self._wandb = WandbRecords(config.wandb_table_rows)
         self._alerts = DisagreementAlerts()
         self.resolution_said = False
+
+    @property
+    def files_directory(self):
+        """The run's ProbDiff folder (`OUTPUT_DIR/<output_subdir>`)."""
+        return probdiff_dir(self.trainer.args.output_dir, self.config.output_subdir)
 
     @property
     def is_main(self) -> bool:
@@ -48,6 +55,8 @@ class TrainerOutputs:
         metrics.update(reference_metrics.trainer_metrics(reference, self.reference_plan))
         if self.config.baseline:
             metrics.update(vs_base_metrics(vs_base))
+        if is_guarded(self.trainer.args.metric_for_best_model):
+            metrics[GUARDED_KEY] = math.nan  # the guard's decision sets it (callback/best.py)
         return metrics
 
     @property
@@ -65,6 +74,23 @@ class TrainerOutputs:
         except Exception:
             logger.exception(f"ProbDiff: logging the histogram and table of step {step} to W&B failed")
 
+    def pick_to_wandb(self, pick: Pick, run_dir: object) -> None:
+        """The run's pick in W&B's summary, where the run page shows it (main process): its step, its checkpoint (or
+        none, when no checkpoint may be picked) and the line that says why."""
+        if not self.to_wandb_too:
+            return
+        try:
+            import wandb
+
+            if wandb.run is None:
+                return
+            checkpoint = None if pick.step is None else f"{run_dir}/checkpoint-{pick.step}"
+            wandb.run.summary["probdiff/best_step"] = pick.step
+            wandb.run.summary["probdiff/best_checkpoint"] = checkpoint or "none: the base model"
+            wandb.run.summary["probdiff/pick"] = pick.line() or f"{pick.metric}: step {pick.step}"
+        except Exception:
+            logger.exception("ProbDiff: writing the pick to W&B's summary failed")
+
     def say_resolution(self, baseline_confidence: float | None) -> None:
         """Once per training start (main process): how small a change in confidence these queries can show."""
         if not self.resolution_said and self.is_main:
@@ -72,9 +98,11 @@ class TrainerOutputs:
             logger.info(resolution_line(self.n_queries, confidence))
         self.resolution_said = True
 
-    def say_disagreements(self, rows: Sequence[HistoryRow]) -> None:
-        """The disagreement alarm over the history so far (main process): each disagreement once."""
+    def say_disagreements(self, rows: Sequence[HistoryRow], picked: int | None) -> None:
+        """The disagreement alarm over the history so far, at the run's pick `picked` (main process): each
+        disagreement once."""
         if self.is_main:
-            run_dir = self.trainer.args.output_dir
-            config = self.config
-            self._alerts.announce(rows, str(run_dir), self.to_wandb_too, config.output_subdir, config.alarm_gain_share)
+            run_dir, config = self.trainer.args.output_dir, self.config
+            self._alerts.announce(
+                rows, str(run_dir), self.to_wandb_too, config.output_subdir, config.alarm_gain_share, picked
+            )

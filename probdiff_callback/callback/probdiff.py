@@ -20,8 +20,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from probdiff_callback.beside.training import BesideTraining
+from probdiff_callback.callback.best import TrainerBest
 from probdiff_callback.callback.eval_losses import EvalLossTap, ExampleLosses, PerExampleLossUnavailable
-from probdiff_callback.callback.in_loop import InLoop, record_best_metric
+from probdiff_callback.callback.in_loop import InLoop
 from probdiff_callback.callback.outputs import TrainerOutputs
 from probdiff_callback.callback.schedule import (
     EvaluationSchedule,
@@ -34,9 +35,9 @@ from probdiff_callback.callback.schedule import (
 from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import queries_from
-from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow
+from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, write_selection
 
-__all__ = ["EvaluationOutcome", "ProbDiffCallback", "record_best_metric", "select_queries"]
+__all__ = ["EvaluationOutcome", "ProbDiffCallback", "select_queries"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class EvaluationWay(Protocol):
 
     def known(self, step: int) -> bool:
         """The step is evaluated (or on its way): the schedule does not take it again."""
+
+    def history(self) -> list[HistoryRow]:
+        """The run's history rows so far (main process)."""
 
     def evaluate(
         self, row: HistoryRow, eval_losses: list[float] | None, control: TrainerControl | None, saved_now: bool = False
@@ -145,11 +149,12 @@ class ProbDiffCallback(TrainerCallback):
         self.queries = select_queries(all_queries, self.config.n_queries, self.config.seed)
         self.schedule = EvaluationSchedule(self.config.every, self.config.at_end)
         self.outputs = TrainerOutputs(trainer, self.config, self.queries)
+        self.best = TrainerBest(trainer, self.config, self.outputs)  # the Trainer's best, decided for both ways
         # the way of evaluating, chosen once; `evaluate_model` evaluates in the loop whatever the way
-        self.in_loop = InLoop(trainer, self.tokenizer, self.config, self.queries, self.outputs, preemption)
+        self.in_loop = InLoop(trainer, self.tokenizer, self.config, self.queries, self.outputs, self.best, preemption)
         beside = self.config.async_eval
         self.way: EvaluationWay = (
-            BesideTraining(trainer, self.config, self.queries, self.outputs) if beside else self.in_loop
+            BesideTraining(trainer, self.config, self.queries, self.outputs, self.best) if beside else self.in_loop
         )
         self.baseline_due = False  # the baseline waits for the Trainer's evaluation at step 0 (eval_on_start)
         self._eval_loss_tap: EvalLossTap | None = None  # on the model when training begins
@@ -184,6 +189,12 @@ class ProbDiffCallback(TrainerCallback):
         self.outputs.resolution_said = False
         self.schedule.resume(args, state)
         self.way.begin(args, state)
+        # what the run selects by, for `probdiff select`; the pick over the history taken over (a resumed run's)
+        if self._is_main():
+            folder = self.outputs.files_directory
+            write_selection(folder, args.metric_for_best_model, args.greater_is_better, self.config.alarm_gain_share)
+        self.best.decide(self.way.history() if self._is_main() else None)
+        self.best.apply()
         self.baseline_due = self.config.baseline and state.global_step == 0 and not self.way.known(0)
         # With eval_on_start the Trainer evaluates step 0 next: the baseline runs in that on_evaluate, so its row is
         # written once, with the base model's eval loss. The numbers are the same either way: the evaluation draws
@@ -239,6 +250,8 @@ class ProbDiffCallback(TrainerCallback):
             self.way.evaluated_before(step, eval_loss, None if losses is None else losses.losses)
         # beside training the step's own metrics arrive later: NaN, never the best, until then
         metrics.update(self.way.metrics_at_evaluation(step))
+        # the Trainer compares the step's metric with its best next: the state at the pick over the other steps
+        self.best.before_trainer_compares(step, metrics)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.way.saved(args, state)
@@ -266,6 +279,8 @@ class ProbDiffCallback(TrainerCallback):
         ):
             self._evaluate(self._row(state, "end"))
         self.way.end(args, state, stopped=self._stopping())
+        if args.load_best_model_at_end and not self._stopping():
+            self.best.at_train_end(self.trainer.model)
 
     def on_predict(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if self._eval_loss_tap is not None:  # a prediction's forward passes are no evaluation's

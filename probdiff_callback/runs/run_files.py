@@ -12,6 +12,8 @@
 - `step-<N>/eval_losses.json`: `{"losses": [...]}`, the eval loss of each held-out conversation at that step, in the
   eval dataset's order (null where a conversation has no loss token), for the paired test of the disagreement alarm.
 - `checkpoint-N/probdiff.json`: the step's row beside its weights, so it travels with the checkpoint.
+- `selection.json`: what the run selects its best checkpoint by (`metric_for_best_model`, `greater_is_better`,
+  `alarm_gain_share`), written when training starts, so that `probdiff select` picks as the Trainer does.
 
 Writing: `RunFiles`, the callback's, keeps the rows in memory and writes the whole history from them
 (`write_atomic`: a temp file, then `os.replace`), so `probdiff select` on a run still training never sees half a
@@ -43,6 +45,7 @@ HISTORY_FILE = "history.jsonl"
 RECORDS_FILE = "records.jsonl"
 EVAL_LOSSES_FILE = "eval_losses.json"
 CHECKPOINT_SUMMARY_FILE = "probdiff.json"
+SELECTION_FILE = "selection.json"
 # Why a step was evaluated: the base model before training, a Trainer evaluation, a save (no evaluations), the end
 EvaluationKind = Literal["baseline", "evaluate", "save", "end"]
 
@@ -183,6 +186,7 @@ class Run:
     rows: list[HistoryRow]  # oldest first, failed evaluations included
     records: dict[int, list[Record]]  # global step -> records, for the successful steps whose file is on disk
     eval_losses: dict[int, list[float]] = field(default_factory=dict)  # global step -> per-conversation eval losses
+    selection: dict | None = None  # selection.json; None for a run written before it existed
 
     @property
     def history_path(self) -> Path:
@@ -224,7 +228,9 @@ def read_run(run_dir: str | os.PathLike, subdir: str = DEFAULT_SUBDIR) -> Run:
             records[row.global_step] = step_records
         if step_losses is not None:
             eval_losses[row.global_step] = step_losses
-    return Run(run_dir, directory, rows, records, eval_losses)
+    selection_path = directory / SELECTION_FILE
+    selection = json.loads(selection_path.read_text(encoding="utf-8")) if selection_path.is_file() else None
+    return Run(run_dir, directory, rows, records, eval_losses, selection)
 
 
 # ---- writing (the callback, main process) ----
@@ -331,6 +337,19 @@ class RunFiles:
     @staticmethod
     def _write_checkpoint_summary(checkpoint: str | os.PathLike, row: HistoryRow) -> None:
         write_json(Path(checkpoint) / CHECKPOINT_SUMMARY_FILE, row.to_json())
+
+
+def write_selection(
+    directory: str | os.PathLike, metric_for_best_model: str | None, greater_is_better: bool | None, gain_share: float
+) -> None:
+    """What the run selects its best checkpoint by (`SELECTION_FILE` in the run's ProbDiff folder), for `probdiff
+    select`; written by the callback on the main process when training starts."""
+    selection = {
+        "metric_for_best_model": metric_for_best_model,
+        "greater_is_better": greater_is_better,
+        "alarm_gain_share": gain_share,
+    }
+    write_json(Path(directory) / SELECTION_FILE, selection)
 
 
 # --- JSON (`records.dumps`: NaN as null), written atomically ----------------------------------------------

@@ -314,3 +314,30 @@ def test_a_stop_keeps_the_queue_and_the_resumed_run_evaluates_what_is_left_once(
         (step, "evaluated") for step in CONFIDENCES
     ]
     assert trainer.state.best_model_checkpoint == str(run / "checkpoint-2")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_beside_training_a_checkpoint_that_fails_the_guard_is_never_the_best(tmp_path, tiny_model_path, fake_evaluator):
+    """probdiff_guarded with results arriving late: step 1 has the highest confidence and half the base model's ROUGE-L
+    right answers gone, step 2 gives up all of step 3's gain; the Trainer's best (and the weights loaded at the end),
+    `probdiff select` and the log name step 3."""
+    run = tmp_path / "run"
+    fake_evaluator(
+        FAKE_CONFIDENCES=json.dumps({0: 0.5, 1: 1.0, 2: 0.875, 3: 0.625, 4: 0.5625}),
+        FAKE_ROUGE_L=json.dumps({0: 0.5, 1: 0.0, 2: 0.5, 3: 1.0, 4: 1.0}),
+        FAKE_SECONDS="1",
+    )
+    trainer = build_trainer(tiny_model_path, run, max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=1,
+                            eval_on_start=True, load_best_model_at_end=True, learning_rate=0.0,
+                            metric_for_best_model="probdiff_guarded")  # fmt: skip
+    config = probdiff_config(n_queries=16, async_eval=True)
+    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
+    trainer.train()
+
+    assert (trainer.state.best_model_checkpoint, trainer.state.best_metric) == (str(run / "checkpoint-3"), 0.625)
+    guarded = {e["step"]: e["eval_probdiff_guarded"] for e in trainer.state.log_history if "eval_probdiff_guarded" in e}
+    assert math.isnan(guarded[0]) and math.isnan(guarded[1]) and (guarded[3], guarded[4]) == (0.625, 0.5625)
+    selection = select(run_files.read_run(run))
+    assert selection.pick.metric == "probdiff_guarded" and selection.best_checkpoint.global_step == 3
+    assert selection.pick.failed_steps() == [1, 2]
