@@ -194,6 +194,8 @@ def measure_here(run_dir: Path, data: Path, recipe: str) -> None:
     metrics; the blog's loss on the references with its scoring)."""
     import contextlib
 
+    import torch
+
     from probdiff_callback.core.config import ProbDiffConfig
     from probdiff_callback.core.engines.vllm import VLLMGeneration
     from probdiff_callback.core.evaluator import generate_answers, make_chains
@@ -202,6 +204,7 @@ def measure_here(run_dir: Path, data: Path, recipe: str) -> None:
     from probdiff_callback.core.scoring import score_texts
     from probdiff_callback.models import load_model_and_tokenizer
 
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # alone on the machine: training is over
     queries = load_queries(data / "test.jsonl")
     config = ProbDiffConfig(
         max_new_tokens=MAX_NEW_TOKENS[recipe], max_prompt_tokens=512, batch_size=16, use_vllm=True,

@@ -170,7 +170,7 @@ def guarded_trainer(tmp_path, tiny_model_path, monkeypatch, plan, **training_arg
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_torch_thread")
 def test_in_the_loop_a_checkpoint_that_fails_the_guard_is_never_the_trainers_best(
-    tmp_path, tiny_model_path, monkeypatch, caplog
+    tmp_path, tiny_model_path, monkeypatch, caplog, fresh_wandb
 ):
     """The Trainer's best after each evaluation, the log, `probdiff select`, RUN_DIR/best: step 2 (the highest
     confidence) fails against the base model and is never best; step 4 is, until step 6's gain makes it give up too
@@ -179,10 +179,16 @@ def test_in_the_loop_a_checkpoint_that_fails_the_guard_is_never_the_trainers_bes
 
     from probdiff_callback.analysis.select import point_best, select_checkpoints
 
-    trainer, _, observer = guarded_trainer(tmp_path, tiny_model_path, monkeypatch, GUARD_PLAN)
-    with caplog.at_level(logging.INFO, logger="probdiff_callback"):
-        trainer.train()
+    trainer, _, observer = guarded_trainer(tmp_path, tiny_model_path, monkeypatch, GUARD_PLAN, report_to="wandb")
+    try:
+        with caplog.at_level(logging.INFO, logger="probdiff_callback"):
+            trainer.train()
+        summary = dict(fresh_wandb.run.summary)
+    finally:
+        fresh_wandb.finish()
     run = tmp_path / "run"
+    assert (summary["probdiff/best_step"], summary["probdiff/best_checkpoint"]) == (6, f"{run}/checkpoint-6")
+    assert summary["probdiff/pick"].startswith("probdiff_guarded: step 6 (confidence 62.5%)")
     assert observer.seen == [(2, None, None), (4, 4, "checkpoint-4"), (6, 6, "checkpoint-6")]
     assert trainer.state.best_model_checkpoint == str(run / "checkpoint-6") and trainer.state.best_metric == 0.625
     guarded = {e["step"]: e["eval_probdiff_guarded"] for e in trainer.state.log_history if "eval_probdiff_guarded" in e}

@@ -36,14 +36,12 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from probdiff_callback.analysis.pick import GUARDED_KEY
-from probdiff_callback.beside.late import log_at_step
+from probdiff_callback.beside.late import log_at_step, logged_steps
 from probdiff_callback.beside.local import LocalEvaluator
 from probdiff_callback.beside.lock import describe_holder, evaluator_holder
 from probdiff_callback.beside.queue import EvaluatorSpec, Queue, Request
 from probdiff_callback.beside.rotation import rotate
 from probdiff_callback.beside.steps import QueuedSteps, Stage, describe_steps, several
-from probdiff_callback.callback.best import TrainerBest
-from probdiff_callback.callback.metrics import logged_steps
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import is_finite
@@ -110,9 +108,9 @@ class BesideTraining:
     same methods at the same hooks: weights are saved on every rank, and what the main process reads (results,
     decisions) it hands to the others through `outputs`."""
 
-    def __init__(self, trainer, config: ProbDiffConfig, queries: Sequence[Query], outputs, best: TrainerBest) -> None:
+    def __init__(self, trainer, config: ProbDiffConfig, queries: Sequence[Query], outputs, best) -> None:
         self.trainer, self.config, self.queries, self.outputs = trainer, config, list(queries), outputs
-        self.best = best  # the Trainer's best-model record, decided again as results arrive
+        self.best = best  # callback.best.TrainerBest: the Trainer's best-model record, decided again as results arrive
         self.run_dir = Path(trainer.args.output_dir)
         self.queue = Queue(self.run_dir, config.output_subdir)
         self.files = RunFiles(self.run_dir, config.output_subdir)
