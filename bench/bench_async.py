@@ -36,9 +36,8 @@ from pathlib import Path
 
 from _side_by_side import PAPER_DATA, ROOT, load_average, prepare_model
 
-sys.path.insert(0, str(ROOT))
-from probdiff_callback.beside.queue import Queue  # noqa: E402
-from probdiff_callback.runs.run_files import read_history  # noqa: E402
+from probdiff_callback.beside.queue import Queue
+from probdiff_callback.runs.run_files import read_history
 
 OFF = ["probdiff.baseline=false", "probdiff.at_end=false", "probdiff.every=1000", "metric_for_best_model=eval_loss"]
 # the smollm2 summarization preset evaluates beside training: (a) and (b) say the loop's way themselves

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from a checkout
 STAGES = ("answers", "revisions", "scoring", "reference")  # the evaluator's own timing of each (Evaluation.cost)
 
 
@@ -56,7 +55,7 @@ def main() -> int:
     from probdiff_callback.core.queries import load_queries, read_jsonl
     from probdiff_callback.core.scoring import SCORE_ROWS_PER_FORWARD
     from probdiff_callback.models import load_model_and_tokenizer
-    from train.recipe import as_installed
+    from probdiff_callback.training.recipe import as_installed
 
     model, tokenizer = load_model_and_tokenizer("tiny", dtype="float32")
     model.train()

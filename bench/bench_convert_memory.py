@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from a checkout
 VOCAB = 151936
 
 PROBE = """

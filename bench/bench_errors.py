@@ -4,7 +4,7 @@ The README's training command with one mistake (`probdiff.delta=abc`, `recipe=no
 `probdiff eval` with a bad setting, each run as a whole process from each checkout (its source first on PYTHONPATH),
 alternately `--pairs` times (bench/_side_by_side.py). Prints the median seconds of each side, the ratio, and whether
 both said the same error line (exit status 2); the load average before and after. The after side's cache of
-SFTConfig's fields (train/sft_config_cache.py) is made once before the timings; `cold` is one run of the first case
+SFTConfig's fields (training/sft_config_cache.py) is made once before the timings; `cold` is one run of the first case
 with an empty cache, the first command after installing or upgrading trl.
 
 Run: python bench/bench_errors.py BEFORE_DIR AFTER_DIR [--pairs 3]

@@ -41,8 +41,6 @@ from pathlib import Path
 import _side_by_side as harness
 import torch
 
-sys.path.insert(0, str(harness.ROOT))  # data/, for the summarization prompt, when run as a script from a checkout
-
 # --- sampler ------------------------------------------------------------------------------------------------------
 SAMPLER_FILES = ("probdiff_callback/core/sampling.py", "probdiff_callback/core/decoding.py")
 N_ROWS, N_STOPPING_ROWS, NEW_TOKENS = 16, 32, 64
@@ -143,7 +141,7 @@ PROMPT_TOKENS, TEXT_TOKENS = (400, 600), (30, 60)
 
 
 def documents() -> tuple[list[str], str]:
-    from data.preparers.summarization import SUMMARIZATION_PROMPT
+    from probdiff_callback.data.summarization import SUMMARIZATION_PROMPT
 
     xsum = harness.PAPER_DATA / "xsum" / "test.json"
     if xsum.is_file():

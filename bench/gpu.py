@@ -27,9 +27,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the kit's modules, bench/gpu_kit, also under runpy
-
 from gpu_kit import workload as work  # noqa: E402  (after the path above)
 from gpu_kit.device import device_name, hardware_section, versions  # noqa: E402
 from gpu_kit.evaluation import decode_batch_section, evaluation_section  # noqa: E402

@@ -24,8 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/gpu.py and its kit
-
 import gpu  # noqa: E402
 import torch  # noqa: E402
 from gpu_kit import workload as work  # noqa: E402

@@ -123,9 +123,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         env["gpu"] = gpu_facts()
     except Exception as err:  # noqa: BLE001
         env["gpu"] = {"error": f"{type(err).__name__}: {err}", "second_process": "unknown"}
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    for module in ("probdiff_callback.callback.probdiff", "train.recipe"):  # the package and the script, importable
+    for module in ("probdiff_callback.callback.probdiff", "probdiff_callback.training.recipe"):  # importable
         found = distribution_of(module, "probdiff")
         env["packages"][module] = found
         if "error" in found:

@@ -35,8 +35,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `train` and this checkout's `probdiff_callback`, as train/sft.py finds them
 
 MEMORY_VARIABLE = "GPU_SESSION_EVALUATOR_MEMORY"  # where the evaluator process appends its lines
 
@@ -129,10 +127,8 @@ def memory_callback(memory: Memory):
 # ---- make-model ----
 def make_model(args: argparse.Namespace) -> int:
     import torch
-    from transformers import GenerationConfig
-
-    sys.path.insert(0, str(ROOT / "bench"))
     from gpu_kit.workload import build_model, model_config
+    from transformers import GenerationConfig
 
     from probdiff_callback.models.presets import ENDOFTEXT_ID, IM_END_ID, IM_START_ID
     from probdiff_callback.models.tokenizer import load_qwen_tokenizer
@@ -204,7 +200,7 @@ def train(args: argparse.Namespace) -> int:
 
     InLoop.evaluate_model = measured_evaluate_model
 
-    from train import sft
+    from probdiff_callback.training import sft
 
     build_trainer = sft.build_trainer
 

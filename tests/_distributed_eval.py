@@ -118,7 +118,7 @@ def build_trainer(
         )
     from trl import SFTConfig, SFTTrainer
 
-    from train.recipe import as_installed
+    from probdiff_callback.training.recipe import as_installed
 
     dataset = chat_dataset(n_train_rows)
     return SFTTrainer(
@@ -248,5 +248,4 @@ def _write_seen(out: str, rank: int, seen: dict, trainer) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -31,8 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from _records import make_record  # noqa: E402
 from filelock import FileLock, Timeout  # noqa: E402
 

@@ -86,7 +86,7 @@ def sft_here(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str,
     launcher: (exit status, stdout, stderr). The test asks for the `sft_in_this_process` fixture, which undoes what
     `main` sets in the process. For what does not need a process of its own; the command as a process is the e2e
     tests'."""
-    from train import sft
+    from probdiff_callback.training import sft
 
     capsys.readouterr()
     with monkeypatch.context() as here:

@@ -17,7 +17,6 @@ from _once import made_once
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "bench" / "gpu.py"
-sys.path.insert(0, str(KIT.parent))  # the kit's modules, bench/gpu_kit, as bench/gpu.py finds them
 
 from gpu_kit.floor import Hardware, ModelCost, decode_floor, scoring_floor, steps_per_row, training_floor  # noqa: E402
 from gpu_kit.paths import HF_ENGINES, PATHS, Call, stage_calls  # noqa: E402

@@ -26,7 +26,7 @@ from probdiff_callback.core.chat_format import (
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import Query
-from train.recipe import as_installed
+from probdiff_callback.training.recipe import as_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION = [
@@ -151,7 +151,7 @@ def test_probdiff_evaluates_each_family_and_stops_at_its_end_of_turn(family):
 def test_trl_builds_labels_from_our_masks(family, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
-    from train.data import loss_datasets
+    from probdiff_callback.training.data import loss_datasets
 
     name, tokenizer = family
     rows = [{"id": "a", "messages": CONVERSATION}, {"id": "b", "messages": CONVERSATION[1:3]}]

@@ -12,7 +12,7 @@ import pytest
 
 from probdiff_callback.core.config import ConfigError, ProbDiffConfig, config_for_command
 from probdiff_callback.core.settings_docs import settings_table
-from train.recipe import LoraArgs, RecipeError, RecipeKeys, load_recipe
+from probdiff_callback.training.recipe import LoraArgs, RecipeError, RecipeKeys, load_recipe
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 TABLES = {"ProbDiffConfig": (ProbDiffConfig, ""), "RecipeKeys": (RecipeKeys, ""), "LoraArgs": (LoraArgs, "lora.")}

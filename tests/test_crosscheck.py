@@ -33,7 +33,7 @@ from probdiff_callback.core.metric import compare_to_base
 from probdiff_callback.core.queries import DataFileError
 from probdiff_callback.core.records import Record
 from probdiff_callback.runs.run_files import history_path, read_run, step_records_path, write_jsonl
-from train.report import one_line
+from probdiff_callback.training.report import one_line
 
 DELTA = -0.05
 

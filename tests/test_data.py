@@ -1,4 +1,4 @@
-"""train/data.py: the recipe's conversations and held-out queries, the samples fallback, and what truncation leaves
+"""training/data.py: the recipe's conversations and held-out queries, the samples fallback, and what truncation leaves
 without an assistant token."""
 
 from __future__ import annotations
@@ -7,20 +7,20 @@ import re
 
 import pytest
 
-import train.data
-from train import sft
-from train.data import count_without_assistant_tokens, data_files
-from train.recipe import RecipeError, load_recipe
+import probdiff_callback.training.data
+from probdiff_callback.training import sft
+from probdiff_callback.training.data import count_without_assistant_tokens, data_files
+from probdiff_callback.training.recipe import RecipeError, load_recipe
 
 
 @pytest.fixture
 def unprepared(tmp_path, monkeypatch):
     """No data/processed/ in the working directory or the project root: the recipe's own data is missing (a file
     named with train_file= or heldout_file= that is missing stops instead: test_newuser_errors.py)."""
-    import train.data
+    import probdiff_callback.training.data
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train.data, "PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr(probdiff_callback.training.data, "PROJECT_ROOT", tmp_path)
 
 
 def test_missing_prepared_data_falls_back_to_samples_with_a_notice(unprepared):
@@ -84,10 +84,10 @@ def test_a_relative_data_path_says_where_it_was_looked_for(tmp_path, monkeypatch
 def test_the_recipes_own_data_still_falls_back_to_the_samples(tmp_path, monkeypatch):
     """Where data/processed/<task>/ is not prepared (no such folder in the working directory or the project root)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(train.data, "PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr(probdiff_callback.training.data, "PROJECT_ROOT", tmp_path)
     train_file, heldout_file, notices = data_files(load_recipe(["recipe=blog"]))
-    assert train_file == train.data.SAMPLES_DIR / "blog" / "train.jsonl"
-    assert heldout_file == train.data.SAMPLES_DIR / "blog" / "heldout.jsonl"
+    assert train_file == probdiff_callback.training.data.SAMPLES_DIR / "blog" / "train.jsonl"
+    assert heldout_file == probdiff_callback.training.data.SAMPLES_DIR / "blog" / "heldout.jsonl"
     assert [n.split(":")[0] for n in notices] == ["train data", "heldout data"]
     # the same file named explicitly is the recipe's own data too
     assert data_files(load_recipe(["recipe=blog", "train_file=data/processed/blog/train.jsonl"]))[0] == train_file

@@ -166,12 +166,12 @@ def test_a_summary_without_the_counts_still_prints():
 
 def test_the_training_table_has_a_degenerate_cell_beside_the_capped_one():
     from probdiff_callback.runs.run_files import HistoryRow
-    from train.report import probdiff_table
+    from probdiff_callback.training.report import probdiff_table
 
     records = [_record(ANSWER, LOOP, 1.29), _record(ANSWER, ECHO, 0.9), _record(LOOP, ANSWER, -1.0)]
     summary = summary_of(records, -0.05, [])
     rows = [HistoryRow(0, kind="baseline", summary=without_counts(summary)), HistoryRow(4, summary=summary)]
     table = probdiff_table(rows, [{"step": 4, "loss": 1.0}], [])
-    capped, degenerate = 8, 9  # the columns' places in train/report.py's header
+    capped, degenerate = 8, 9  # the columns' places in training/report.py's header
     assert [line[degenerate] for line in table] == ["-", "1/2"]
     assert [line[capped] for line in table] == ["0/0", "0/0"]  # build_record's None caps count as none

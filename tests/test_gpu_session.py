@@ -18,7 +18,6 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_session.sh"
-sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_session_report as report  # noqa: E402
 import gpu_wheels  # noqa: E402

@@ -1,4 +1,4 @@
-"""train/launch.py in this process: which arguments are the launcher's, when the script launches, the exit status it
+"""training/launch.py in this process: which arguments are the launcher's, when the script launches, the exit status it
 reports, the defaults that keep accelerate's warning block away, and the command in the continue line.
 (The launcher with real processes and signals: e2e/test_launcher_signals.py.)"""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from train import launch
+from probdiff_callback.training import launch
 
 
 def test_launcher_options_come_before_the_key_value_arguments():
@@ -91,7 +91,7 @@ def test_the_values_accelerate_would_warn_about_are_set(gpus, expected, monkeypa
 
 
 def test_the_continue_line_names_the_command_with_its_options(monkeypatch):
-    from train.run_dir import resume_command
+    from probdiff_callback.training.run_dir import resume_command
 
     monkeypatch.delenv(launch.LAUNCH_OPTIONS_ENV, raising=False)
     assert resume_command(["recipe=blog", "model=tiny", "resume=false"]) == (

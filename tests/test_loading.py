@@ -16,7 +16,7 @@ import pytest
 from probdiff_callback.cli import main as probdiff
 from probdiff_callback.models import ModelUnavailable, load_model_and_tokenizer, resolve_model_path
 from probdiff_callback.models.loading import hub_model_source
-from train import sft
+from probdiff_callback.training import sft
 
 ROOT = Path(__file__).resolve().parents[1]
 QUERIES = str(ROOT / "data" / "samples" / "blog" / "heldout.jsonl")

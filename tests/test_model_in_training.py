@@ -13,7 +13,7 @@ import torch
 
 from probdiff_callback.callback.model_in_training import preserved_rng_state, unwrapped_for_generation
 from probdiff_callback.models.checkpointing import activation_checkpointing_on, set_activation_checkpointing
-from train.recipe import as_installed
+from probdiff_callback.training.recipe import as_installed
 
 
 def test_preserved_rng_state_restores_every_stream():

@@ -1,18 +1,18 @@
-"""train/model_setup.py: LoRA targets on the model's own modules; the lora keys and QLoRA through trl's ModelConfig;
+"""training/model_setup.py: LoRA targets on the model's own modules; the lora keys and QLoRA through trl's ModelConfig;
 QLoRA's need of CUDA."""
 
 from __future__ import annotations
 
 import pytest
 
-from train.model_setup import quantization_config
-from train.recipe import RecipeError, load_recipe
+from probdiff_callback.training.model_setup import quantization_config
+from probdiff_callback.training.recipe import RecipeError, load_recipe
 
 
 def test_lora_targets_fit_the_architecture(tiny_model):
     from peft import LoraConfig, get_peft_model
 
-    from train.model_setup import lora_targets
+    from probdiff_callback.training.model_setup import lora_targets
 
     model, _ = tiny_model
     assert lora_targets(model, ["all-linear"]) == "all-linear"
@@ -40,7 +40,7 @@ def test_qlora_needs_cuda_here():
 
 
 def test_the_lora_keys_reach_peft_through_trls_model_config(tiny_model):
-    from train.model_setup import lora_config
+    from probdiff_callback.training.model_setup import lora_config
 
     model, _ = tiny_model
     recipe = load_recipe(
@@ -58,7 +58,7 @@ def test_qlora_is_nf4_with_nested_quantization_through_trls_model_config(bf16, c
     import torch
     from trl import get_quantization_config
 
-    from train.model_setup import model_config
+    from probdiff_callback.training.model_setup import model_config
 
     recipe = load_recipe(["recipe=blog", "quantization=4bit", f"bf16={bf16}"])
     config = get_quantization_config(model_config(recipe))

@@ -1,5 +1,5 @@
 """A mistake in the settings is said before torch, transformers and trl are imported: by `python train/sft.py`
-(train/precheck.py, with SFTConfig's stand-in from train/sft_config_cache.py) and by each `probdiff` command; the
+(training/precheck.py, with SFTConfig's stand-in from training/sft_config_cache.py) and by each `probdiff` command; the
 same `error:` line and exit status 2 as the checks after the imports, which stay as they were.
 
 What is asserted is the mechanism (which modules a refused command imported), not seconds; bench/bench_errors.py
@@ -18,8 +18,8 @@ import typing
 import pytest
 from _launch import ROOT, SFT
 
-from train import precheck, sft, sft_config_cache
-from train.recipe import RecipeError, sft_config_class
+from probdiff_callback.training import precheck, sft, sft_config_cache
+from probdiff_callback.training.recipe import RecipeError, sft_config_class
 
 HEAVY = ("torch", "transformers", "trl")
 HEAVY_IMPORT = re.compile(rf"\|\s+({'|'.join(HEAVY)})(\.|$)")  # a `-X importtime` line of one of them
@@ -118,7 +118,7 @@ def test_the_training_command_refuses_before_importing_torch(mistake, said, stan
 @pytest.mark.slow  # imports trl once, in the process that writes the stand-in
 def test_a_missing_stand_in_is_written_by_a_process_of_its_own(tmp_path):
     env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache")}
-    code = "from train import precheck, sft_config_cache as c; import sys; "
+    code = "from probdiff_callback.training import precheck, sft_config_cache as c; import sys; "
     code += "print(precheck.refused([], ['recipe=blog', 'lerning_rate=1']), c.cache_path().is_file(), "
     code += f"[m for m in {HEAVY!r} if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -1,9 +1,8 @@
-"""data/prepare.py on small files in each real format (written here), on the paper's files when
-they are present, deterministic output, duplicate removal, and errors that name file and line."""
+"""data/prepare.py (probdiff_callback/data/prepare.py) on small files in each real format (written here), on the
+paper's files when they are present, deterministic output, duplicate removal, and errors that name file and line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,16 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from data.preparers import chat_rows, leaks, sources, summarization, translation
 from probdiff_callback.core.queries import read_rows
+from probdiff_callback.data import chat_rows, leaks, prepare, sources, summarization, translation
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT.parent / "shared" / "data" / "probdiff-reference"
 SUMMARY_PROMPT_START = "I want you to act as a Summarization Writer.\n"
-
-spec = importlib.util.spec_from_file_location("prepare", ROOT / "data" / "prepare.py")
-prepare = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(prepare)
 
 
 def write_json_list(path: Path, rows: list[dict]) -> None:
@@ -430,8 +425,8 @@ def test_changed_upstream_format_stops_naming_the_url_and_what_was_expected(tmp_
 
 
 def test_alignbench_downloads_questions_and_training_set_so_the_recipe_runs(tmp_path, monkeypatch):
-    from train.data import data_files
-    from train.recipe import load_recipe
+    from probdiff_callback.training.data import data_files
+    from probdiff_callback.training.recipe import load_recipe
 
     files = {
         f"{PAPER}/alignbench/data/data_release.jsonl": json_lines(

@@ -19,7 +19,7 @@ from probdiff_callback.models.cache import COMPLETE_MARKER, build_once, is_compl
 from probdiff_callback.models.presets import ASSET, TINY_ARCHITECTURE, expanded_state_dict, weights_digest
 
 # sha256 of the expanded fp32 weights (names, shapes, dtypes, bytes) unpacked from assets/tiny.safetensors.
-# Rebuilding the asset on purpose (train/build_tiny.py) changes it; nothing else may.
+# Rebuilding the asset on purpose (training/build_tiny.py) changes it; nothing else may.
 TINY_WEIGHTS_SHA256 = "3744e1452eed091bd04e158d7b1f4fc465fb53e208c378c64f88f453eab3d6b2"
 
 

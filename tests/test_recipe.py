@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from probdiff_callback.models import PRESETS
-from train.recipe import (
+from probdiff_callback.training.recipe import (
     RECIPES_DIR,
     SFT_DEFAULTS,
     TASKS,
@@ -452,7 +452,7 @@ def test_selecting_by_a_reference_metric_needs_every_evaluation():
 def test_activation_checkpointing_goes_to_a_transformers_before_5_23_under_its_old_names():
     """transformers 5.17 to 5.22 (in the range vLLM pins) name the same settings gradient_checkpointing*: recipes keep
     the new names, and SFTConfig gets them under the installed release's."""
-    from train.recipe import installed_fields
+    from probdiff_callback.training.recipe import installed_fields
 
     before_5_23 = {"learning_rate", "gradient_checkpointing", "gradient_checkpointing_kwargs"}
     assert installed_fields(before_5_23) == {

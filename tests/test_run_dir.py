@@ -1,4 +1,4 @@
-"""train/run_dir.py: the run directory's name, resuming and a directory that already holds checkpoints."""
+"""training/run_dir.py: the run directory's name, resuming and a directory that already holds checkpoints."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from train import sft
-from train.recipe import RecipeError, load_recipe
-from train.run_dir import default_run_name, resolve_run
+from probdiff_callback.training import sft
+from probdiff_callback.training.recipe import RecipeError, load_recipe
+from probdiff_callback.training.run_dir import default_run_name, resolve_run
 
 
 def test_run_name_is_stable_and_ignores_run_level_keys():

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from _launch import CHEAP, refused_here, run_sft, sft_command, sft_env, sft_here
 
-from train.recipe import RecipeError
-from train.run_lock import LOCK_FILE, hold_run_dir, raise_if_held
+from probdiff_callback.training.recipe import RecipeError
+from probdiff_callback.training.run_lock import LOCK_FILE, hold_run_dir, raise_if_held
 
 HOLD = "from pathlib import Path; import os, sys, time\n" + (
-    "from train.run_lock import hold_run_dir\n"
+    "from probdiff_callback.training.run_lock import hold_run_dir\n"
     "lock = hold_run_dir(Path(sys.argv[1]))\n"
     "if len(sys.argv) > 2 and os.fork() == 0:\n"  # a child that outlives the job (a data loader's worker)
     "    os.write(1, b'forked %d\\n' % os.getpid()); time.sleep(60); os._exit(0)\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from train import sft
-from train.recipe import TASKS
+from probdiff_callback.training import sft
+from probdiff_callback.training.recipe import TASKS
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.core.queries import load_queries
 from probdiff_callback.runs import run_files
-from train.recipe import load_recipe, sft_config
-from train.wandb_run import (
+from probdiff_callback.training.recipe import load_recipe, sft_config
+from probdiff_callback.training.wandb_run import (
     RUN_ID_FILE,
     STEP_RECORD_FILE,
     StepRecord,

@@ -73,7 +73,7 @@ def read_recipe() -> dict:
     without the recipe loader, which needs trl that a GPU machine may lack."""
     import yaml  # a dependency of transformers
 
-    from train.recipe import SFT_DEFAULTS, RecipeKeys
+    from probdiff_callback.training.recipe import SFT_DEFAULTS, RecipeKeys
 
     body, defaults = yaml.safe_load(RECIPE.read_text(encoding="utf-8")), asdict(RecipeKeys())
     return {**defaults, **SFT_DEFAULTS, **body, **{k: {**defaults[k], **body.get(k, {})} for k in ("lora", "probdiff")}}

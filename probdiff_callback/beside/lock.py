@@ -1,7 +1,7 @@
 """One evaluator per run: the queue's `evaluator.lock`, held for the life of `probdiff watch`.
 
 Two evaluators of one queue would evaluate the same step twice and both write the history. The lock is
-`runtime/held_lock.py`'s (train/run_lock.py holds the run directory the same way): only a live evaluator holds it, a
+`runtime/held_lock.py`'s (training/run_lock.py holds the run directory the same way): only a live evaluator holds it, a
 killed one never blocks the next, and its text names the holder in the refusal. `evaluator_holder` says which
 evaluator, if any, is evaluating a run's queue.
 """

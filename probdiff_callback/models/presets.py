@@ -4,7 +4,7 @@
 on the project's sample texts, shipped with the package and unpacked on first use.
 
 A random model's distribution is near uniform, so an answer and its revision score alike (d ~ 0) and
-the metric reads it as confident. A short pretraining on chat-formatted samples (`train/build_tiny.py`)
+the metric reads it as confident. A short pretraining on chat-formatted samples (`training/build_tiny.py`)
 gives it real preferences, and teaches it the chatml turns and to stop with <|im_end|>.
 
 The samples use only ~7,600 of the 152,064 ids, so the model was trained over those ids plus one class

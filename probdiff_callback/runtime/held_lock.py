@@ -1,5 +1,5 @@
 """A lock that one live process holds and that names its holder: one training job per run directory
-(`train/run_lock.py`), one evaluator per run's queue (`runs/evaluator_lock.py`).
+(`training/run_lock.py`), one evaluator per run's queue (`runs/evaluator_lock.py`).
 
 A pid file would outlive a process killed with -9 and block what comes next (a resume, the next evaluator);
 `filelock.FileLock` takes an `flock` on Linux, which the kernel releases when the process ends, however it ends, so

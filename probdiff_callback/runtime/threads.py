@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 LAUNCHERS = ("accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch")
-# train/sft.py's own launcher (train/launch.py) names itself to the training processes it starts
+# train/sft.py's own launcher (training/launch.py) names itself to the training processes it starts
 LAUNCHER_PID_ENV = "PROBDIFF_LAUNCHER_PID"
 LOAD_SAMPLES = 5
 LOAD_SAMPLE_INTERVAL_S = 0.05

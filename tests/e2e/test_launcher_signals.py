@@ -202,7 +202,7 @@ def test_a_setup_error_through_the_readme_command_is_one_line(tmp_path, capsys):
 
 def test_setup_errors_through_the_launcher(tmp_path, tiny_model_path):
     """With two training processes the error is said once, and neither torchrun nor accelerate add a word: by the
-    command itself where its check before the imports sees it (train/precheck.py), else by the main training process
+    command itself where its check before the imports sees it (training/precheck.py), else by the main training process
     (SFTConfig's own checks, after the imports)."""
     launched = run_sft(["recipe=blog", "model=tiny", "lerning_rate=1"], tmp_path, processes=2)
     assert "unknown key 'lerning_rate'" in one_error(launched)

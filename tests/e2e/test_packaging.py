@@ -65,7 +65,8 @@ def test_wheel_carries_what_the_library_needs_at_run_time(wheel):
     assert "probdiff_callback/assets/tiny.safetensors" in names
     assert "probdiff_callback/core/prompts.py" in names  # the prompts
     assert "probdiff_callback/models/tokenizer.py" in names  # the chat template
-    assert not any(name.startswith(("tests/", "data/", "train/", "bench/")) for name in names)
+    assert "probdiff_callback/training/sft.py" in names and "probdiff_callback/data/prepare.py" in names  # the commands
+    assert not any(name.startswith(("tests/", "data/", "train/", "bench/", "recipes/")) for name in names)
 
 
 def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, tmp_path):
@@ -112,3 +113,28 @@ def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, 
     assert summary["n"] == 2
     records = [json.loads(line) for line in (work / "out" / "records.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == ["q0", "q1"] and all(r["response"] for r in records)
+
+
+def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
+    """`python -m probdiff_callback.training` from the wheel, outside the checkout: a recipe file of the user's, data
+    files of the user's, the `tiny` model unpacked from the package; the run ends with its best checkpoint."""
+    python = venv_with(wheel, tmp_path / "venv")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    for split in ("train", "heldout"):
+        (work / f"{split}.jsonl").write_text((ROOT / "data" / "samples" / "blog" / f"{split}.jsonl").read_text())
+    # the user's own recipe: the settings a CPU needs (recipes/models/tiny.yaml is the checkout's, not the wheel's)
+    (work / "my-recipe.yaml").write_text(
+        "task: blog\nmax_steps: 2\neval_steps: 1\nsave_steps: 1\nper_device_train_batch_size: 2\n"
+        "max_eval_samples: 2\nmax_length: 128\ndtype: float32\nbf16: false\nactivation_checkpointing: false\n"
+        "probdiff: {n_queries: 2, max_new_tokens: 4, max_prompt_tokens: 128}\n"
+    )
+    env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+           "WANDB_MODE": "offline"}  # fmt: skip
+    command = [str(python), "-m", "probdiff_callback.training", "recipe=my-recipe.yaml", "model=tiny",
+               "train_file=train.jsonl", "heldout_file=heldout.jsonl", "output_dir=run", "report_to=none"]  # fmt: skip
+    done = run(command, cwd=work, env=env)
+    assert (work / "run" / "final").is_dir() and (work / "run" / "best").is_symlink()
+    assert "python -m probdiff_callback.training" not in done.stdout  # no hint to go on: the run finished
+    refused = subprocess.run([*command[:3], "recipe=blog"], cwd=work, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and f"(files in {work / 'recipes'})" in refused.stderr

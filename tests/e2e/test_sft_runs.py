@@ -14,7 +14,7 @@ import pytest
 from _launch import BLOG_RUN, CHEAP, ROOT, history_rows, refused_here, run_sft, sft_command, sft_env, sft_here
 
 from probdiff_callback.runtime.threads import choose_threads
-from train.recipe import TASKS
+from probdiff_callback.training.recipe import TASKS
 
 pytestmark = pytest.mark.slow  # every test here trains (most start the training script)
 

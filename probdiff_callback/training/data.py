@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from probdiff_callback.core.queries import DataFileError, Query, chat_messages, fixed_subset, load_queries, read_rows
-from train import PROJECT_ROOT, say
-from train.recipe import Recipe, RecipeError, default_data_file
+from probdiff_callback.training import PROJECT_ROOT, say
+from probdiff_callback.training.recipe import Recipe, RecipeError, default_data_file
 
 PROCESSED_DIR = PROJECT_ROOT / "data" / "processed"
 SAMPLES_DIR = PROJECT_ROOT / "data" / "samples"

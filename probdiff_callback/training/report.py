@@ -10,7 +10,7 @@ from probdiff_callback.analysis.crosscheck import LABELS
 from probdiff_callback.analysis.report import fmt, format_p, format_table, format_win_tie_lose, pct
 from probdiff_callback.beside.queue import Queue
 from probdiff_callback.runs.run_files import HistoryRow
-from train.recipe import Recipe
+from probdiff_callback.training.recipe import Recipe
 
 
 def probdiff_table(rows: list[HistoryRow], log_history: list[dict], references: list[str]) -> list[list[str]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from probdiff_callback.runtime import held_lock
 from probdiff_callback.runtime.held_lock import HeldLock, LockHeld
-from train.recipe import RecipeError
+from probdiff_callback.training.recipe import RecipeError
 
 LOCK_FILE = "run.lock"
 
@@ -57,7 +57,7 @@ def raise_if_held(run_dir: Path) -> None:
 
 def hold_on_every_rank(run_dir: Path, world_size: int) -> HeldLock | None:
     """The main process takes the lock; every rank stops with its error (one broadcast), none hangs waiting."""
-    from train import is_main_process
+    from probdiff_callback.training import is_main_process
 
     lock, error = None, None
     if is_main_process():

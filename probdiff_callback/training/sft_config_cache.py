@@ -2,7 +2,7 @@
 versions into the cache and read back as a dataclass of the same names, types and defaults (`stand_in`).
 
 Importing trl imports transformers and torch: seconds, tens of them on a loaded machine. The recipe's keys and types
-are SFTConfig's, so the settings check that runs before those imports (`train/precheck.py`) needs its fields, and
+are SFTConfig's, so the settings check that runs before those imports (`precheck.py`) needs its fields, and
 `train.recipe` types a recipe against the stand-in exactly as against SFTConfig. The file is made from the class
 itself, by a process that imports trl, rather than from trl's and transformers' source read with `ast`: the types
 are enumerations defined across transformers' modules, unions written two ways and defaults that are expressions,
@@ -77,8 +77,7 @@ def write_cache(path: Path) -> None:
     if "trl" in sys.modules:
         save(path)
         return
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", "train.sft_config_cache", str(path)], cwd=root, check=True,
+    subprocess.run([sys.executable, "-m", "probdiff_callback.training.sft_config_cache", str(path)], check=True,
                    capture_output=True, timeout=WRITE_TIMEOUT_S)  # fmt: skip
 
 
@@ -193,5 +192,5 @@ def _value_form(value: Any) -> Any:
     raise Unwritable(repr(value))
 
 
-if __name__ == "__main__":  # write_cache's process of its own: python -m train.sft_config_cache PATH
+if __name__ == "__main__":  # write_cache's own process: python -m probdiff_callback.training.sft_config_cache PATH
     save(Path(sys.argv[1]))

@@ -1,6 +1,6 @@
 """Pretrain the `tiny` preset on data/samples and write its compact weights to the package.
 
-    python train/build_tiny.py            # -> probdiff_callback/assets/tiny.safetensors
+    python -m probdiff_callback.training.build_tiny            # -> probdiff_callback/assets/tiny.safetensors
 
 Users never run this: the weights ship with the package and are unpacked on first use
 (probdiff_callback/models/presets.py). Run it only to change the tiny model on purpose, then update the
@@ -31,8 +31,9 @@ from probdiff_callback.models.presets import (
     USED_IDS,
 )
 from probdiff_callback.models.tokenizer import load_qwen_tokenizer
+from probdiff_callback.training import PROJECT_ROOT
 
-SAMPLES_DIR = Path(__file__).resolve().parents[1] / "data" / "samples"
+SAMPLES_DIR = PROJECT_ROOT / "data" / "samples"
 PRETRAIN = dict(block_size=256, batch_size=8, steps=200, learning_rate=4e-3, warmup_steps=20, seed=1234)
 NOISE_SCALE = 0.02  # unused ids' rows: the fill row plus this share of the trained rows' spread
 

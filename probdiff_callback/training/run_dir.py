@@ -14,10 +14,10 @@ from probdiff_callback.runs.checkpoints import (
     checkpoints,
     is_cut_off,
 )
-from train import say
-from train.launch import training_command
-from train.recipe import Recipe, RecipeError
-from train.run_lock import raise_if_held
+from probdiff_callback.training import say
+from probdiff_callback.training.launch import training_command
+from probdiff_callback.training.recipe import Recipe, RecipeError
+from probdiff_callback.training.run_lock import raise_if_held
 
 RUNS_DIR = Path("runs")
 # Settings that name or steer a run rather than define what is trained: left out of the run name's hash,

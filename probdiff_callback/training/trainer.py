@@ -9,9 +9,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from train import say
-from train.data import LOSS_MASKING_NOTES, loss_datasets
-from train.recipe import Recipe
+from probdiff_callback.training import say
+from probdiff_callback.training.data import LOSS_MASKING_NOTES, loss_datasets
+from probdiff_callback.training.recipe import Recipe
 
 
 def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):

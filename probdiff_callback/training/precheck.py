@@ -3,7 +3,7 @@
 Importing torch, transformers and trl takes seconds, tens of them on a loaded machine: a misspelt key, a recipe that
 is not there or a missing data file should not wait for them. So the command first runs the checks of its settings
 that `train` runs before it loads anything, in the same order and through the same functions, with SFTConfig's
-stand-in (train/sft_config_cache.py) where they need trl's class: the same `error:` line and exit status 2, without
+stand-in (sft_config_cache.py) where they need trl's class: the same `error:` line and exit status 2, without
 those imports. Whatever passes here, `train` checks again after the imports, as it always did; what only it can see
 stops there: SFTConfig's own checks, a model whose files cannot be had, a bad row in a data file, and the few keys
 whose types the stand-in cannot write (`sft_config_cache.UNCHECKED`).
@@ -18,12 +18,12 @@ import sys
 import time
 
 from probdiff_callback.core.queries import DataFileError
-from train import is_main_process, say
-from train.data import data_files
-from train.model_setup import check_model_name
-from train.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config_stand_in
-from train.run_dir import resolve_run
-from train.sft_config_cache import stand_in
+from probdiff_callback.training import is_main_process, say
+from probdiff_callback.training.data import data_files
+from probdiff_callback.training.model_setup import check_model_name
+from probdiff_callback.training.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config_stand_in
+from probdiff_callback.training.run_dir import resolve_run
+from probdiff_callback.training.sft_config_cache import stand_in
 
 # A setup error on a rank other than the main one: how long it waits for the launcher to stop it (torchrun and
 # accelerate stop the other ranks within a second of the main one's exit)

@@ -29,9 +29,9 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from train import say
-from train.precheck import check_wandb_installed
-from train.recipe import Recipe, report_to_list
+from probdiff_callback.training import say
+from probdiff_callback.training.precheck import check_wandb_installed
+from probdiff_callback.training.recipe import Recipe, report_to_list
 
 RUN_ID_FILE = "wandb_run_id"
 STEP_RECORD_FILE = "wandb_step.json"
@@ -262,7 +262,7 @@ def setup_wandb(recipe: Recipe, run_dir: Path) -> str | None:
     """Environment for the Trainer's W&B integration. Returns the `wandb sync` command for an offline run, else None."""
     if "wandb" not in report_to_list(recipe):
         return None
-    check_wandb_installed(recipe)  # the one message, also said before the imports (train/precheck.py)
+    check_wandb_installed(recipe)  # the one message, also said before the imports (precheck.py)
     os.environ.setdefault("WANDB_PROJECT", recipe.wandb_project or f"probdiff-{recipe.recipe}")
     if recipe.wandb_entity:
         os.environ["WANDB_ENTITY"] = recipe.wandb_entity

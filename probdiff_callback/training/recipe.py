@@ -36,7 +36,7 @@ from probdiff_callback.runtime.config_layers import (
     parse_items,
     typed,
 )
-from train import PROJECT_ROOT
+from probdiff_callback.training import PROJECT_ROOT
 
 RECIPES_DIR = PROJECT_ROOT / "recipes"
 MODELS_DIR = "models"  # recipes/models/<preset>.yaml: what a model preset needs in every recipe
@@ -204,7 +204,7 @@ def sft_fields() -> dict[str, Any]:
 
 
 def sft_config_class() -> type:
-    """trl's SFTConfig; inside `sft_config_stand_in`, its stand-in (train/sft_config_cache.py: the same fields, types
+    """trl's SFTConfig; inside `sft_config_stand_in`, its stand-in (sft_config_cache.py: the same fields, types
     and defaults, without importing trl, transformers and torch)."""
     if _STAND_INS:
         return _STAND_INS[-1]
@@ -213,7 +213,7 @@ def sft_config_class() -> type:
     return SFTConfig
 
 
-_STAND_INS: list[type] = []  # while the settings are checked before the imports (train/precheck.py)
+_STAND_INS: list[type] = []  # while the settings are checked before the imports (precheck.py)
 
 
 @contextlib.contextmanager

@@ -1,12 +1,15 @@
-"""The training script (`sft.py`) and what only it uses, one concern per module: the recipe and its `SFTConfig`
-(`recipe`), the run directory and resuming (`run_dir`), one job per run directory (`run_lock`), the conversations and
-held-out queries (`data`), the model and its LoRA (`model_setup`), trl's `SFTTrainer` with the ProbDiff and preemption
-callbacks (`trainer`), one W&B run across resumes (`wandb_run`) and the end-of-run report (`report`); the settings
-checked before torch, transformers and trl are imported (`precheck`), with SFTConfig's fields known without them
-(`sft_config_cache`).
+"""The training command and what only it uses, one concern per module: the command users start (`command`: the
+settings checked before torch, transformers and trl are imported (`precheck`, with SFTConfig's fields known without
+them: `sft_config_cache`), then training here or the launcher of the training processes (`launch`)), the training
+process's steps (`sft`), the recipe and its `SFTConfig` (`recipe`), the run directory and resuming (`run_dir`), one job
+per run directory (`run_lock`), the conversations and held-out queries (`data`), the model and its LoRA
+(`model_setup`), trl's `SFTTrainer` with the ProbDiff and preemption callbacks (`trainer`), one W&B run across resumes
+(`wandb_run`) and the end-of-run report (`report`).
 
-It lives beside the library, as alignment-handbook keeps `scripts/` beside `src/`: it runs from a checkout, which
-holds the recipes and data it reads (`PROJECT_ROOT`), and the installed package (`probdiff_callback`) does not ship it.
+Installed with the package (TRL ships `trl/scripts/sft.py` the same way); `train/sft.py` in a checkout is its
+entry point. A recipe named `recipe=NAME` and a relative data path are looked up in the checkout the package runs
+from (`PROJECT_ROOT`, which holds `recipes/` and `data/`), or, for an installed package, the working directory; a
+recipe can also be a path to a .yaml file.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[2]
+# the checkout holding recipes/ and data/ (an editable install, tests), else the working directory (an installed wheel)
+PROJECT_ROOT = _CHECKOUT if (_CHECKOUT / "recipes").is_dir() else Path.cwd()
 
 
 def is_main_process() -> bool:

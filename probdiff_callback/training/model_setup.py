@@ -12,8 +12,8 @@ import os
 import time
 from collections.abc import Iterator
 
-from train import say
-from train.recipe import Recipe, RecipeError
+from probdiff_callback.training import say
+from probdiff_callback.training.recipe import Recipe, RecipeError
 
 
 def prepare_model_files(name: str) -> None:

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 # The launcher's options, in the environment of the training processes it starts, for the continue line (and its pid,
 # LAUNCHER_PID_ENV: how they know it; threads.py reads the user's OMP_NUM_THREADS from its environment)
 LAUNCH_OPTIONS_ENV = "PROBDIFF_LAUNCH_OPTIONS"
+ENTRY_ENV = "PROBDIFF_TRAIN_ENTRY"  # how the command was started, where it is not train/sft.py
 PASSED_ON = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # torchrun (`--signals_to_handle`, read from PET_SIGNALS_TO_HANDLE) keeps its own handling only for these
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
@@ -109,7 +110,7 @@ def needs_launcher(options: list[str]) -> bool:
 def training_command() -> str:
     """The command that started this run (without its key=value arguments), for the lines that say how to go on."""
     options = os.environ.get(LAUNCH_OPTIONS_ENV, "")
-    return f"python train/sft.py {options}".rstrip()
+    return f"{os.environ.get(ENTRY_ENV, 'python train/sft.py')} {options}".rstrip()
 
 
 def follow_launcher() -> None:
@@ -134,8 +135,9 @@ def follow_launcher() -> None:
         pass
 
 
-def main(argv: list[str], script: str) -> int:
-    """Launch `script` with `argv` (launcher options, then its arguments); the training processes' exit status."""
+def main(argv: list[str], script: str | None, module: str | None = None) -> int:
+    """Launch `script` (a file), or `module` (as `python -m`), with `argv` (launcher options, then its arguments); the
+    training processes' exit status."""
     options, script_args = split_arguments(argv)
     if options in (["-h"], ["--help"]):
         print(f"usage: {USAGE}\n\nOptions before the key=value arguments are `accelerate launch`'s (accelerate launch "
@@ -144,7 +146,8 @@ def main(argv: list[str], script: str) -> int:
     received: list[int] = []
     for signum in PASSED_ON:  # first: a signal during the imports below must not end this process alone
         signal.signal(signum, lambda signum, frame: pass_on(signum, received))
-    return launch(options, script, script_args, received)
+    target = [script] if script is not None else ["--module", str(module)]
+    return launch(options, target, script_args, received)
 
 
 def pass_on(signum: int, received: list[int]) -> None:
@@ -165,14 +168,14 @@ def pass_on(signum: int, received: list[int]) -> None:
             pass
 
 
-def launch(options: list[str], script: str, script_args: list[str], received: list[int]) -> int:
+def launch(options: list[str], target: list[str], script_args: list[str], received: list[int]) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     parser = launch_command_parser()
     parser.usage = USAGE
-    args = parser.parse_args([*options, script, *script_args])
+    args = parser.parse_args([*options, *target, *script_args])
     set_unset_defaults(args)
     os.environ.update({
         LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_OPTIONS_ENV: shlex.join(options),
