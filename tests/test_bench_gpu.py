@@ -63,7 +63,10 @@ def tiny_run(tmp_path_factory) -> tuple[dict[str, list[str]], dict]:
             "--train-tokens 32"
         )
         command = [sys.executable, "-c", code, *small.split(), "--json", str(folder / "figures.json")]
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        # run_path puts no folder on the path: the kit's modules are found as `python bench/gpu.py` finds them
+        path = os.pathsep.join(filter(None, [str(KIT.parent), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr[-4000:]
         (folder / "stdout.txt").write_text(result.stdout)
 
