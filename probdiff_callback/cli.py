@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from probdiff_callback.analysis.report import degenerate_note, format_comparison, format_summary
 from probdiff_callback.core.config import DEFAULT_ALARM_GAIN_SHARE, EVAL, SCORE, ProbDiffConfig, config_for_command
-from probdiff_callback.core.engines.vllm_common import EngineUnavailable, vllm_problem
 from probdiff_callback.core.queries import QUERY_FIELDS, TURN_FIELDS
+from probdiff_callback.generation.vllm_common import EngineUnavailable, vllm_problem
 from probdiff_callback.models import check_model_arguments
 from probdiff_callback.models.command_loading import load_model
 from probdiff_callback.runs.eval_output import (
@@ -34,7 +34,7 @@ from probdiff_callback.runs.eval_output import (
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from probdiff_callback.core.engines import Engine
+    from probdiff_callback.generation import Engine
 
 
 def _settings_epilog(command: str) -> str:
@@ -263,10 +263,10 @@ _own_process = False
 def _vllm_engine(args, config: ProbDiffConfig, model, tokenizer) -> Iterator[Engine]:
     """The vLLM engine `config` asks for, holding the weights `probdiff eval` evaluates: the base model, or with
     --adapter the adapter (by path) or the merged weights, as `vllm_weight_sync` says; stopped at the end."""
-    from probdiff_callback.core.engines.vllm import VLLMGeneration
+    from probdiff_callback.generation.vllm import VLLMGeneration
 
     started = time.time()
-    with contextlib.closing(VLLMGeneration.start(config, model, tokenizer, dtype=args.dtype, log_dir=args.out)) as vllm:
+    with contextlib.closing(VLLMGeneration.start(config, model, tokenizer, dtype=args.dtype)) as vllm:
         ready = time.time() - started
         with vllm.holding(model, base_model=args.adapter is None, adapter=args.adapter) as engine:
             where = config.vllm_server_base_url if config.vllm_mode == "server" else vllm.where

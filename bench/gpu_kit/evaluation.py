@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines import Engine
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.prompts import prepare_queries
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Cost, Record
+from probdiff_callback.generation import Engine
 
 from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory
 from .floor import decode_floor, scoring_floor, steps_per_row
@@ -37,7 +37,7 @@ class Measured:
 
 
 def warm_up(model, tokenizer, queries: Sequence[Query], config: ProbDiffConfig, engine: Engine) -> None:
-    """One batch of one new token first: CUDA context, kernel selection, allocator growth (and a server's adapter
+    """One batch of one new token first: CUDA context, kernel selection, allocator growth (and vLLM's adapter
     loading) stay out of the timings."""
     short = dataclasses.replace(config, max_new_tokens=1)
     evaluate(model, tokenizer, queries[: config.batch_size], short, engine=engine, progress=False)
@@ -105,15 +105,13 @@ def compared_with_ours(run: Measured, ours: Measured | None, same_sampler: bool)
     return words, {"speed_vs_ours": speed}
 
 
-def stage_figure(
-    label: str, stage: str, took: float, calls: list[Call], floor: float, cap: int, server: bool
-) -> Figure:
-    """A decoding stage: HF batches decode in lockstep, each for as many steps as its longest row; a server
-    (`server`) was sent the stage's requests at once and batched them itself."""
+def stage_figure(label: str, stage: str, took: float, calls: list[Call], floor: float, cap: int, vllm: bool) -> Figure:
+    """A decoding stage: HF batches decode in lockstep, each for as many steps as its longest row; vLLM (`vllm`) was
+    handed the stage's requests at once and batched them itself."""
     lengths = [length for c in calls for length in c.generated_lengths]
     tokens, at_cap = sum(lengths), sum(length == cap for length in lengths)
-    if server:
-        how = f"{plural(len(lengths), 'request', 'requests')} sent at once, batched by the server (floor: one batch)"
+    if vllm:
+        how = f"{plural(len(lengths), 'request', 'requests')} handed over at once, batched by vLLM (floor: one batch)"
         numbers: dict[str, float] = {}
     else:
         steps = sum(max(steps_per_row(c.generated_lengths, cap)) for c in calls)
@@ -130,11 +128,11 @@ def stage_figure(
 
 
 def evaluation_figures(
-    label: str, run: Measured, floors: Floors, cap: int, ours: Measured | None, server: bool = False
+    label: str, run: Measured, floors: Floors, cap: int, ours: Measured | None, vllm: bool = False
 ) -> list[Figure]:
     """A path's rows: the evaluation (next to ours, where given), its two decoding stages and its scoring, each
-    against its floor. `server`: the texts came from a server, with its own sampler and batching."""
-    comparison, compared = compared_with_ours(run, ours, same_sampler=not server)
+    against its floor. `vllm`: the texts came from vLLM, with its own sampler and batching."""
+    comparison, compared = compared_with_ours(run, ours, same_sampler=not vllm)
     scoring = run.cost.scoring_seconds
     return [
         Figure(
@@ -147,10 +145,8 @@ def evaluation_figures(
             | run.memory_numbers
             | compared,
         ),
-        stage_figure(label, "answer", run.cost.answers_seconds, run.calls["answer"], floors.answer, cap, server),
-        stage_figure(
-            label, "revision", run.cost.revisions_seconds, run.calls["revision"], floors.revision, cap, server
-        ),
+        stage_figure(label, "answer", run.cost.answers_seconds, run.calls["answer"], floors.answer, cap, vllm),
+        stage_figure(label, "revision", run.cost.revisions_seconds, run.calls["revision"], floors.revision, cap, vllm),
         Figure(
             f"{label}: scoring",
             seconds(scoring),

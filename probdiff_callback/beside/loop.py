@@ -26,12 +26,12 @@ from probdiff_callback.beside.queue import ENDED_FILE, Done, EvaluatorSpec, Queu
 from probdiff_callback.beside.shares import Helpers, evaluate_in_shares, helpers_worth
 from probdiff_callback.beside.weights import Loaded, Weights, adapter_in, describe_weights, weights_gone
 from probdiff_callback.core.config import ConfigError, ProbDiffConfig
-from probdiff_callback.core.engines.vllm import VLLMGeneration
 from probdiff_callback.core.evaluator import evaluate, summarise
 from probdiff_callback.core.metric import compare_to_base
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Cost, Record, Summary
 from probdiff_callback.core.reference_metrics import ReferencePlan, plan_references
+from probdiff_callback.generation.vllm import VLLMGeneration
 from probdiff_callback.models import default_device
 from probdiff_callback.runs.run_files import HistoryRow, RunFiles
 from probdiff_callback.runtime.stop_signals import StopSignals

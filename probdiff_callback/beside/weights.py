@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from probdiff_callback.beside.queue import SPEC_FILE, EvaluatorSpec, Queue
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines.vllm import VLLMGeneration
+from probdiff_callback.generation.vllm import VLLMGeneration
 from probdiff_callback.models import load_model_and_tokenizer, parse_dtype, peft_without_deprecated_alias_warning
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -137,7 +137,6 @@ class Loaded:
                 self.weights.base,
                 self.weights.tokenizer,
                 lora_rank=spec.lora_rank or 0,
-                log_dir=self.queue.folder,
                 scratch_parent=self.queue.folder,
             )
             self._vllm_spec = spec
@@ -145,7 +144,7 @@ class Loaded:
         return self.weights, self.vllm
 
     def close(self) -> None:
-        """Stop the vLLM server this process started, if any."""
+        """End this process's vLLM engine, if any."""
         vllm, self.vllm, self._vllm_spec = self.vllm, None, None
         if vllm is not None:
             vllm.close()

@@ -22,11 +22,11 @@ from probdiff_callback.callback.outputs import TrainerOutputs
 from probdiff_callback.callback.ranks import any_error
 from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome, evaluate_trainer_model, start_vllm
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines.vllm import in_this_process
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import compare_to_base, is_finite
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Record
+from probdiff_callback.generation.vllm import in_this_process
 from probdiff_callback.runs.run_files import HistoryRow, RunFiles, read_records
 
 logger = logging.getLogger(__name__)

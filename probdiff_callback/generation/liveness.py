@@ -1,8 +1,7 @@
 """Whether a vLLM server is alive and making progress, so that a request to it waits as long as it is (a slow engine
 is not a dead one) and fails, saying what was seen, once it is gone or stalled.
 
-- **Gone**: a server this job started whose process has exited; any server that has not answered for the answer
-  window (`vllm_server_timeout`).
+- **Gone**: a server that has not answered for the answer window (`vllm_server_timeout`).
 - **Stalled**: a server whose Prometheus metrics (`GET /metrics`, served by vLLM's OpenAI server) showed no work done
   for the stall window (`vllm_stall_timeout`): no prompt token prefilled, no token generated, no request finished
   (`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:request_success_total`, each summed over its
@@ -12,23 +11,16 @@ is not a dead one) and fails, saying what was seen, once it is gone or stalled.
 
 A server whose metrics hold none of those counters (metrics turned off) cannot show progress: a wait on it is bounded
 by the stall window, and the message says why. Nothing here speaks HTTP: `ServerWatch` is given the function that
-reads the metrics (`engines/vllm_server.py`'s), and a clock.
-
-A server this job started has no metrics to read until it answers; while it starts (`StartWatch`), its log is its
-progress: vLLM logs each stage (resolving the model, loading the weights, profiling, allocating the KV cache, the
-routes it serves), so a start is waited for as long as its process lives and its log grew within the stall window,
-however long the whole start takes on a busy machine.
+reads the metrics (`vllm_server.py`'s), and a clock.
 """
 
 from __future__ import annotations
 
 import http.client
 import math
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 PREFILLED = "vllm:prompt_tokens_total"
 GENERATED = "vllm:generation_tokens_total"
@@ -80,8 +72,7 @@ class Progress:
 class ServerWatch:
     """Watches a server while requests to it wait: `begin()` when a wait starts (the stall clock runs from there),
     then `problem()` as often as the wait likes: why the server counts as gone or stalled, or None while it is alive
-    and progressing. The metrics are read at most every `poll_seconds` (a quarter of the stall window, at most 5 s);
-    `process` (a server this job started) is looked at on every call.
+    and progressing. The metrics are read at most every `poll_seconds` (a quarter of the stall window, at most 5 s).
 
     `read_metrics(timeout)` returns the server's metrics text (empty when it serves none) or raises OSError or
     http.client.HTTPException when the server does not answer.
@@ -93,10 +84,9 @@ class ServerWatch:
         *,
         stall_seconds: float,
         answer_seconds: float,
-        process: subprocess.Popen | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.read_metrics, self.process, self.clock = read_metrics, process, clock
+        self.read_metrics, self.clock = read_metrics, clock
         self.stall_seconds, self.answer_seconds = stall_seconds, answer_seconds
         self.poll_seconds = min(5.0, stall_seconds / 4)
         self.begin()
@@ -110,8 +100,6 @@ class ServerWatch:
 
     def problem(self) -> str | None:
         """Why the server counts as gone or stalled (a phrase that follows "the server"), or None."""
-        if self.process is not None and (code := self.process.poll()) is not None:
-            return f"exited (exit code {code})"
         now = self.clock()
         if now - self._last_read < self.poll_seconds:
             return None
@@ -138,55 +126,5 @@ class ServerWatch:
             return (
                 f"stalled: no token generated or prompt processed for {self.stall_seconds:.0f} s while "
                 f"{seen.running} requests were running and {seen.waiting} waiting"
-            )
-        return None
-
-
-def last_line(log: Path, most_bytes: int = 8192) -> str:
-    """The log's last line that holds more than blanks (a progress bar's last state), or "" when it has none."""
-    try:
-        with open(log, "rb") as file:
-            file.seek(max(0, file.seek(0, 2) - most_bytes))
-            tail = file.read().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return ""
-    lines = [line.strip() for line in tail.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
-class StartWatch:
-    """A server this job started, until it answers: `problem()` says why it counts as gone (its process exited) or
-    stalled (its log did not grow for `stall_seconds`, counted from the watch's creation), or None while it is
-    starting."""
-
-    def __init__(
-        self,
-        process: subprocess.Popen,
-        log: Path,
-        *,
-        stall_seconds: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.process, self.log, self.stall_seconds, self.clock = process, log, stall_seconds, clock
-        self._size, self._last_growth = self._log_size(), clock()
-
-    def _log_size(self) -> int:
-        try:
-            return self.log.stat().st_size
-        except FileNotFoundError:
-            return 0
-
-    def problem(self) -> str | None:
-        """Why the start counts as gone or stalled (a phrase that follows "the server"), or None."""
-        if (code := self.process.poll()) is not None:
-            return f"exited (exit code {code})"
-        now, size = self.clock(), self._log_size()
-        if size != self._size:
-            self._size, self._last_growth = size, now
-        if now - self._last_growth >= self.stall_seconds:
-            return (
-                f"stalled while starting: its log ({self.log}) did not grow for {self.stall_seconds:g} s "
-                f"(vllm_stall_timeout={self.stall_seconds:g}: raise it where one stage of a start takes longer); its "
-                f"last line: {last_line(self.log) or '(none)'}"
             )
         return None

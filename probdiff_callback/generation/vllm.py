@@ -2,15 +2,14 @@
 
 - `colocate`: vLLM in the process that evaluates, through its Python API (`vllm_colocate.py`), once per run (or per
   `probdiff eval`); the weights to evaluate go to it in memory (a LoRA run's adapters merged in, or on a GPU the
-  adapter by path). On a GPU it sleeps between evaluations, so training gets the memory back. Where vLLM cannot be
-  installed beside the project, `$PROBDIFF_VLLM_PYTHON` names another environment's Python, and this job starts a
-  vLLM server of its own from there instead (`vllm_server.py`).
-- `server`: a `vllm serve <base model> --enable-lora` that you started (other GPUs, other cores); the adapter to
-  evaluate is loaded by path through its runtime LoRA endpoint.
+  adapter by path). On a GPU it sleeps between evaluations, so training gets the memory back.
+- `server`: a `vllm serve <base model> --enable-lora` that you started (other GPUs, other cores, another environment
+  where vLLM cannot be installed beside the project); the adapter to evaluate is loaded by path through its runtime
+  LoRA endpoint (`vllm_server.py`).
 
 This module owns what the evaluator holds, `VLLMGeneration`: which engine `config` asks for, started on the model's
 base weights, and the weights of each evaluation handed to it (`weight_sync`: the adapter by path, or the merged
-weights, `merged_state_dict`, in memory or for a server through a scratch folder). The terms every vLLM engine shares
+weights, `merged_state_dict`, in memory). The terms every vLLM engine shares
 (sampling stated whole, texts decoded from token ids, `EngineUnavailable`) are in `vllm_common.py`.
 
 Scoring does not go through vLLM: the model scores both texts itself, in fp32 (scoring.py).
@@ -27,9 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from probdiff_callback.core.chat_format import stop_token_ids
-from probdiff_callback.core.engines.vllm_colocate import ColocatedEngine
-from probdiff_callback.core.engines.vllm_common import PYTHON_VARIABLE, EngineUnavailable, on_gpu, vllm_problem
-from probdiff_callback.core.engines.vllm_server import ServerEngine, start_colocated
+from probdiff_callback.generation.vllm_colocate import ColocatedEngine
+from probdiff_callback.generation.vllm_common import EngineUnavailable, vllm_problem
+from probdiff_callback.generation.vllm_server import ServerEngine
 
 # EngineUnavailable, the error callers of this module catch (`probdiff eval`), is defined in vllm_common.py.
 __all__ = [
@@ -40,28 +39,24 @@ __all__ = [
     "merged_weights",
     "vllm_problem",
     "weight_sync",
-    "write_weights",
 ]
 
 
 def in_this_process(config) -> bool:
-    """Whether `use_vllm=true` runs vLLM in the evaluating process (vllm_mode=colocate, vLLM installed here): then every
-    training rank holds an engine of its own and writes its share's texts, as TRL's colocate mode does. Otherwise the
-    main process speaks to a server (yours, or one this job starts from `$PROBDIFF_VLLM_PYTHON`) for every rank."""
-    return config.use_vllm and config.vllm_mode == "colocate" and not os.environ.get(PYTHON_VARIABLE)
+    """Whether `use_vllm=true` runs vLLM in the evaluating process (vllm_mode=colocate): then every training rank holds
+    an engine of its own and writes its share's texts, as TRL's colocate mode does. Otherwise the main process speaks
+    to your server for every rank."""
+    return config.use_vllm and config.vllm_mode == "colocate"
 
 
 def weight_sync(config) -> str:
     """How the engine gets the weights of a LoRA run: `lora` (the adapter by path) or `merged` (the adapters merged
     into the weights, handed over whole). A server you started takes adapters only. `auto`: merged for vLLM in this
     process (in memory, as TRL's colocate mode syncs them: nothing written, and the base model's kernels, where vLLM's
-    CPU LoRA kernels are many times slower; docs/vllm.md); for a server of this job's from `$PROBDIFF_VLLM_PYTHON`,
-    merged on a CPU and the adapter by path on a GPU (its merged weights would go through a folder)."""
+    CPU LoRA kernels are many times slower; docs/vllm.md)."""
     if config.vllm_mode == "server":
         return "lora"
-    if config.vllm_weight_sync != "auto":
-        return config.vllm_weight_sync
-    return "lora" if os.environ.get(PYTHON_VARIABLE) and on_gpu() else "merged"
+    return "merged" if config.vllm_weight_sync == "auto" else config.vllm_weight_sync
 
 
 def merged_weights(model) -> Iterator[tuple[str, object]]:
@@ -96,15 +91,6 @@ def merged_state_dict(model) -> dict:
     return dict(merged_weights(model))
 
 
-def write_weights(model, directory: str | os.PathLike) -> Path:
-    """`merged_state_dict(model)` as `directory`/model.safetensors, for a server's `ServerEngine.use_weights`."""
-    from safetensors.torch import save_file
-
-    path = Path(directory) / "model.safetensors"
-    save_file(merged_state_dict(model), str(path))
-    return path
-
-
 class VLLMGeneration:
     """vLLM for one model's evaluations, from start to close: the one owner of "start an engine for this model and
     hand it the weights being evaluated", for `probdiff eval`, the callback and a process that evaluates saved
@@ -112,7 +98,7 @@ class VLLMGeneration:
 
     `start` starts the engine `config` asks for (`vllm_mode`) on the model's base weights; `holding` hands it the
     weights of one evaluation as `vllm_weight_sync` says; `sleep` gives a GPU's memory back between evaluations;
-    `close` stops a server this job started (a server you started is left running).
+    `close` ends an engine in this process (a server you started is left running).
     """
 
     def __init__(
@@ -121,7 +107,7 @@ class VLLMGeneration:
         self.engine, self.weight_sync, self.scratch_parent = engine, weight_sync, scratch_parent
         self.in_memory = isinstance(engine, ColocatedEngine)  # whole weights by reference, never through a folder
         self.handed_over: HandOver | None = None  # the last evaluation's weights: how long, how much written
-        self.where = "in this process" if self.in_memory else "a server of this job's"
+        self.where = "in this process" if self.in_memory else "your server"
 
     @classmethod
     def start(
@@ -132,15 +118,15 @@ class VLLMGeneration:
         *,
         dtype: str | None = None,
         lora_rank: int | None = None,
-        log_dir: str | os.PathLike | None = None,
         scratch_parent: str | os.PathLike | None = None,
     ) -> VLLMGeneration:
-        """vLLM for `model` (a PEFT model or not): with vllm_mode=colocate in this process on the base model's folder
-        (or, where `$PROBDIFF_VLLM_PYTHON` names vLLM's own environment, a server of this job's from there, its log in
-        `log_dir`), in `dtype` (default: the model's own), with LoRA slots for `lora_rank` (default: the model's
-        adapter's when its weights go as an adapter); with vllm_mode=server the server you started. Weights that go
-        to a server through a folder go to one in `scratch_parent` (default: the system's temporary folder), which a
-        server you started must be able to read."""
+        """vLLM for `model` (a PEFT model or not): with vllm_mode=colocate in this process on the base model's folder,
+        in `dtype` (default: the model's own), with LoRA slots for `lora_rank` (default: the model's adapter's when its
+        weights go as an adapter); with vllm_mode=server the server you started. An adapter that goes to an engine
+        through a folder goes to one in `scratch_parent` (default: the system's temporary folder), which a server you
+        started must be able to read."""
+        if problem := vllm_problem(config):
+            raise EngineUnavailable(problem)
         import torch
 
         sync = weight_sync(config)
@@ -159,29 +145,19 @@ class VLLMGeneration:
                 timeout=config.vllm_server_timeout,
                 stall_timeout=config.vllm_stall_timeout,
             )
-        else:  # colocate: the engine on the base model's folder, started by this job
-            shared = dict(
+        else:  # colocate: the engine in this process, on the base model's folder
+            engine = ColocatedEngine.start(
+                base.name_or_path,
+                tokenizer,
+                stop_ids,
                 max_model_len=config.max_prompt_tokens + config.max_new_tokens,
                 seed=config.seed,
                 dtype=dtype,
                 gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 max_lora_rank=lora_rank,
                 threads=torch.get_num_threads(),
+                sleep_mode=config.vllm_enable_sleep_mode,
             )
-            if in_this_process(config):
-                engine = ColocatedEngine.start(
-                    base.name_or_path, tokenizer, stop_ids, sleep_mode=config.vllm_enable_sleep_mode, **shared
-                )
-            else:  # vLLM in an environment of its own: a server of this job's from there
-                engine = start_colocated(
-                    base.name_or_path,
-                    tokenizer,
-                    stop_ids,
-                    timeout=config.vllm_server_timeout,
-                    stall_timeout=config.vllm_stall_timeout,
-                    log_dir=log_dir,
-                    **shared,
-                )
         return cls(engine, sync, scratch_parent)
 
     @contextlib.contextmanager
@@ -190,9 +166,9 @@ class VLLMGeneration:
     ) -> Iterator[ServerEngine | ColocatedEngine]:
         """The engine holding the weights being evaluated while the block runs: the base model's (`base_model`);
         else, with `weight_sync` lora, `model`'s adapter by path (`adapter`, its folder, or saved to a scratch
-        folder); else `model`'s weights, its adapters merged in (or fully fine-tuned), handed over in memory (a server:
-        written to a scratch folder and reloaded in place). A scratch folder is removed after the block. Under ZeRO-3
-        the parameters must be gathered."""
+        folder); else `model`'s weights, its adapters merged in (or fully fine-tuned), handed over in memory (a server
+        you started refuses them, naming what to do). A scratch folder is removed after the block. Under ZeRO-3 the
+        parameters must be gathered."""
         started, scratch = time.perf_counter(), None
         with contextlib.ExitStack() as stack:
             if base_model:
@@ -203,18 +179,14 @@ class VLLMGeneration:
                 scratch = stack.enter_context(_scratch_folder(self.scratch_parent))
                 model.save_pretrained(str(scratch))  # the adapter only
                 self.engine.use_adapter(str(scratch))
-            elif self.in_memory:
+            else:
                 self.engine.use_weights(merged_weights(model))
-            else:  # a server you started refuses whole weights, naming what to do
-                scratch = stack.enter_context(_scratch_folder(self.scratch_parent))
-                write_weights(model, scratch)
-                self.engine.use_weights(str(scratch))
             written = 0 if scratch is None else sum(f.stat().st_size for f in scratch.rglob("*") if f.is_file())
             self.handed_over = HandOver(time.perf_counter() - started, written)
             yield self.engine
 
     def sleep(self) -> None:
-        """Between evaluations on a GPU, the engine this job started gives training the memory back."""
+        """Between evaluations on a GPU, an engine in this process gives training the memory back."""
         self.engine.sleep()
 
     def close(self) -> None:
