@@ -36,7 +36,7 @@ from pathlib import Path
 
 from _side_by_side import PAPER_DATA, ROOT, load_average, prepare_model
 
-from probdiff_callback.beside.queue import Queue
+from probdiff_callback.runs.queue import Queue
 from probdiff_callback.runs.run_files import read_history
 
 OFF = ["probdiff.baseline=false", "probdiff.at_end=false", "probdiff.every=1000", "metric_for_best_model=eval_loss"]

@@ -187,7 +187,7 @@ def train(args: argparse.Namespace) -> int:
     os.environ[MEMORY_VARIABLE] = str(memory_path)  # the evaluator process training may start inherits it
     memory = Memory(memory_path, "training")
 
-    from probdiff_callback.beside import local
+    from probdiff_callback.callback.beside import local
     from probdiff_callback.callback.in_loop import InLoop
 
     local.evaluator_command = evaluator_command_through_this_file(local.evaluator_command)
@@ -225,7 +225,7 @@ def evaluator(args: argparse.Namespace) -> int:
         raise SystemExit(f"evaluator: expected -- -m MODULE ARGS, got {rest}")
     memory = Memory(Path(os.environ[MEMORY_VARIABLE]), "evaluator")
 
-    from probdiff_callback.beside import loop
+    from probdiff_callback.watch import loop
 
     evaluate_request = loop.evaluate_request
 

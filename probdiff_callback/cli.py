@@ -34,7 +34,7 @@ from probdiff_callback.runs.eval_output import (
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from probdiff_callback.generation import Engine
+    from probdiff_callback.core.engine import Engine
 
 
 def _settings_epilog(command: str) -> str:
@@ -443,7 +443,7 @@ def cmd_crosscheck(args) -> int:
 
 
 def cmd_watch(args) -> int:
-    from probdiff_callback.beside.watch import Watch, run_watch
+    from probdiff_callback.watch.command import Watch, run_watch
 
     if args.started_by_training and not args.follow:
         raise ValueError("--started-by-training follows the run until training ends: leave out --no-follow")

@@ -34,12 +34,12 @@ from pathlib import Path
 from _records import make_record  # noqa: E402
 from filelock import FileLock, Timeout  # noqa: E402
 
-from probdiff_callback.beside import queue as q
-from probdiff_callback.beside.queue import Queue  # noqa: E402
 from probdiff_callback.core.config import ProbDiffConfig  # noqa: E402
 from probdiff_callback.core.metric import compare_to_base, summary_of  # noqa: E402
 from probdiff_callback.core.records import ReferenceSummary  # noqa: E402
+from probdiff_callback.runs import queue as q
 from probdiff_callback.runs.checkpoints import weights_problem  # noqa: E402
+from probdiff_callback.runs.queue import Queue  # noqa: E402
 from probdiff_callback.runs.run_files import RunFiles  # noqa: E402
 from probdiff_callback.runtime.parent import set_parent_death_signal  # noqa: E402
 
@@ -121,7 +121,9 @@ def main() -> int:
         problem = None if folder is None else weights_problem(folder)
         row = request.row()
         records = None
-        if problem is not None:
+        if request.failed is not None:
+            row.error = request.failed
+        elif problem is not None:
             row.error = f"the weights of step {step} are gone ({problem})"
         else:
             records = records_for(queries, confidences.get(step, 0.5), config.delta, rouge_l.get(step))
@@ -132,10 +134,10 @@ def main() -> int:
             )
         row.seconds = seconds
         files.add(row, records, request.eval_losses_or_nan())
-        status = "failed" if problem is not None else "evaluated"
-        queue.mark_done(
-            q.Done(global_step=step, status=status, error=row.error, seconds=time.time() - started + seconds)
-        )
+        status = "failed" if row.error is not None else "evaluated"
+        mark = q.Done(global_step=step, status=status, error=row.error, seconds=time.time() - started + seconds)
+        mark.row = row.to_json()  # the row reaches training in its done mark, as the real evaluator's does
+        queue.mark_done(mark)
         print(f"step {step}: {status}", flush=True)
 
 

@@ -23,7 +23,7 @@ from gpu_kit.paths import HF_ENGINES, PATHS, Call, stage_calls  # noqa: E402
 from gpu_kit.vllm_path import SCRATCH_PREFIX, vllm_unavailable  # noqa: E402
 from gpu_kit.workload import build_model, model_config  # noqa: E402
 
-from probdiff_callback.generation import GenerationRequest  # noqa: E402
+from probdiff_callback.core.engine import GenerationRequest  # noqa: E402
 from probdiff_callback.models.tokenizer import load_qwen_tokenizer  # noqa: E402
 
 # A GPU machine may have only torch, transformers, peft, omegaconf and this package: the kit must run without these.

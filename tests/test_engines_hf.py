@@ -1,5 +1,5 @@
-"""The HF engine (`generation/hf.py`): HF `generate` on the model being evaluated, with the per-row sampler. Its
-texts through a whole evaluation are in test_evaluator.py; the sampler itself in test_decoding.py."""
+"""The HF engine (`core/decoding.py`'s `HFEngine`): HF `generate` on the model being evaluated, with the per-row
+sampler. Its texts through a whole evaluation are in test_evaluator.py; the sampler itself in test_decoding.py."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import itertools
 import pytest
 
 from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.decoding import HFEngine
+from probdiff_callback.core.engine import GenerationRequest
 from probdiff_callback.core.evaluator import EvaluationAbandoned, evaluate
 from probdiff_callback.core.prompts import chat_prompt_ids
 from probdiff_callback.core.queries import load_queries
-from probdiff_callback.generation import GenerationRequest
-from probdiff_callback.generation.hf import HFEngine
 
 SAMPLES = "data/samples/blog/heldout.jsonl"
 

@@ -22,9 +22,10 @@ from _vllm import BLOG, ROOT, cli_eval, needs_vllm, read_records, save_adapter
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.engine import GenerationRequest
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.queries import load_queries
-from probdiff_callback.generation import GenerationRequest, vllm, vllm_common, vllm_server
+from probdiff_callback.generation import vllm, vllm_common, vllm_server
 
 XSUM = str(ROOT / "data/samples/summarization/heldout.jsonl")
 

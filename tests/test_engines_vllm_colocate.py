@@ -13,7 +13,8 @@ from _launch import refused_here
 from _vllm import cli_eval, needs_vllm, read_records, save_adapter
 
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.generation import GenerationRequest, vllm
+from probdiff_callback.core.engine import GenerationRequest
+from probdiff_callback.generation import vllm
 from probdiff_callback.generation.vllm_colocate import ColocatedEngine
 from probdiff_callback.generation.vllm_common import EngineUnavailable, decoded, install_hint, vllm_problem
 

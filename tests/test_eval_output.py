@@ -112,7 +112,7 @@ def assert_same_records(resumed: list[dict], whole: list[dict]) -> None:
 def test_an_eval_that_fails_keeps_the_batches_it_finished_and_resume_finishes_it(tiny_model_path, tmp_path, capsys):
     """Any error after some batches (here the HF engine's, at the second batch): the first batch's records are kept;
     --resume, with a larger batch (how it runs, not what it writes), ends with an uninterrupted run's records."""
-    from probdiff_callback.generation import hf
+    from probdiff_callback.core import decoding as hf
 
     command = ["eval", "--queries", QUERIES, "--limit", "4", "max_new_tokens=4"]
     whole, out = tmp_path / "whole", tmp_path / "out"

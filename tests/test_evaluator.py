@@ -5,8 +5,10 @@ import time
 import pytest
 from _records import make_record
 
+from probdiff_callback.core import decoding as hf
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.decoding import sample_continuations
+from probdiff_callback.core.engine import Generated, GenerationError
 from probdiff_callback.core.evaluator import (
     Evaluation,
     build_record,
@@ -28,7 +30,6 @@ from probdiff_callback.core.prompts import (
 from probdiff_callback.core.queries import Query, load_queries
 from probdiff_callback.core.records import Cost
 from probdiff_callback.core.reference_metrics import plan_references
-from probdiff_callback.generation import Generated, GenerationError, hf
 
 SAMPLES = "data/samples/blog/heldout.jsonl"
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from _fake_vllm import Behaviour, FakeVLLM, token_ids
 
-from probdiff_callback.generation import GenerationRequest, vllm_server
+from probdiff_callback.core.engine import GenerationRequest
+from probdiff_callback.generation import vllm_server
 from probdiff_callback.generation.liveness import Progress, ServerWatch, metric_sums
 
 FAKE = str(Path(__file__).with_name("_fake_vllm.py"))

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.engine import Engine
 from probdiff_callback.core.evaluator import evaluate
 from probdiff_callback.core.prompts import prepare_queries
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Cost, Record
-from probdiff_callback.generation import Engine
 
 from .device import allocated_memory, clock, guarded, memory_detail, reset_peak_memory
 from .floor import decode_floor, scoring_floor, steps_per_row

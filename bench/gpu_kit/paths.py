@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from probdiff_callback.generation import Engine, Generated
-from probdiff_callback.generation.hf import HFEngine
+from probdiff_callback.core.decoding import HFEngine
+from probdiff_callback.core.engine import Engine, Generated
 
 from .report import Figure
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from probdiff_callback.analysis.pick import GUARDED_KEY
-from probdiff_callback.beside.late import logged_steps
 from probdiff_callback.callback.best import TrainerBest
 from probdiff_callback.callback.cost import CostReport
+from probdiff_callback.callback.metrics import logged_steps
 from probdiff_callback.callback.outputs import TrainerOutputs
 from probdiff_callback.callback.ranks import any_error
 from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome, evaluate_trainer_model, start_vllm

@@ -5,7 +5,7 @@ Trainer raises KeyError in `_determine_best_metric` on one that is missing."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from probdiff_callback.core.metric import delta_key
 from probdiff_callback.core.records import Comparison, Summary
@@ -71,3 +71,8 @@ def vs_base_metrics(result: Comparison | None) -> dict[str, float]:
     baseline itself, a failed evaluation), so the keys are the same at every evaluation."""
     values = (math.nan,) * 4 if result is None else (result.win, result.tie, result.lose, result.wilcoxon_p)
     return {TRAINER_PREFIX + key: float(value) for key, value in zip(("win", "tie", "lose", "wilcoxon_p"), values)}
+
+
+def logged_steps(log_history: Iterable[Mapping]) -> set[int]:
+    """The steps whose ProbDiff metrics the Trainer's log holds (either way of evaluating)."""
+    return {e["step"] for e in log_history if "eval_probdiff_confidence" in e and "step" in e}

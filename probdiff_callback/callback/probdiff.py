@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from probdiff_callback.beside.training import BesideTraining
+from probdiff_callback.callback.beside.training import BesideTraining
 from probdiff_callback.callback.best import TrainerBest
 from probdiff_callback.callback.eval_losses import EvalLossTap, ExampleLosses, PerExampleLossUnavailable
 from probdiff_callback.callback.in_loop import InLoop

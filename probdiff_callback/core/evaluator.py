@@ -19,7 +19,9 @@ from typing import TypeVar
 from tqdm.auto import tqdm
 
 from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.core.decoding import HFEngine
 from probdiff_callback.core.degenerate import answer_degenerate, merge_kinds, revision_degenerate
+from probdiff_callback.core.engine import Engine, Generated, GenerationError, GenerationRequest
 from probdiff_callback.core.metric import discrepancy, finite_mean, is_confident, summary_of
 from probdiff_callback.core.prompts import (
     REFINEMENT_PROMPTS,
@@ -33,8 +35,6 @@ from probdiff_callback.core.records import Cost, Record, Summary
 from probdiff_callback.core.reference_metrics import ReferencePlan, score_records, summarize_references
 from probdiff_callback.core.sampling import row_seed
 from probdiff_callback.core.scoring import score_texts
-from probdiff_callback.generation import Engine, Generated, GenerationError, GenerationRequest
-from probdiff_callback.generation.hf import HFEngine
 
 T = TypeVar("T")
 ABANDONED = "evaluation abandoned"  # in the error every rank sees when any rank abandoned its share

@@ -1,70 +1,10 @@
-"""Where answers and revisions are generated: an engine takes chat prompts (token ids) with each request's seed,
-temperature and top_p, and returns texts. One module per engine, as lm-evaluation-harness keeps its backends:
+"""vLLM as the engine that writes answers and revisions (`use_vllm=true`), with what it needs beyond the method: an
+engine started in this process and handed the weights of each evaluation, or a connection to a server you started, and
+the watch on a slow server (TRL keeps the same apart, in `trl/generation/`). The engine protocol and the evaluator's
+default engine are the method's own (`core/engine.py`, `core/decoding.py`'s `HFEngine`).
 
-- `hf`: HF `generate` on the model being evaluated, with our per-row sampler (`HFEngine`): the evaluator's default.
-- `vllm`: vLLM (`use_vllm=true`), started for a model and handed the weights each evaluation evaluates by
-  `VLLMGeneration`, the one owner of that for the CLI and the callback; `vllm_server` runs and talks to the server,
-  `vllm_common` holds what any vLLM engine shares.
-
-Scoring never goes through an engine: both texts of a query are scored by the model itself, in fp32, from the weights
-being trained or evaluated (`scoring.py`), whichever engine wrote them. Nothing here imports torch.
+- `vllm`: `VLLMGeneration`, the one owner of "start vLLM for this model and hand it the weights being evaluated";
+- `vllm_colocate`: vLLM in the evaluating process (`vllm.LLM`), `vllm_server`: a `vllm serve` you started, over HTTP,
+  with `liveness`, whether it is alive and making progress;
+- `vllm_common`: what both share (sampling stated whole, texts from token ids, whether vLLM can run here).
 """
-
-from __future__ import annotations
-
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One text to sample: a chat prompt and its own sampling. The seed is derived from (run seed, query id, sample,
-    stage), so a query's text does not depend on the batch it is generated in."""
-
-    prompt_ids: Sequence[int]
-    seed: int
-    temperature: float
-    top_p: float
-
-
-@dataclass(frozen=True)
-class Generated:
-    text: str  # special tokens stripped, whitespace trimmed
-    capped: bool  # ended at max_new_tokens without a stop id, so it is scored cut short
-    n_tokens: int  # the tokens generated before the stop id: the text's ids (re-encoding the text need not give them)
-
-
-class GenerationError(RuntimeError):
-    """An engine that failed part-way through `generate`. `finished` holds the texts it had completed, by the index
-    of their request, so that a caller can keep what was done (`probdiff eval` scores and writes those queries)."""
-
-    def __init__(self, message: str, finished: Mapping[int, Generated] | None = None) -> None:
-        super().__init__(message)
-        self.finished = dict(finished or {})
-
-
-class Engine(Protocol):
-    """Generates texts for requests; the evaluator hands it `batch_size` requests at a time (None: all at once,
-    for engines that schedule their own batches)."""
-
-    name: str
-    batch_size: int | None
-
-    def generate(
-        self,
-        requests: Sequence[GenerationRequest],
-        max_new_tokens: int,
-        should_stop: Callable[[], bool] | None = None,
-        progress: Callable[[int], object] | None = None,
-    ) -> list[Generated]:
-        """The texts of `requests`, in their order; `progress(n)` is told as texts finish. Once `should_stop()` is
-        true the engine may end early with fewer or shorter texts: the caller abandons the batch. An engine that
-        finishes texts one by one raises `GenerationError` with those it finished when it fails part-way."""
-        ...
-
-
-def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int] | set[int]) -> list[int]:
-    """The ids before the first stop id (engines may return the stop id itself)."""
-    stops = set(stop_ids)
-    return list(next((ids[:i] for i, token in enumerate(ids) if token in stops), ids))

@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 
-from probdiff_callback.generation import Generated, GenerationRequest
+from probdiff_callback.core.engine import Generated, GenerationRequest
 from probdiff_callback.generation.vllm_common import (
     EngineUnavailable,
     decoded,

@@ -15,7 +15,7 @@ import importlib.util
 import os
 from collections.abc import Sequence
 
-from probdiff_callback.generation import Generated, GenerationError, GenerationRequest, cut_at_stop
+from probdiff_callback.core.engine import Generated, GenerationError, GenerationRequest, cut_at_stop
 
 _SEED_MASK = (1 << 63) - 1  # vLLM takes a signed 64-bit seed
 

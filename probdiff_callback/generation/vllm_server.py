@@ -18,7 +18,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 
-from probdiff_callback.generation import Generated, GenerationRequest
+from probdiff_callback.core.engine import Generated, GenerationRequest
 from probdiff_callback.generation.liveness import ServerWatch
 from probdiff_callback.generation.vllm_common import EngineUnavailable, decoded, sampling_settings
 

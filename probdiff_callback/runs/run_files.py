@@ -15,9 +15,11 @@
 - `selection.json`: what the run selects its best checkpoint by (`metric_for_best_model`, `greater_is_better`,
   `alarm_gain_share`), written when training starts, so that `probdiff select` picks as the Trainer does.
 
-Writing: `RunFiles`, the callback's, keeps the rows in memory and writes the whole history from them
-(`write_atomic`: a temp file, then `os.replace`), so `probdiff select` on a run still training never sees half a
-row and the callback never reads the file back. Reading: `read_run`, once, for `probdiff select`, `plot`,
+Writing: `RunFiles` keeps the rows in memory and writes the whole history from them (`write_atomic`: a temp file,
+then `os.replace`), so `probdiff select` on a run still training never sees half a row. One process writes a run's
+history: the training process in the loop (the callback's `RunFiles`, which never reads the file back), the evaluator
+with `async_eval` (`probdiff watch`'s; training reads the file once when it starts and then gets each row in the
+step's done mark, `runs/queue.py`). Reading: `read_run`, once, for `probdiff select`, `plot`,
 `crosscheck` and the end of a training run.
 
 The JSON form of the rows, and of the records, summaries, comparisons and costs in them, is `core/json_form.py`'s

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from probdiff_callback.analysis.crosscheck import LABELS
 from probdiff_callback.analysis.report import fmt, format_p, format_table, format_win_tie_lose, pct
-from probdiff_callback.beside.queue import Queue
+from probdiff_callback.runs.queue import Queue
 from probdiff_callback.runs.run_files import HistoryRow
 from probdiff_callback.training.recipe import Recipe
 

@@ -3,7 +3,7 @@ record is tests/test_pick.py's)."""
 
 from __future__ import annotations
 
-from probdiff_callback.beside.late import move_into_step_order
+from probdiff_callback.callback.beside.late import move_into_step_order
 
 
 def test_a_late_entry_goes_among_the_log_history_by_its_step():

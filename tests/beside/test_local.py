@@ -6,16 +6,16 @@ from __future__ import annotations
 import logging
 import sys
 
-import probdiff_callback.beside.local as local
-from probdiff_callback.beside import queue as q
-from probdiff_callback.beside.local import (
+import probdiff_callback.callback.beside.local as local
+from probdiff_callback.callback.beside.local import (
     LocalEvaluator,
     evaluator_command,
     evaluator_environment,
     helpers_after_training,
 )
-from probdiff_callback.beside.queue import Queue
 from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.runs import queue as q
+from probdiff_callback.runs.queue import Queue
 
 LOG = "probdiff_callback"
 

@@ -3,7 +3,7 @@ checkpoint whose step awaits its result."""
 
 from __future__ import annotations
 
-from probdiff_callback.beside.rotation import rotate
+from probdiff_callback.callback.beside.rotation import rotate
 from probdiff_callback.runs.checkpoints import checkpoints
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from probdiff_callback.beside.queue import Request
-from probdiff_callback.beside.steps import QueuedSteps, Stage, describe_steps
+from probdiff_callback.callback.beside.steps import QueuedSteps, Stage, describe_steps
+from probdiff_callback.runs.queue import Request
 
 
 def test_each_step_moves_through_its_stages_and_the_views_follow():

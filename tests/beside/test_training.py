@@ -27,17 +27,17 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
 
-import probdiff_callback.beside.local as local
+import probdiff_callback.callback.beside.local as local
 from probdiff_callback.analysis.select import point_best, select
-from probdiff_callback.beside import queue as q
-from probdiff_callback.beside.queue import Queue
 from probdiff_callback.callback.preemption import PreemptionCallback
 from probdiff_callback.callback.probdiff import ProbDiffCallback
 from probdiff_callback.callback.schedule import check_selection_setup
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
+from probdiff_callback.runs import queue as q
 from probdiff_callback.runs import run_files
 from probdiff_callback.runs.checkpoints import checkpoints, weights_problem
+from probdiff_callback.runs.queue import Queue
 
 FAKE = Path(__file__).parents[1] / "_fake_evaluator.py"
 LOG = "probdiff_callback"

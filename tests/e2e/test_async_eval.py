@@ -19,8 +19,7 @@ import pytest
 from _launch import CHEAP, sft_command, sft_env
 
 from probdiff_callback.analysis.select import select
-from probdiff_callback.beside.lock import evaluator_holder
-from probdiff_callback.beside.queue import Queue
+from probdiff_callback.runs.queue import Queue, evaluator_holder
 from probdiff_callback.runs.run_files import read_run
 
 pytestmark = pytest.mark.slow  # every test here starts processes

@@ -1,8 +1,10 @@
 """The queue between training and its evaluator: the one module that knows its files.
 
 Training writes requests and never waits for them; the evaluator (`probdiff watch RUN_DIR`) takes them in step order,
-writes the step's row and records through `RunFiles` (the history's one writer while the queue is in use) and marks
-each request done. Everything lives under `OUTPUT_DIR/<subdir>/queue/`:
+writes the step's row and records through `RunFiles` and marks each request done, the row in the mark. One writer per
+file: training writes the spec, the queries, the requests, the weights and the end; the evaluator writes the history
+(with async_eval training never writes it, and reads none of it after it starts: each result reaches it once, in its
+done mark), the step records and the done marks. Everything lives under `OUTPUT_DIR/<subdir>/queue/`:
 
 - `evaluator.json`: `EvaluatorSpec`, written by training when it starts: what an evaluator needs to rebuild the
   loop's evaluation (the base model's folder, dtype, the ProbDiff settings, the step the run started from).
@@ -11,7 +13,8 @@ each request done. Everything lives under `OUTPUT_DIR/<subdir>/queue/`:
   (rotation may delete the checkpoint later; the links keep the files), or `Trainer.save_model`'s output where no
   checkpoint is saved at that step. No folder for the base model.
 - `step-<N>/request.json`: `Request`, written last and atomically: its presence means the weights are complete.
-- `step-<N>/done.json`: `Done`, written by the evaluator after the step's row: evaluated, or failed with the reason.
+- `step-<N>/done.json`: `Done`, written by the evaluator after the step's row: evaluated, or failed with the reason,
+  and the row itself (what training logs).
 - `training-ended`: written by training when it stops queueing (`completed`, or `stopped` for a preemption's stop);
   an evaluator that follows the run exits once it exists and nothing is pending. Queueing again removes it.
 - `evaluator.lock` (one evaluator per run: `beside/lock.py`), `evaluator.log` (the local evaluator's output) and the
@@ -38,6 +41,8 @@ from probdiff_callback.core.json_form import JsonRecord
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.queries import Query, load_queries
 from probdiff_callback.runs.run_files import EvaluationKind, HistoryRow, probdiff_dir, write_json, write_jsonl
+from probdiff_callback.runtime import held_lock
+from probdiff_callback.runtime.held_lock import LockHeld
 
 QUEUE_DIR = "queue"
 SPEC_FILE = "evaluator.json"
@@ -61,6 +66,7 @@ CHECKPOINT_WEIGHT_FILES = (
 
 
 M = TypeVar("M", bound=JsonRecord)
+UNKNOWN_HOLDER = {"host": "?", "pid": "?", "started": "?", "command": "?"}
 
 
 class NotQueued(FileNotFoundError):
@@ -96,6 +102,7 @@ class Request(JsonRecord):
     eval_loss: float | None = None  # the Trainer's eval loss at that step, where it computed one
     eval_losses: list[float | None] | None = None  # each held-out conversation's, for the alarm's paired test
     last: bool = False  # training's last step: training queues nothing after it, and its cores come free
+    failed: str | None = None  # nothing to evaluate: the evaluator records the step as failed, for this reason
     queued_at: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -133,6 +140,7 @@ class Done(JsonRecord):
     error: str | None = None
     seconds: float | None = None
     finished_at: float = field(default_factory=time.time)
+    row: dict[str, Any] | None = None  # the step's history row as written (None: a mark written before it was kept)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -293,7 +301,7 @@ class Queue:
         return read_message(Done, path, "remove the step's folder to drop it") if path.is_file() else None
 
     def weights_of(self, request: Request) -> Path | None:
-        """The request's weights folder; None for the base model."""
+        """The request's weights folder; None for the base model (or a request with nothing to evaluate)."""
         if request.base_model or request.weights is None:
             return None
         return self._step_dir(request.global_step) / request.weights
@@ -316,3 +324,20 @@ class Queue:
     @staticmethod
     def _read_request(path: Path) -> Request:
         return read_message(Request, path, "remove the step's folder to drop it")
+
+
+# ---- who evaluates the queue (the evaluator holds `evaluator.lock`: watch/lock.py) ----
+def evaluator_holder(queue: Queue) -> dict | None:
+    """Who holds the queue's evaluator lock ({host, pid, started, command}), or None when no live evaluator does (a
+    missing lock file is not created)."""
+    try:
+        held_lock.raise_if_held(queue.lock_path)
+    except LockHeld as busy:
+        return busy.holder or dict(UNKNOWN_HOLDER)
+    return None
+
+
+def describe_holder(holder: dict) -> str:
+    """`host H, pid P, started S (`command`)`: who holds the lock, as messages name it."""
+    started = holder.get("started")
+    return f"host {holder.get('host')}, pid {holder.get('pid')}, started {started} (`{holder.get('command')}`)"

@@ -17,10 +17,10 @@ from pathlib import Path
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from probdiff_callback.beside.queue import SPEC_FILE, EvaluatorSpec, Queue
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.generation.vllm import VLLMGeneration
 from probdiff_callback.models import load_model_and_tokenizer, parse_dtype, peft_without_deprecated_alias_warning
+from probdiff_callback.runs.queue import SPEC_FILE, EvaluatorSpec, Queue
 
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from probdiff_callback.beside.weights import Weights
+from probdiff_callback.watch.weights import Weights
 
 
 def test_adapters_are_swapped_on_the_one_base_model_and_disabled_for_the_base(tmp_path, tiny_model):

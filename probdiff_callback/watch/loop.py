@@ -3,10 +3,10 @@ else a wait for training.
 
 Each request is evaluated with the same `ProbDiffConfig` (the spec's), the same queries in the same order, the same
 reference plan, `core.evaluator.evaluate` and `summarise`, and `compare_to_base` against the baseline's records. The
-step's row and records go through `RunFiles` (while the queue is in use the evaluator is the history's one writer),
-then the request's done mark. The models are `weights.py`'s; the last evaluations, on the cores training frees,
-`shares.py`'s. A step's row and done mark are written together: a stop signal that comes while they are written acts
-right after.
+step's row and records go through `RunFiles` (the evaluator is the history's one writer), then the request's done mark
+with the row in it (training reads the mark, not the history). The models are `weights.py`'s; the last evaluations, on
+the cores training frees, `shares.py`'s. A step's row and done mark are written together: a stop signal that comes
+while they are written acts right after.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from pathlib import Path
 import torch
 
 from probdiff_callback.analysis.report import pct
-from probdiff_callback.beside.queue import ENDED_FILE, Done, EvaluatorSpec, Queue, Request
-from probdiff_callback.beside.shares import Helpers, evaluate_in_shares, helpers_worth
-from probdiff_callback.beside.weights import Loaded, Weights, adapter_in, describe_weights, weights_gone
 from probdiff_callback.core.config import ConfigError, ProbDiffConfig
 from probdiff_callback.core.evaluator import evaluate, summarise
 from probdiff_callback.core.metric import compare_to_base
@@ -33,9 +30,12 @@ from probdiff_callback.core.records import Cost, Record, Summary
 from probdiff_callback.core.reference_metrics import ReferencePlan, plan_references
 from probdiff_callback.generation.vllm import VLLMGeneration
 from probdiff_callback.models import default_device
+from probdiff_callback.runs.queue import ENDED_FILE, Done, EvaluatorSpec, Queue, Request
 from probdiff_callback.runs.run_files import HistoryRow, RunFiles
 from probdiff_callback.runtime.stop_signals import StopSignals
 from probdiff_callback.runtime.threads import configure_threads
+from probdiff_callback.watch.shares import Helpers, evaluate_in_shares, helpers_worth
+from probdiff_callback.watch.weights import Loaded, Weights, adapter_in, describe_weights, weights_gone
 
 
 # ---- one training start's spec ----
@@ -120,7 +120,9 @@ def record(session: Session, queue: Queue, request: Request, outcome: Outcome) -
     session.files.add(row, outcome.records if outcome.error is None else None, request.eval_losses_or_nan())
     if queue.is_current(request):  # a training started again meanwhile drops it, and may queue the step anew
         status = "evaluated" if outcome.error is None else "failed"
-        queue.mark_done(Done(global_step=request.global_step, status=status, error=outcome.error, seconds=row.seconds))
+        mark = Done(global_step=request.global_step, status=status, error=outcome.error, seconds=row.seconds)
+        mark.row = row.to_json()
+        queue.mark_done(mark)
     return row
 
 
@@ -232,7 +234,9 @@ class Evaluator:
             f"step {request.global_step} ({request.kind}, {describe_weights(folder)}): evaluating "
             f"{len(self.session.queries)} queries{later}"
         )
-        if gone is not None:
+        if request.failed is not None:  # training had nothing to queue for it: recorded as it says
+            outcome = Outcome(error=request.failed)
+        elif gone is not None:
             outcome = Outcome(error=gone)
         else:
             weights, vllm = self.loaded.for_spec(self.session.spec, self.session.config)  # a missing model stops here

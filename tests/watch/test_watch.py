@@ -17,17 +17,17 @@ from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdi
 from _faults import fault_env
 from _vllm import needs_vllm
 
-from probdiff_callback.beside import loop as evaluator_loop
-from probdiff_callback.beside import queue as q
-from probdiff_callback.beside import shares as in_shares
-from probdiff_callback.beside import watch
-from probdiff_callback.beside.lock import evaluator_holder, hold_evaluator
-from probdiff_callback.beside.loop import start_session
-from probdiff_callback.beside.queue import Queue
 from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query
+from probdiff_callback.runs import queue as q
+from probdiff_callback.runs.queue import Queue, evaluator_holder
 from probdiff_callback.runs.run_files import HistoryRow, history_path, read_history, write_jsonl
+from probdiff_callback.watch import command as watch
+from probdiff_callback.watch import loop as evaluator_loop
+from probdiff_callback.watch import shares as in_shares
+from probdiff_callback.watch.lock import hold_evaluator
+from probdiff_callback.watch.loop import start_session
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,13 +1,13 @@
 """The last evaluations in shares on the cores training frees (`beside/shares.py`); the records with a helper, and a
-killed one, equal the loop's in tests/beside/test_watch.py."""
+killed one, equal the loop's in tests/watch/test_watch.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from probdiff_callback.beside.shares import HELPER_WORTH_SECONDS, helpers_worth, split_batches
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.queries import Query
+from probdiff_callback.watch.shares import HELPER_WORTH_SECONDS, helpers_worth, split_batches
 
 
 def test_shares_are_whole_batches_dealt_in_turn():
@@ -38,8 +38,8 @@ def test_a_helper_whose_evaluator_died_while_it_started_ends_before_loading_anyt
     import multiprocessing
     import os
 
-    from probdiff_callback.beside.queue import EvaluatorSpec
-    from probdiff_callback.beside.shares import load_base_model
+    from probdiff_callback.runs.queue import EvaluatorSpec
+    from probdiff_callback.watch.shares import load_base_model
 
     context = multiprocessing.get_context("spawn")
     pids = context.SimpleQueue()

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from probdiff_callback.beside.queue import EvaluatorSpec
-from probdiff_callback.beside.weights import Weights
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import Evaluation, evaluate, query_batches
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Cost
+from probdiff_callback.runs.queue import EvaluatorSpec
 from probdiff_callback.runtime.parent import set_parent_death_signal
+from probdiff_callback.watch.weights import Weights
 
 # A helper starts an interpreter and loads the model before it helps: worth it only when an evaluation takes longer
 # than this (the previous one's time tells)

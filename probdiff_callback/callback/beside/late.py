@@ -9,7 +9,7 @@ result arrives, by the one decision both ways take (`callback/best.py`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from transformers import Trainer, TrainerState
 
@@ -39,8 +39,3 @@ def log_at_step(trainer, step: int, epoch: float | None, metrics: Mapping[str, f
     with at_step(trainer.state, step, epoch):
         Trainer.log(trainer, dict(metrics))
     move_into_step_order(trainer.state.log_history)
-
-
-def logged_steps(log_history: Iterable[Mapping]) -> set[int]:
-    """The steps whose ProbDiff metrics the Trainer's log holds (either way of evaluating)."""
-    return {e["step"] for e in log_history if "eval_probdiff_confidence" in e and "step" in e}

@@ -4,14 +4,16 @@ process, training never waits for it, and each result is logged where the loop's
 `ProbDiffCallback` decides when a step is evaluated, with the loop's schedule; with `async_eval` its way of evaluating
 is `BesideTraining`:
 
-- train begin: the queue and history taken over (a resumed run drops what came after its step), the spec and the
-  selected queries written, the local evaluator started (`local.py`) unless another evaluator already holds the run's
-  lock (`evaluator=external`: none, the user starts it);
+- train begin: the queue taken over and the history read once (a resumed run drops what came after its step; the
+  evaluator, the history's one writer, drops its rows), the spec (`spec.py`) and the selected queries written, the
+  local evaluator started (`local.py`) unless another evaluator already holds the run's lock (`evaluator=external`:
+  none, the user starts it);
 - each scheduled step: a request with the Trainer's eval loss and each conversation's, after the step's weights: hard
   links to the checkpoint the Trainer saves at that step, else `Trainer.save_model` into the queue at that hook (on
   every rank: ZeRO-3 gathers there);
-- between steps and after each save: the results that arrived, logged at their own steps (`late.py`) with W&B's
-  histogram and table and the alarm; a dead local evaluator started again; rotation (`rotation.py`);
+- between steps and after each save: the results that arrived, each once, in its done mark (the history is not read
+  again), logged at their own steps (`late.py`) with W&B's histogram and table, the pick and the alarm; a dead local
+  evaluator started again; rotation (`rotation.py`);
 - the end: a wait for what is left, bounded by `end_wait_seconds`, with a progress line, before the Trainer loads the
   best model; a stop signal does not wait, and a resumed run's evaluator evaluates what is left.
 
@@ -26,28 +28,36 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from probdiff_callback.analysis.pick import GUARDED_KEY
-from probdiff_callback.beside.late import log_at_step, logged_steps
-from probdiff_callback.beside.local import LocalEvaluator
-from probdiff_callback.beside.lock import describe_holder, evaluator_holder
-from probdiff_callback.beside.queue import EvaluatorSpec, Queue, Request
-from probdiff_callback.beside.rotation import rotate
-from probdiff_callback.beside.steps import QueuedSteps, Stage, describe_steps, several
+from probdiff_callback.callback.beside.late import log_at_step
+from probdiff_callback.callback.beside.local import LocalEvaluator
+from probdiff_callback.callback.beside.rotation import rotate
+from probdiff_callback.callback.beside.spec import evaluator_spec, whole_weights_problem
+from probdiff_callback.callback.beside.steps import QueuedSteps, Stage, describe_steps, several
+from probdiff_callback.callback.best import TrainerBest
+from probdiff_callback.callback.metrics import logged_steps
+from probdiff_callback.callback.outputs import TrainerOutputs
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.queries import Query
 from probdiff_callback.runs.checkpoints import weights_problem
-from probdiff_callback.runs.run_files import HistoryRow, RunFiles, read_eval_losses, read_history, read_records
+from probdiff_callback.runs.queue import Queue, Request, describe_holder, evaluator_holder
+from probdiff_callback.runs.run_files import (
+    HistoryRow,
+    history_path,
+    probdiff_dir,
+    read_eval_losses,
+    read_history,
+    read_records,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,64 +66,20 @@ PROGRESS_SECONDS = 30.0  # and says what it waits for
 IDLE_EXIT_SECONDS = 30.0  # at the end, the local evaluator's time to exit by itself once nothing is pending
 
 
-# ---- what training tells the evaluator ----
-def base_model_of(model) -> Any:
-    """The model whose weights every request starts from: a PEFT model's base, else the model itself."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) and hasattr(model, "peft_config") else model
-
-
-def lora_rank_of(model) -> int | None:
-    """The rank of the model's active LoRA adapter (vLLM sizes its LoRA slots by it); None without one."""
-    configs = getattr(model, "peft_config", None)
-    if not isinstance(configs, Mapping) or not configs:
-        return None
-    active = getattr(model, "active_adapter", None)
-    config = configs.get(active) if isinstance(active, str) else None
-    rank = getattr(config if config is not None else next(iter(configs.values())), "r", None)
-    return rank if isinstance(rank, int) else None
-
-
-def evaluator_spec(model, config: ProbDiffConfig, run_dir: Path, started_at_step: int, local: bool) -> EvaluatorSpec:
-    """The spec of this training start: the base model's folder and dtype, the settings, the step it starts from."""
-    base = base_model_of(model)
-    return EvaluatorSpec(
-        model=str(base.name_or_path),
-        dtype=str(base.dtype).removeprefix("torch."),
-        config=asdict(config),
-        output_dir=str(run_dir),
-        started_at_step=started_at_step,
-        training_pid=os.getpid() if local else None,
-        lora_rank=lora_rank_of(model),
-    )
-
-
-def whole_weights_problem(accelerator) -> str | None:
-    """Why the weights saved at a step would not be whole (the evaluator loads them): ZeRO-3 gathers them for a save
-    only with `stage3_gather_16bit_weights_on_model_save`; else None."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None or plugin.zero_stage != 3:
-        return None
-    zero = (plugin.deepspeed_config or {}).get("zero_optimization", {})
-    if plugin.zero3_save_16bit_model or zero.get("stage3_gather_16bit_weights_on_model_save") is True:
-        return None
-    return (
-        "ProbDiff: async_eval under ZeRO-3 needs whole weights at every queued step: set "
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (accelerate: zero3_save_16bit_model: true)"
-    )
-
-
 class BesideTraining:
     """The evaluation beside training for one `ProbDiffCallback` (see the module's docstring). Every rank calls the
     same methods at the same hooks: weights are saved on every rank, and what the main process reads (results,
     decisions) it hands to the others through `outputs`."""
 
-    def __init__(self, trainer, config: ProbDiffConfig, queries: Sequence[Query], outputs, best) -> None:
+    def __init__(
+        self, trainer, config: ProbDiffConfig, queries: Sequence[Query], outputs: TrainerOutputs, best: TrainerBest
+    ) -> None:
         self.trainer, self.config, self.queries, self.outputs = trainer, config, list(queries), outputs
-        self.best = best  # callback.best.TrainerBest: the Trainer's best-model record, decided again as results arrive
+        self.best = best  # the Trainer's best-model record, decided again as results arrive
         self.run_dir = Path(trainer.args.output_dir)
         self.queue = Queue(self.run_dir, config.output_subdir)
-        self.files = RunFiles(self.run_dir, config.output_subdir)
+        self.directory = probdiff_dir(self.run_dir, config.output_subdir)  # the evaluator writes it; training reads
+        self.rows: dict[int, HistoryRow] = {}  # the history as training knows it (main process): kept, then arrived
         self.steps = QueuedSteps()
         self.evaluator: LocalEvaluator | None = None
         self.save_total_limit: int | None = None  # the user's, while rotation is done here
@@ -132,8 +98,9 @@ class BesideTraining:
         return step in self.steps
 
     def history(self) -> list[HistoryRow]:
-        """The history rows so far (main process; the evaluator writes them)."""
-        return read_history(self.files.history_path)
+        """The history rows training knows so far (main process): those it took over, and each result as it arrived
+        (the evaluator writes the file)."""
+        return [self.rows[step] for step in sorted(self.rows)]
 
     # ---- train begin ----
     def begin(self, args: TrainingArguments, state: TrainerState) -> None:
@@ -157,31 +124,30 @@ class BesideTraining:
         self.evaluator.start_unless_held()
 
     def _take_over(self, state: TrainerState) -> QueuedSteps:
-        """The queue and history for a training start at `state.global_step` (main process): a fresh run empties both;
-        a resumed one drops what came after its step (the history only while no evaluator holds it: a running one
-        drops those rows itself when it reads the new spec). Returns the table of the steps kept."""
+        """The queue for a training start at `state.global_step` (main process): a fresh run empties it, a resumed one
+        drops what came after its step; the history is read once, never written: the evaluator, its one writer, drops
+        the rows of the steps after it when it reads the new spec. Returns the table of the steps kept."""
         step = state.global_step
-        holder = evaluator_holder(self.queue)
-        if holder is None:
-            kept, dropped = self.files.continue_from(step)
-            if dropped:
-                logger.warning(
-                    f"ProbDiff: a new run in {self.run_dir}: replacing the {dropped} rows of an earlier history"
-                    if step == 0
-                    else f"ProbDiff: resumed at step {step}; dropped {dropped} history rows of later steps (they are "
-                    "trained and evaluated again)"
-                )
-        else:
-            kept = [row for row in read_history(self.files.history_path) if step > 0 and row.global_step <= step]
+        history = self.history_on_disk()
+        kept = [row for row in history if step > 0 and row.global_step <= step]
+        if dropped := len(history) - len(kept):
+            logger.warning(
+                f"ProbDiff: a new run in {self.run_dir}: the {dropped} rows of an earlier history go (the evaluator "
+                "replaces them)"
+                if step == 0
+                else f"ProbDiff: resumed at step {step}; the {dropped} history rows of later steps go (they are "
+                "trained and evaluated again; the evaluator drops them)"
+            )
         self.queue.drop_after(step if step > 0 else -1)
         spec = evaluator_spec(self.trainer.model, self.config, self.run_dir, step, self.config.evaluator == "local")
         self.queue.write_spec(spec, self.queries)
         requeued = {r.global_step for r in self.queue.requests()}
         for row in kept:
             if row.abandoned and row.global_step not in requeued:
-                self._requeue_abandoned(row, step, may_write=holder is None)
+                self._requeue_abandoned(row, step)
         requests = {r.global_step: r for r in self.queue.requests()}
         rows = {row.global_step: row for row in kept if not row.abandoned}
+        self.rows = dict(rows)
         logged = logged_steps(state.log_history)
         steps = QueuedSteps()
         for s in sorted(set(requests) | set(rows)):
@@ -198,11 +164,12 @@ class BesideTraining:
             logger.info(f"ProbDiff: {describe_steps(left)} queued before this start: the evaluator takes {them}")
         return steps
 
-    def _requeue_abandoned(self, row: HistoryRow, resumed_step: int, may_write: bool) -> None:
+    def _requeue_abandoned(self, row: HistoryRow, resumed_step: int) -> None:
         """A row the loop left abandoned (a preemption stopped its evaluation): queued again where its weights are
-        still at hand (the base model, or the checkpoint resumed from); else it stays failed, as in the loop."""
+        still at hand (the base model, or the checkpoint resumed from); else queued to be recorded failed, as in the
+        loop (the evaluator writes the history)."""
         if row.base_model or row.global_step == resumed_step:
-            losses = self.files.directory / row.eval_losses if row.eval_losses else None
+            losses = self.directory / row.eval_losses if row.eval_losses else None
             request = Request.for_row(row, read_eval_losses(losses) if losses and losses.is_file() else None)
             if not row.base_model:
                 checkpoint = row.checkpoint or self.run_dir / f"{PREFIX_CHECKPOINT_DIR}-{row.global_step}"
@@ -215,9 +182,9 @@ class BesideTraining:
             "its step are gone"
         )
         logger.warning(f"ProbDiff: step {row.global_step}'s evaluation was {why}; it stays failed")
-        if may_write:
-            row.error, row.abandoned = why, False
-            self.files.add(row, None)
+        request = Request.for_row(row, None)
+        request.weights, request.failed = None, why
+        self.queue.submit(request)
 
     # ---- a scheduled step ----
     def evaluate(
@@ -351,33 +318,44 @@ class BesideTraining:
         arrived, left = self.outputs.broadcast((arrived, left))
         if arrived:  # the pick over every step logged so far and those that arrived now
             known = {row.global_step for row, _ in arrived} | set(self.steps.at(Stage.LOGGED))
-            history = read_history(self.files.history_path) if self.outputs.is_main else []
-            self.best.decide([row for row in history if row.global_step in known] if self.outputs.is_main else None)
+            self.best.decide(
+                [row for row in self.history() if row.global_step in known] if self.outputs.is_main else None
+            )
         for row, seconds in arrived:
             self._apply(row, seconds)
         if arrived:
             self.best.apply()
         if arrived and self.outputs.is_main:
-            rows = read_history(self.files.history_path)
+            rows = self.history()
             self.outputs.say_disagreements(rows, self.best.alarm_pick(rows))
         return left
 
     def _arrived(self) -> list[tuple[HistoryRow, float | None]]:
-        """(the row the evaluator wrote, what it took: None for a result of an earlier training start) of each queued
-        step it marked done (main process)."""
+        """(the row the evaluator wrote, what it took: None for a result of an earlier training start) of each step
+        that arrived since the last look (main process): each queued step's done mark, new ones only, holds its row;
+        a step done before this start has its row from the history read then."""
         marks = {s: self.queue.done(s) for s in self.steps.at(Stage.QUEUED)}
         ready = [s for s in self.steps.awaited() if self.steps[s].stage is Stage.DONE or marks.get(s) is not None]
-        if not ready:
-            return []
-        rows = {row.global_step: row for row in read_history(self.files.history_path)}
+        history = None  # read only for marks an evaluator from before done marks held rows wrote
         arrived = []
         for step in ready:
-            error = f"the evaluator marked step {step} done, but {self.files.history_path} has no row for it"
-            row, mark, seconds = rows.get(step) or HistoryRow(step, error=error), marks.get(step), None
+            mark, seconds = marks.get(step), None
+            if mark is None:
+                row = self.rows[step]
+            elif mark.row is not None:
+                row = HistoryRow.from_json(mark.row)
+            else:
+                history = history if history is not None else {r.global_step: r for r in self.history_on_disk()}
+                error = f"the evaluator marked step {step} done without its row, and the history has none for it"
+                row = history.get(step) or HistoryRow(step, error=error)
             if mark is not None and mark.finished_at >= self._started_at:  # not a result logged again on resuming
                 seconds = float(mark.seconds) if is_finite(mark.seconds) else float(row.seconds)
+            self.rows[step] = row
             arrived.append((row, seconds))
         return arrived
+
+    def history_on_disk(self) -> list[HistoryRow]:
+        return read_history(history_path(self.run_dir, self.config.output_subdir))
 
     def _apply(self, row: HistoryRow, seconds: float | None) -> None:
         """A late result where the loop's land (every rank): the Trainer's log and its integrations at the result's
@@ -396,7 +374,7 @@ class BesideTraining:
             if error is not None:
                 logger.error(f"ProbDiff evaluation at step {row.global_step} failed (in the evaluator):\n{error}")
             elif row.records is not None:
-                records = self.files.directory / row.records
+                records = self.directory / row.records
                 self.outputs.to_wandb(row.global_step, lambda: read_records(records))
         if error is not None and self.config.fail_on_error:
             raise RuntimeError(f"ProbDiff evaluation at step {row.global_step} failed (fail_on_error=True):\n{error}")

@@ -16,10 +16,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from probdiff_callback.beside.lock import describe_holder, evaluator_holder
-from probdiff_callback.beside.queue import Queue
-from probdiff_callback.beside.steps import describe_steps, several
+from probdiff_callback.callback.beside.steps import describe_steps, several
 from probdiff_callback.core.config import DEFAULT_SUBDIR, ProbDiffConfig
+from probdiff_callback.runs.queue import Queue, describe_holder, evaluator_holder
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import math
 import pytest
 from _distributed_eval import held_out_queries
 
-from probdiff_callback.beside import queue as q
-from probdiff_callback.beside.queue import Queue
 from probdiff_callback.core.queries import Query, load_queries
+from probdiff_callback.runs import queue as q
+from probdiff_callback.runs.queue import Queue
 from probdiff_callback.runs.run_files import HistoryRow
 
 

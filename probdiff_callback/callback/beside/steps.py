@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from probdiff_callback.beside.queue import Request
+from probdiff_callback.runs.queue import Request
 
 
 class Stage(Enum):

@@ -17,11 +17,11 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from probdiff_callback.beside.lock import hold_evaluator
-from probdiff_callback.beside.queue import Queue
+from probdiff_callback.runs.queue import Queue
 from probdiff_callback.runs.run_files import existing_run_dir
 from probdiff_callback.runtime.parent import set_parent_death_signal
 from probdiff_callback.runtime.stop_signals import Stopped, StopSignals
+from probdiff_callback.watch.lock import hold_evaluator
 
 POLL_SECONDS = 2.0
 
@@ -55,7 +55,7 @@ def run_watch(options: Watch) -> int:
             try:
                 if options.own_process:
                     reuse_freed_memory_on_cpu()
-                from probdiff_callback.beside.loop import Evaluator  # the model's libraries: after the checks
+                from probdiff_callback.watch.loop import Evaluator  # the model's libraries: after the checks
 
                 evaluator = Evaluator(queue, signals, say, follow=options.follow, poll_seconds=options.poll_seconds,
                                       helpers_after_training=options.helpers_after_training)  # fmt: skip
