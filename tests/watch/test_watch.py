@@ -173,19 +173,27 @@ def test_a_training_started_again_while_the_evaluator_waits_is_taken_over(tmp_pa
         queue.submit(q.Request(global_step=step, epoch=None, kind="save", weights=None))
         queue.mark_done(q.Done(global_step=step, status="failed", error="x"))
 
-    def start_again() -> None:
+    def said_yet(words: str) -> None:
+        """Until the evaluator has said `words`, or a minute."""
         deadline = time.time() + 60
-        while "waiting for training" not in (tmp_path / "said").read_text() and time.time() < deadline:
+        while words not in (tmp_path / "said").read_text() and time.time() < deadline:
             time.sleep(0.02)
+
+    def start_again() -> None:
+        said_yet("waiting for training")
         queue.drop_after(2)
         queue_run(run, few_queries(), probdiff_config(), started_at_step=2)
-        time.sleep(0.3)  # a few polls
+        said_yet("dropped 1 history rows")  # the new start taken over: its spec read, its history taken over
         queue.mark_ended("completed")
 
     (tmp_path / "said").write_text("")
     real_say = watch.say
+
+    def said(text: str) -> None:
+        with open(tmp_path / "said", "a") as lines:
+            lines.write(text + "\n")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(watch, "say", lambda text: (real_say(text), (tmp_path / "said").write_text(text)))
+        patch.setattr(watch, "say", lambda text: (real_say(text), said(text)))
         training = threading.Thread(target=start_again)
         training.start()
         assert main(["watch", str(run), "--poll-seconds", "0.05"]) == 0
