@@ -227,6 +227,27 @@ def test_a_request_whose_weights_are_gone_is_failed_and_marked_done(tmp_path, ti
     assert rows[0].eval_loss == 1.25 and rows[0].kind == "evaluate"
     assert queue.pending() == []
     assert "nothing pending: done (--no-follow)" in out
+    assert HistoryRow.from_json(queue.done(2).row) == rows[0]  # the row reaches training in its done mark
+
+
+def test_a_request_with_nothing_to_evaluate_is_recorded_failed_by_the_evaluator(tmp_path, capsys):
+    """Training queues a step whose evaluation cannot run (a stop abandoned it in the loop, and its weights are gone)
+    with the reason; the evaluator, the history's one writer, records it failed: training never writes the history."""
+    from probdiff_callback.callback.beside.training import BesideTraining
+
+    run = tmp_path / "run"
+    queue = queue_run(run, few_queries(), probdiff_config(), started_at_step=4)
+    beside = BesideTraining.__new__(BesideTraining)  # only what `_requeue_abandoned` uses
+    beside.queue, beside.directory, beside.run_dir = queue, run / "probdiff", run
+    abandoned = HistoryRow(2, 0.5, "evaluate", checkpoint=str(run / "checkpoint-2"), eval_loss=1.5, abandoned=True)
+    beside._requeue_abandoned(abandoned, resumed_step=4)
+    assert not history_path(run).exists()
+    assert main(["watch", str(run), "--no-follow"]) == 0
+    (row,) = read_history(history_path(run))
+    assert row.global_step == 2 and row.failed and row.eval_loss == 1.5 and not row.abandoned
+    assert "resuming from step 4 cannot run it: the weights of its step are gone" in row.error
+    assert queue.done(2).status == "failed" and HistoryRow.from_json(queue.done(2).row) == row
+    assert "step 2: failed after" in capsys.readouterr().out
 
 
 def assert_same_rows(watched: HistoryRow, loop: HistoryRow) -> None:
