@@ -147,3 +147,20 @@ def test_holm_keeps_a_checkpoint_tested_on_several_measures_from_failing_at_one_
 def test_a_gain_share_outside_zero_to_one_is_refused(gain_share):
     with pytest.raises(ValueError, match="alarm_gain_share"):
         guard_checkpoints([], lambda step: (None, None), gain_share)
+
+
+def test_a_pair_of_steps_is_tested_once_across_decisions(monkeypatch):
+    """The callback decides again at every result: with the grades it keeps, each pair of steps' paired test runs
+    once, and the later decisions are the same."""
+    from probdiff_callback.analysis import disagreement
+
+    calls = []
+    real = disagreement.paired_permutation_p
+    monkeypatch.setattr(disagreement, "paired_permutation_p", lambda *a: calls.append(a) or real(*a))
+    run = Run().add(0, 0.3, per_query(20, 0)).add(10, 0.9, per_query(8, 1)).add(20, 0.5, per_query(24, 2))
+    grades: dict = {}
+    first = decide(run.rows, run.values, "probdiff_guarded", lambda r: r.confidence, gain_share=0.25, grades=grades)
+    tested = len(calls)
+    again = decide(run.rows, run.values, "probdiff_guarded", lambda r: r.confidence, gain_share=0.25, grades=grades)
+    assert tested > 0 and len(calls) == tested
+    assert again.step == first.step == 20 and again.failed_steps() == first.failed_steps() == [10]

@@ -185,19 +185,32 @@ def _decided(comparisons: list[Comparison]) -> tuple[Comparison, ...]:
     )
 
 
-def guard_checkpoints(steps: Sequence[Mapping], values: Callable[[int], StepValues], gain_share: float) -> Guard:
+def guard_checkpoints(
+    steps: Sequence[Mapping],
+    values: Callable[[int], StepValues],
+    gain_share: float,
+    grades: dict[tuple[str, int, int], float] | None = None,
+) -> Guard:
     """Which evaluated checkpoints pass the guard. `steps`: `crosscheck.step_measures(rows)` (the baseline is the step
-    of kind "baseline"); `values(step)`: the step's records and per-conversation eval losses."""
+    of kind "baseline"); `values(step)`: the step's records and per-conversation eval losses. `grades`: the p-values
+    of earlier decisions over the same run, kept by the caller (a step's values do not change once written, so a test
+    runs once per pair of steps, not at every decision); a change that could not be graded is not kept."""
     check_gain_share(gain_share)
     measures = tuple(measures_of(steps))
     by_measure = standings(steps)
     baseline = next((s for s in steps if s.get("kind") == "baseline"), None)
     checkpoints = [s for s in steps if s is not baseline]
     cached = functools.cache(values)
+    kept = {} if grades is None else grades
 
-    @functools.cache
     def grade(measure: str, earlier: int, later: int) -> float | None:
-        return grade_change(measure, earlier, later, cached).p
+        key = (measure, earlier, later)
+        if key not in kept:
+            p = grade_change(measure, earlier, later, cached).p
+            if p is None:
+                return None
+            kept[key] = p
+        return kept[key]
 
     guards = {}
     for step in checkpoints:

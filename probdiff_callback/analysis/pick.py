@@ -141,17 +141,18 @@ def decide(
     greater_is_better: bool = True,
     gain_share: float,
     usable: Callable[[HistoryRow], bool] = lambda row: True,
+    grades: dict | None = None,
 ) -> Pick:
     """The pick over `rows` (the run's history so far): `metric_of(row)` is a row's value of an unguarded metric;
     `values(step)` the step's records and per-conversation eval losses (for the guard); `usable(row)`: the row's
-    checkpoint is there to load (or about to be saved)."""
+    checkpoint is there to load (or about to be saved); `grades`: the guard's p-values kept across decisions."""
     checkpoints = [row for row in rows if row.kind != "baseline" and not row.failed]
     if not is_guarded(metric_for_best_model):
         values_now = {row.global_step: float(metric_of(row)) for row in checkpoints}
         candidates = {s: v for s, v in values_now.items() if usable(_row(checkpoints, s))}
         step = best_step(candidates, greater_is_better)
         return Pick(metric_for_best_model, step, values_now.get(step, math.nan), values_now, candidates)
-    guard = guard_checkpoints(step_measures(rows), values, gain_share)
+    guard = guard_checkpoints(step_measures(rows), values, gain_share, grades)
     confidence = {row.global_step: row.confidence for row in checkpoints}
 
     def among(passes: Callable[[int], bool]) -> tuple[dict[int, float], dict[int, float], int | None]:

@@ -52,6 +52,7 @@ class TrainerBest:
         self.trainer, self.config, self.outputs = trainer, config, outputs
         self.pick: Pick | None = None  # the last decision, the same on every rank
         self.restored_base = False  # no checkpoint passed: the model was put back to the base model at the end
+        self._grades: dict = {}  # the guard's paired tests, each run once per pair of steps (main process)
         self._said: str | None = None
 
     @property
@@ -92,6 +93,7 @@ class TrainerBest:
             greater_is_better=bool(args.greater_is_better),
             gain_share=self.config.alarm_gain_share,
             usable=usable,
+            grades=self._grades,
         )
 
     def alarm_pick(self, rows: list[HistoryRow]) -> int | None:

@@ -192,6 +192,7 @@ def test_a_training_started_again_while_the_evaluator_waits_is_taken_over(tmp_pa
     def said(text: str) -> None:
         with open(tmp_path / "said", "a") as lines:
             lines.write(text + "\n")
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(watch, "say", lambda text: (real_say(text), said(text)))
         training = threading.Thread(target=start_again)
