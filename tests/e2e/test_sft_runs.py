@@ -70,6 +70,18 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
         assert f"{row['summary']['n_capped']}/{row['summary']['n_revision_capped']}" in line.split()  # its own cell
     assert any(row["summary"]["n_capped"] > 0 for row in rows)
     assert "offline samples" in out and "Best checkpoint: step" in out and f"{run_dir.name}/best" in out
+    # one pick everywhere: the end-of-run table, RUN_DIR/best, the Trainer's record, probdiff select
+    from probdiff_callback.analysis.select import select_checkpoints
+
+    picked = int(re.search(r"Best checkpoint: step (\d+)", out)[1])
+    assert (run_dir / "best").resolve().name == f"checkpoint-{picked}"
+    state = json.loads((run_dir / "checkpoint-2" / "trainer_state.json").read_text())
+    assert Path(state["best_model_checkpoint"]).name == f"checkpoint-{picked}"
+    selection = select_checkpoints(run_dir)
+    assert selection.pick.metric == json.loads((run_dir / "probdiff" / "selection.json").read_text())[
+        "metric_for_best_model"
+    ]
+    assert selection.best_checkpoint.global_step == picked
     card = (run_dir / "README.md").read_text()
     assert "[None]" not in card and "`probdiff tiny`" in card and 'model="None"' not in card
 
