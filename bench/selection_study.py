@@ -487,6 +487,9 @@ def main() -> None:
             data = study_data(work, source, recipe, seed)
             for condition in CONDITIONS:
                 if args.only is None or run_name(recipe, seed, condition) in args.only:
+                    if (work / "stop").exists():  # `touch WORK/stop`: the study ends between runs, nothing half done
+                        (work / "stop").unlink()
+                        return say("stopped: WORK/stop was there; run the same command to go on")
                     run_dir = train(work, data, recipe, seed, condition)
                     measure(run_dir, data, recipe)
 
