@@ -337,49 +337,74 @@ def judged(values: dict, step: int) -> tuple[float, float, bool]:
 
 
 def study_table(study: dict) -> str:
-    """Per run: each way's pick, its test measure and whether it is damaged; then per recipe and way the regret against
-    the oracle (mean and worst) and the damaged picks; the guard's rejections on the clean runs."""
+    """Per run: each way's pick, its test measure and whether it is damaged; then per recipe and way the regret
+    (mean and worst) against the oracle checkpoint and against the best the run has (its checkpoints or the base
+    model, which the guarded pick can fall back to), and the damaged picks; the guard's rejections on the clean
+    runs."""
     lines = [
         "| run | measure (base) | " + " | ".join(WAYS) + " |",
         "|---|---|" + "---|" * len(WAYS),
     ]
-    regrets: dict[tuple[str, str], list[float]] = {}
+    regrets: dict[tuple[str, str, str], list[float]] = {}  # (recipe, way, against) -> each run's
     damaged: dict[str, int] = {way: 0 for way in WAYS}
     for name, values in study.items():
         recipe = name.split("-s")[0]
         picks = picks_of(values)
         lower = LOWER_IS_BETTER[values["measure"]]
+        base = judged(values, 0)[0]
         oracle = judged(values, picks["oracle"])[0]
+        best_of_run = (min if lower else max)(oracle, base)
         cells = []
         for way in WAYS:
             step = picks[way]
-            mean, p, is_damaged = judged(values, step)
-            regret = (mean - oracle) if lower else (oracle - mean)
-            regrets.setdefault((recipe, way), []).append(regret)
+            mean, _, is_damaged = judged(values, step)
+            for against, reference in (("oracle", oracle), ("run", best_of_run)):
+                regret = (mean - reference) if lower else (reference - mean)
+                regrets.setdefault((recipe, way, against), []).append(regret)
             damaged[way] += is_damaged
             where = "base" if step == 0 else f"{step}"
             cells.append(f"{where}: {mean:.2f}{' **damaged**' if is_damaged else ''}")
-        base = judged(values, 0)[0]
         lines.append(f"| {name} | {values['measure']} ({base:.2f}) | " + " | ".join(cells) + " |")
     summary = [
-        "| recipe | " + " | ".join(f"{way}: regret mean / worst" for way in WAYS[:-1]) + " |",
-        "|---|" + "---|" * (len(WAYS) - 1),
+        "| recipe (runs) | regret against | " + " | ".join(WAYS[:-1]) + " |",
+        "|---|---|" + "---|" * (len(WAYS) - 1),
     ]
     for recipe in RECIPES:
-        if not any(key[0] == recipe for key in regrets):
+        runs = sum(name.split("-s")[0] == recipe for name in study)
+        if not runs:
             continue
-        cells = []
-        for way in WAYS[:-1]:
-            values = regrets[(recipe, way)]
-            cells.append(f"{sum(values) / len(values):.2f} / {max(values):.2f}")
-        summary.append(f"| {recipe} | " + " | ".join(cells) + " |")
+        for against, words in (("oracle", "the oracle checkpoint"), ("run", "the best of the run")):
+            cells = [
+                f"{sum(r) / len(r):.2f} / {max(r):.2f}" for way in WAYS[:-1] for r in [regrets[(recipe, way, against)]]
+            ]
+            summary.append(f"| {recipe} ({runs}) | {words}: mean / worst | " + " | ".join(cells) + " |")
     counts = " | ".join(str(damaged[way]) for way in WAYS[:-1])
-    summary.append(f"| damaged picks (of {len(study)} runs) | {counts} |")
+    summary.append(f"| damaged picks (of {len(study)} runs) | | {counts} |")
     return "\n".join(lines) + "\n\n" + "\n".join(summary) + "\n\n" + guard_rejections(study)
 
 
+def confirmed_on_test(values: dict, step: int, gain_share: float = 0.25) -> bool:
+    """Whether the test set finds the step materially worse by the guard's own rule, on the test measure: significantly
+    worse than the base model, or than the test's best checkpoint by more than `gain_share` of the test's gain."""
+    from probdiff_callback.core.significance import SIGNIFICANCE_LEVEL, paired_permutation_p
+
+    if judged(values, step)[2]:
+        return True
+    lower = LOWER_IS_BETTER[values["measure"]]
+    test = {int(s): v for s, v in values["test"].items()}
+    ids = sorted(test[0])
+    mean = {s: sum(v[i] for i in ids) / len(ids) for s, v in test.items()}
+    best = (min if lower else max)((s for s in mean if s != 0), key=lambda s: mean[s])
+    gain = (mean[0] - mean[best]) if lower else (mean[best] - mean[0])
+    given_up = (mean[step] - mean[best]) if lower else (mean[best] - mean[step])
+    if gain <= 0 or given_up <= gain_share * gain:
+        return False
+    return paired_permutation_p([test[best][i] for i in ids], [test[step][i] for i in ids]) < SIGNIFICANCE_LEVEL
+
+
 def guard_rejections(study: dict) -> str:
-    """On the clean runs: the checkpoints the guard failed, and how many of them the test set calls damaged."""
+    """On the clean runs: the checkpoints the guard failed, and how many of them the test set finds materially worse by
+    the same rule (the others are false rejections)."""
     from probdiff_callback.analysis.crosscheck import step_measures
     from probdiff_callback.analysis.guard import guard_checkpoints
     from probdiff_callback.runs.run_files import HistoryRow
@@ -393,10 +418,13 @@ def guard_rejections(study: dict) -> str:
         checkpoints += len(guard.checkpoints)
         for step in guard.failed_steps:
             failed.append(f"{name} step {step} ({guard.why_failed(step)})")
-            truly += judged(values, step)[2]
+            confirmed = confirmed_on_test(values, step)
+            truly += confirmed
+            failed[-1] += "" if confirmed else ": a false rejection, the test set finds it not materially worse"
     return (
-        f"The guard on the clean runs: {len(failed)} of {checkpoints} checkpoints failed, {truly} of them "
-        "significantly worse than the base model on the test set" + "".join(f"\n- {f}" for f in failed)
+        f"The guard on the clean runs: {len(failed)} of {checkpoints} checkpoints failed; the test set finds {truly} "
+        f"of them materially worse by the same rule, {len(failed) - truly} false rejections"
+        + "".join(f"\n- {f}" for f in failed)
     )
 
 
@@ -427,7 +455,7 @@ def timings(work: Path) -> str:
         elif line.startswith("  ") and " s, load average" in line and command is not None:
             what = "train" if "train/sft.py" in command else "test" if "--measure" in command else None
             if what is not None:
-                name = command.split("output_dir=")[-1].split()[0] if what == "train" else command.split()[3]
+                name = command.split("output_dir=")[-1].split()[0] if what == "train" else command.split()[4]
                 lines.append(f"{what} {Path(name).name}: {line.strip()}")
     return "\n".join(lines)
 
@@ -459,6 +487,9 @@ def main() -> None:
             data = study_data(work, source, recipe, seed)
             for condition in CONDITIONS:
                 if args.only is None or run_name(recipe, seed, condition) in args.only:
+                    if (work / "stop").exists():  # `touch WORK/stop`: the study ends between runs, nothing half done
+                        (work / "stop").unlink()
+                        return say("stopped: WORK/stop was there; run the same command to go on")
                     run_dir = train(work, data, recipe, seed, condition)
                     measure(run_dir, data, recipe)
 
