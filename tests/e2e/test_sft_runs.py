@@ -78,9 +78,10 @@ def test_blog_end_to_end_through_accelerate_launch(blog_run):
     state = json.loads((run_dir / "checkpoint-2" / "trainer_state.json").read_text())
     assert Path(state["best_model_checkpoint"]).name == f"checkpoint-{picked}"
     selection = select_checkpoints(run_dir)
-    assert selection.pick.metric == json.loads((run_dir / "probdiff" / "selection.json").read_text())[
-        "metric_for_best_model"
-    ]
+    assert (
+        selection.pick.metric
+        == json.loads((run_dir / "probdiff" / "selection.json").read_text())["metric_for_best_model"]
+    )
     assert selection.best_checkpoint.global_step == picked
     card = (run_dir / "README.md").read_text()
     assert "[None]" not in card and "`probdiff tiny`" in card and 'model="None"' not in card
