@@ -15,9 +15,14 @@ side by side in one run, alternately `--pairs` times (bench/_side_by_side.py).
 Both at one torch thread (OMP_NUM_THREADS=1). vLLM is the project's environment's (README's Setup). Results go to
 bench/results/vllm-<what>.json.
 
+- auto: `use_vllm=auto` (the default) against the engine it did not take, one after the other: the README's quick
+  start (`model=tiny`), the smollm2 summarization preset (beside training) and `probdiff eval --model smollm2` with
+  128 new tokens on `--limits` questions; each case's `ProbDiff engine:` line says what auto took and why.
+
 Run: python bench/bench_vllm.py eval [--pairs 1] [--limit 64] [--max-new-tokens 128] [--adapter]
      python bench/bench_vllm.py sync [--pairs 1] [--limit 8]
      python bench/bench_vllm.py train [--pairs 1] [--n-queries 8] [--train-option key=value ...]
+     python bench/bench_vllm.py auto [--limits 4 8 16 64]
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def train_side(engine: str, n_queries: int, options: list[str], folder: Path, pa
     accelerate = shutil.which("accelerate") or "accelerate"
     command = [accelerate, "launch", "--num_processes", "1", str(harness.ROOT / "train/sft.py"), "recipe=summarization"]
     command += ["model=smollm2", f"output_dir={out}", "report_to=none", f"probdiff.n_queries={n_queries}", *options]
-    done = run(command + (["probdiff.use_vllm=true"] if engine == "vllm" else []))
+    done = run(command + [f"probdiff.use_vllm={'true' if engine == 'vllm' else 'false'}"])
     cost = COST.search(done.stdout + done.stderr)
     if cost is None:
         sys.exit(f"no cost line in the run's output:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -99,6 +104,48 @@ def train_side(engine: str, n_queries: int, options: list[str], folder: Path, pa
         "cost_line": cost.group(0),
         "confidence": [s.get("confidence") for s in summaries],
         "ci": [s.get("confidence_ci") for s in summaries],
+    }
+
+
+def auto_cases(limits: list[int]) -> dict[str, tuple[list[str], str]]:
+    """`use_vllm=auto`'s measured cases: the command (its output folder added later) and the key that sets the engine.
+    The README's quick start and the smollm2 preset as a newcomer runs them; `probdiff eval` on smollm2 with 128 new
+    tokens at each of `limits` questions."""
+    train = [sys.executable, str(harness.ROOT / "train/sft.py"), "report_to=none"]
+    cases = {
+        "quick start (tiny, blog)": ([*train, "recipe=blog", "model=tiny"], "probdiff.use_vllm"),
+        "smollm2 preset (summarization)": ([*train, "recipe=summarization", "model=smollm2"], "probdiff.use_vllm"),
+    }
+    for limit in limits:
+        command = ["probdiff", "eval", "--model", "smollm2", "--queries", str(QUERIES), "--limit", str(limit)]
+        cases[f"probdiff eval, {limit} questions"] = ([*command, "max_new_tokens=128"], "use_vllm")
+    return cases
+
+
+def engine_line(out: Path, done: harness.Done) -> str:
+    """The run's `ProbDiff engine:` line: in its output, or (beside training) in its evaluator's log."""
+    texts = [done.stdout + done.stderr] + [p.read_text(errors="replace") for p in sorted(out.rglob("*.log"))]
+    lines = [line for text in texts for line in text.splitlines() if "ProbDiff engine: " in line]
+    if not lines:
+        sys.exit(f"no 'ProbDiff engine:' line from {out}:\n{(done.stdout + done.stderr)[-3000:]}")
+    return lines[-1][lines[-1].index("ProbDiff engine: ") :]
+
+
+def auto_case(name: str, command: list[str], key: str, folder: Path) -> dict:
+    """The case with `use_vllm=auto` (the default), then with the engine auto did not take: which is faster."""
+    out_option = (lambda out: ["--out", str(out)]) if command[0] == "probdiff" else (lambda out: [f"output_dir={out}"])
+    slug = re.sub(r"\W+", "-", name)
+    auto_out, other_out = folder / f"{slug}-auto", folder / f"{slug}-other"
+    auto = run(command + out_option(auto_out))
+    chosen = engine_line(auto_out, auto)
+    took_vllm = chosen.startswith("ProbDiff engine: vLLM")
+    other = run(command + out_option(other_out) + [f"{key}={'false' if took_vllm else 'true'}"])
+    return {
+        "case": name,
+        "auto": chosen,
+        "auto_seconds": round(auto.seconds, 1),
+        "other": f"{key}={'false' if took_vllm else 'true'}: {engine_line(other_out, other)}",
+        "other_seconds": round(other.seconds, 1),
     }
 
 
@@ -130,7 +177,7 @@ def sides(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[int], d
         vllm = [*options, "use_vllm=true"]
         return {
             "colocate": partial(eval_side, "colocate", vllm, args.limit, folder),
-            "hf": partial(eval_side, "hf", options, args.limit, folder),
+            "hf": partial(eval_side, "hf", [*options, "use_vllm=false"], args.limit, folder),
         }
     if args.what == "train":
         return {e: partial(train_side, e, args.n_queries, args.train_option, folder) for e in ENGINES}
@@ -140,14 +187,28 @@ def sides(args: argparse.Namespace, folder: Path) -> dict[str, Callable[[int], d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["eval", "train", "sync"])
+    parser.add_argument("what", choices=["eval", "train", "sync", "auto"])
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--limit", type=int, default=64, help="eval, sync: MT-Bench questions")
     parser.add_argument("--max-new-tokens", type=int, help="eval: max_new_tokens (default: the settings')")
     parser.add_argument("--adapter", action="store_true", help="eval: evaluate a random LoRA adapter")
     parser.add_argument("--n-queries", type=int, default=8, help="train: probdiff.n_queries")
     parser.add_argument("--train-option", action="append", default=[], help="train: another key=value")
+    parser.add_argument("--limits", type=int, nargs="*", default=[4, 8, 16, 64], help="auto: eval's questions")
     args = parser.parse_args()
+    if args.what == "auto":
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-") as scratch:
+            cases = [auto_case(name, *case, Path(scratch)) for name, case in auto_cases(args.limits).items()]
+        print("use_vllm=auto against the other engine, whole processes, one run each:")
+        for case in cases:
+            ratio = case["other_seconds"] / case["auto_seconds"]
+            print(f"  {case['case']}: {case['auto_seconds']:.0f} s with auto ({case['auto']}); "
+                  f"{case['other_seconds']:.0f} s with {case['other']}: auto {ratio:.2f}x")  # fmt: skip
+        target = harness.ROOT / "bench" / "results" / "vllm-auto.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps({"what": "auto", "threads": 1, "cases": cases}, indent=1) + "\n")
+        print(f"wrote {target}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as scratch:
         results = harness.alternately(args.pairs, sides(args, Path(scratch)))
     report = {"what": args.what, "pairs": args.pairs, "threads": 1, "results": results}

@@ -274,6 +274,27 @@ def _vllm_engine(args, config: ProbDiffConfig, model, tokenizer) -> Iterator[Eng
             yield engine
 
 
+def _engine(args, config: ProbDiffConfig, model, tokenizer, queries: int, stack: contextlib.ExitStack):
+    """The engine that writes the texts of `queries` queries (generation/choice.py), said in one line, and `config`
+    with `use_vllm` decided; vLLM's engine entered on `stack` (None: HF). Where vLLM cannot start, `use_vllm=true`
+    stops; `auto` takes HF."""
+    from probdiff_callback.generation.choice import architectures_of, choose_engine, parameters_of
+
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    choice = choose_engine(config, parameters=parameters_of(model), architectures=architectures_of(model),
+                           queries=queries, in_training_loop=False, on_gpu=on_gpu)  # fmt: skip
+    engine = None
+    if choice.use_vllm and queries:
+        try:
+            engine = stack.enter_context(_vllm_engine(args, choice.applied(config), model, tokenizer))
+        except EngineUnavailable as err:
+            if config.use_vllm is True:
+                raise
+            choice = choice.fallen_back(str(err))
+    print(choice.line(), file=sys.stderr)
+    return choice.applied(config), engine
+
+
 def cmd_eval(args) -> int:
     from probdiff_callback.core.queries import load_queries
     from probdiff_callback.core.reference_metrics import plan_references
@@ -309,10 +330,9 @@ def cmd_eval(args) -> int:
         remove_empty(made)
         raise
     started = time.time()
-    with keeping_finished(args.out, evaluated, kept, len(queries), made) as keep:
-        starts_vllm = config.use_vllm and remaining
-        with _vllm_engine(args, config, model, tokenizer) if starts_vllm else contextlib.nullcontext() as engine:
-            evaluation = evaluate(model, tokenizer, remaining, config, engine=engine, on_finished=keep)
+    with keeping_finished(args.out, evaluated, kept, len(queries), made) as keep, contextlib.ExitStack() as stack:
+        config, engine = _engine(args, config, model, tokenizer, len(remaining), stack)
+        evaluation = evaluate(model, tokenizer, remaining, config, engine=engine, on_finished=keep)
     whole = Evaluation(in_query_order([*kept, *evaluation.records], queries), evaluation.cost)
     evaluation, summary = summarise(whole, queries, config, plan)
     seconds = round(time.time() - started, 2)

@@ -184,6 +184,9 @@ def test_sft_lora_run_is_evaluated_selected_and_stopped_by_probdiff(tmp_path, ti
     assert names.index("ProbDiffCallback") < names.index("EarlyStoppingCallback")
     assert trainer.state.global_step == 4, "early stopping did not act on eval_probdiff_confidence"
     printed = caplog.text
+    # the engine said once, and why: auto keeps the tiny model on HF
+    assert printed.count("ProbDiff engine: ") == 1
+    assert "ProbDiff engine: HF: a model of 39M parameters: HF writes its texts sooner than vLLM starts" in printed
     assert "ProbDiff: one evaluation takes" in printed and "evaluating every 2 steps adds about" in printed
     assert "(the base model's took" in printed  # the forecast is from an evaluation during training
     assert callback.cost_summary().startswith("ProbDiff cost: 2 evaluations during training took")

@@ -5,6 +5,7 @@ it finished for `--resume`. Through `probdiff eval`, `probdiff score` and traini
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -12,11 +13,12 @@ import pytest
 from _launch import refused_here
 from _vllm import cli_eval, needs_vllm, read_records, save_adapter
 
+from probdiff_callback.cli import main
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.engine import GenerationRequest
-from probdiff_callback.generation import vllm
+from probdiff_callback.generation import choice, vllm
 from probdiff_callback.generation.vllm_colocate import ColocatedEngine
-from probdiff_callback.generation.vllm_common import EngineUnavailable, decoded, install_hint, vllm_problem
+from probdiff_callback.generation.vllm_common import INSTALL, EngineUnavailable, decoded, install_hint, vllm_problem
 
 # ---- no vLLM needed ----
 
@@ -57,6 +59,37 @@ def test_in_this_process_every_weight_goes_in_memory_unless_you_ask_for_the_adap
     assert vllm.weight_sync(ProbDiffConfig(use_vllm=True, vllm_mode="server")) == "lora"
 
 
+def test_auto_without_vllm_evaluates_with_hf_and_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, as the import system sees it
+    monkeypatch.setattr(choice, "MIN_PARAMETERS", 0)  # the tiny model counts as large work here
+    assert cli_eval(tmp_path / "out") == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ProbDiff engine:")]
+    assert lines == [f"ProbDiff engine: HF: vLLM is not installed ({INSTALL})"]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["config"]["use_vllm"] is False
+
+
+def test_auto_where_vllm_refuses_the_model_evaluates_with_hf_and_true_stops(tmp_path, monkeypatch, capsys):
+    """A model vLLM cannot start on: auto says what vLLM said and evaluates with HF; use_vllm=true stops with it."""
+    monkeypatch.setattr(choice, "MIN_PARAMETERS", 0)
+    monkeypatch.setattr(choice, "MIN_NEW_TOKENS", 0)
+    monkeypatch.setattr(choice, "supported_architectures", lambda: frozenset({"Qwen2ForCausalLM"}))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+
+    def refuses(*args, **kwargs):
+        raise EngineUnavailable("vLLM cannot run tiny here (head size 32 is not supported)")
+
+    monkeypatch.setattr(vllm.VLLMGeneration, "start", refuses)
+    assert cli_eval(tmp_path / "auto") == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ProbDiff engine:")]
+    assert lines == [
+        "ProbDiff engine: HF: vLLM cannot run this model here (vLLM cannot run tiny here (head size 32 is not "
+        "supported))"
+    ]
+    assert cli_eval(tmp_path / "true", "use_vllm=true") == 2
+    assert "head size 32 is not supported" in capsys.readouterr().err
+
+
 # ---- vLLM in this process ----
 
 
@@ -71,6 +104,28 @@ def test_a_model_vllm_cannot_load_is_one_line_with_the_hf_engine_as_the_way_on(t
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"vLLM cannot run {folder} here (")
     assert message.endswith("); the HF engine evaluates it: use_vllm=false")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_an_auto_run_that_takes_vllm_scores_as_probdiff_score_does(tmp_path, monkeypatch, capfd):
+    """Where auto takes vLLM (here on the tiny model, its size rule set aside), the texts are vLLM's and the model
+    scores them: `probdiff score` on the same texts gives the same log-probabilities, within 1e-4."""
+    monkeypatch.setattr(choice, "MIN_PARAMETERS", 0)
+    monkeypatch.setattr(choice, "MIN_NEW_TOKENS", 0)
+    out = tmp_path / "auto"
+    assert cli_eval(out) == 0
+    err = capfd.readouterr().err  # vLLM in this process writes to the descriptor
+    assert "ProbDiff engine: vLLM (colocate): installed and supported" in err and "0 MB written" in err
+    records = read_records(out)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"id": r["id"], "query": r["query"], "response": r["response"],
+                                         "revised": r["revisions"][-1]}) + "\n" for r in records))  # fmt: skip
+    scored = tmp_path / "scored"
+    assert main(["score", "--model", "tiny", "--device", "cpu", "--pairs", str(pairs), "--out", str(scored)]) == 0
+    for again, generated in zip(read_records(scored), records, strict=True):
+        assert abs(again["logp_response"] - generated["logp_response"]) < 1e-4
+        assert abs(again["logp_revised"] - generated["logp_revised"]) < 1e-4
 
 
 @pytest.mark.slow

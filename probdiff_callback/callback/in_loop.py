@@ -26,6 +26,7 @@ from probdiff_callback.core.evaluator import ABANDONED
 from probdiff_callback.core.metric import compare_to_base, is_finite
 from probdiff_callback.core.queries import Query
 from probdiff_callback.core.records import Record
+from probdiff_callback.generation.choice import architectures_of, choose_engine, parameters_of
 from probdiff_callback.generation.vllm import in_this_process
 from probdiff_callback.runs.run_files import HistoryRow, RunFiles, read_records
 
@@ -62,6 +63,7 @@ class InLoop:
         self.files = RunFiles(trainer.args.output_dir, config.output_subdir)  # written on the main process
         self.cost = CostReport()
         self.vllm = None  # VLLMGeneration (use_vllm), on each rank that holds one: started when training begins
+        self.asked = config  # `use_vllm` as given (auto, true, false): the engine is decided at each training start
 
     @property
     def evaluated(self) -> dict[int, dict[str, float]]:
@@ -78,8 +80,8 @@ class InLoop:
     def begin(self, args: TrainingArguments, state: TrainerState) -> None:
         """vLLM started, the history taken over and the resumed step completed; the resolution line said unless the
         baseline is still to be evaluated (its evaluation says it)."""
-        if self.config.use_vllm and self.vllm is None:
-            self.vllm = self._start_vllm()
+        if self.vllm is None:
+            self.config, self.vllm = self._engine()
         kept, baseline_records = self.outputs.broadcast(self._history_to_continue(state))
         self.state = LoopState(
             evaluated={row.global_step: self._metrics(row) for row in kept if not row.abandoned},
@@ -112,20 +114,35 @@ class InLoop:
             )
         return kept, self.files.baseline_records()
 
-    def _start_vllm(self):
-        """The vLLM of this run: on every rank where it runs in the evaluating process (each rank writes its share's
-        texts), else on the main process (None on the others). A failure to start stops training on every rank with
-        the same message, before the first step."""
-        vllm, error = None, None
-        if self.outputs.is_main or in_this_process(self.config):
+    def _engine(self) -> tuple[ProbDiffConfig, object]:
+        """The engine that writes this run's texts (generation/choice.py), said once, and the settings with its
+        `use_vllm` decided. vLLM starts on every rank where it runs in the evaluating process (each rank writes its
+        share's texts), else on the main process (None on the others). Where it fails to start, `use_vllm=true` stops
+        training on every rank with the same message before the first step; `auto` evaluates with HF on every rank."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
+        choice = choose_engine(
+            self.asked,
+            parameters=parameters_of(model),
+            architectures=architectures_of(model),
+            queries=len(self.queries),
+            in_training_loop=True,
+            on_gpu=self.trainer.args.device.type == "cuda",
+        )
+        config, vllm, error = choice.applied(self.asked), None, None
+        if choice.use_vllm and (self.outputs.is_main or in_this_process(config)):
             try:
-                vllm = start_vllm(self.trainer, self.tokenizer, self.config)
-            except Exception as err:  # noqa: BLE001 - every rank raises it below
+                vllm = start_vllm(self.trainer, self.tokenizer, config)
+            except Exception as err:  # noqa: BLE001 - every rank learns of it below
                 error = f"{type(err).__name__}: {err}"
-        error = any_error(self.trainer.accelerator, error)
-        if error is not None:
-            raise RuntimeError(f"ProbDiff: use_vllm=true: {error}")
-        return vllm
+        if choice.use_vllm and (error := any_error(self.trainer.accelerator, error)) is not None:
+            if self.asked.use_vllm is True:
+                raise RuntimeError(f"ProbDiff: use_vllm=true: {error}")
+            if vllm is not None:
+                vllm.close()
+            vllm, choice = None, choice.fallen_back(error)
+        if self.outputs.is_main:
+            logger.info(choice.line())
+        return choice.applied(self.asked), vllm
 
     def _complete_resumed_step(self, state: TrainerState, kept: list[HistoryRow]) -> None:
         """What the checkpoint resumed from lacks of its own step's ProbDiff evaluation, done now.

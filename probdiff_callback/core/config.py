@@ -141,15 +141,16 @@ class ProbDiffConfig:
         read_by=_EVERYWHERE,
     )
     # --- the generation engine (docs/vllm.md); scoring always stays with the model itself, in fp32 ---
-    use_vllm: bool = _setting(
-        False,
-        help="answers and revisions from vLLM instead of HF generate; scoring stays with the model (docs/vllm.md)",
+    use_vllm: bool | str = _setting(
+        "auto",
+        help="answers and revisions from vLLM instead of HF generate; `auto`: vLLM where it is installed, runs the "
+        "model and is faster (not in the loop on a GPU, not for small work: docs/vllm.md); the model always scores",
         group=ENGINE,
         read_by=_GENERATING,
     )
     vllm_mode: Literal["colocate", "server"] = _setting(
         "colocate",
-        help="`colocate`: a vLLM server the job starts, once; `server`: a `vllm serve` you started",
+        help="`colocate`: vLLM in the evaluating process; `server`: a `vllm serve` you started",
         group=ENGINE,
         read_by=_GENERATING,
     )
@@ -315,6 +316,8 @@ class ProbDiffConfig:
 
     def _range_problems(self) -> list[str]:
         problems = []
+        if isinstance(self.use_vllm, str) and self.use_vllm != "auto":
+            problems.append(f"use_vllm={self.use_vllm!r}: use true, false or auto")
         if self.n_revisions < 1:
             problems.append(f"n_revisions={self.n_revisions}: needs at least 1 revision")
         if self.n_samples < 1:

@@ -46,7 +46,7 @@ def in_this_process(config) -> bool:
     """Whether `use_vllm=true` runs vLLM in the evaluating process (vllm_mode=colocate): then every training rank holds
     an engine of its own and writes its share's texts, as TRL's colocate mode does. Otherwise the main process speaks
     to your server for every rank."""
-    return config.use_vllm and config.vllm_mode == "colocate"
+    return config.use_vllm is True and config.vllm_mode == "colocate"
 
 
 def weight_sync(config) -> str:

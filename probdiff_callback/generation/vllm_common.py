@@ -27,10 +27,10 @@ RETIRED_PYTHON_VARIABLE = "PROBDIFF_VLLM_PYTHON"
 
 
 def vllm_problem(config) -> str | None:
-    """Why `use_vllm=true` cannot run in this environment (None: it can, or it is off), before anything is written or
-    loaded: vllm_mode=colocate needs vLLM here; a server you started needs nothing here. `$PROBDIFF_VLLM_PYTHON`, which
-    is no longer read, is named rather than left unseen."""
-    if not config.use_vllm or config.vllm_mode == "server":
+    """Why `use_vllm=true` cannot run in this environment (None: it can, or it is off or `auto`, which then takes HF),
+    before anything is written or loaded: vllm_mode=colocate needs vLLM here; a server you started needs nothing here.
+    `$PROBDIFF_VLLM_PYTHON`, which is no longer read, is named rather than left unseen (with `auto` too)."""
+    if config.use_vllm is False or config.vllm_mode == "server":
         return None
     if retired := os.environ.get(RETIRED_PYTHON_VARIABLE):
         return (
@@ -38,7 +38,7 @@ def vllm_problem(config) -> str | None:
             "from that environment and set vllm_mode=server vllm_server_base_url=<its URL>, or install vLLM here "
             f"({INSTALL}); then unset {RETIRED_PYTHON_VARIABLE}"
         )
-    if importlib.util.find_spec("vllm") is not None:
+    if config.use_vllm is not True or importlib.util.find_spec("vllm") is not None:
         return None
     return f"use_vllm=true needs vLLM, which is not installed in this environment: {install_hint()}"
 

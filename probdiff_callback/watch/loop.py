@@ -239,7 +239,10 @@ class Evaluator:
         elif gone is not None:
             outcome = Outcome(error=gone)
         else:
-            weights, vllm = self.loaded.for_spec(self.session.spec, self.session.config)  # a missing model stops here
+            # a missing model stops here; `auto` is decided on this process's device (generation/choice.py)
+            weights, vllm, self.session.config = self.loaded.for_spec(
+                self.session.spec, self.session.config, len(self.session.queries)
+            )
             shares = self._helpers(helpers) if helpers else None
             outcome = evaluate_request(self.session, weights, vllm, folder, request.global_step, shares, self.say)
         with self.signals.deferred():

@@ -18,7 +18,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.generation.vllm import VLLMGeneration
+from probdiff_callback.generation.choice import EngineChoice, architectures_of, choose_engine, parameters_of
+from probdiff_callback.generation.vllm import EngineUnavailable, VLLMGeneration
 from probdiff_callback.models import load_model_and_tokenizer, parse_dtype, peft_without_deprecated_alias_warning
 from probdiff_callback.runs.queue import SPEC_FILE, EvaluatorSpec, Queue
 
@@ -111,16 +112,21 @@ class Weights:
 
 
 class Loaded:
-    """The base model and (use_vllm) the vLLM engine: loaded when the first request needs them, kept for the next
-    ones, loaded again only when a new training start's spec names another model or engine. `say` reports."""
+    """The base model and the engine that writes the texts (generation/choice.py; with vLLM, its engine): loaded when
+    the first request needs them, kept for the next ones, loaded again only when a new training start's spec names
+    another model or engine. `say` reports, the engine's choice among it."""
 
     def __init__(self, queue: Queue, device: str, say: Callable[[str], None]) -> None:
         self.queue, self.device, self.say = queue, device, say
         self.weights: Weights | None = None
         self.vllm: VLLMGeneration | None = None
-        self._vllm_spec: EvaluatorSpec | None = None
+        self.choice: EngineChoice | None = None
+        self._engine_spec: EvaluatorSpec | None = None
 
-    def for_spec(self, spec: EvaluatorSpec, config: ProbDiffConfig) -> tuple[Weights, VLLMGeneration | None]:
+    def for_spec(
+        self, spec: EvaluatorSpec, config: ProbDiffConfig, queries: int
+    ) -> tuple[Weights, VLLMGeneration | None, ProbDiffConfig]:
+        """The spec's model, its engine, and `config` with `use_vllm` decided (for `queries` queries an evaluation)."""
         if self.weights is None or self.weights.key != model_key(spec):
             self.close()
             self.weights = None
@@ -128,23 +134,41 @@ class Loaded:
             started = time.perf_counter()
             self.weights = Weights.load(spec, self.device)
             self.say(f"{spec.model} loaded in {time.perf_counter() - started:.1f}s on {self.device}")
-        if self._vllm_spec != spec:
+        if self._engine_spec != spec:
             self.close()
-        if config.use_vllm and self.vllm is None:
+            self.choice = self._choose(spec, config, queries)
+            self._engine_spec = spec
+        assert self.choice is not None
+        return self.weights, self.vllm, self.choice.applied(config)
+
+    def _choose(self, spec: EvaluatorSpec, config: ProbDiffConfig, queries: int) -> EngineChoice:
+        """The engine for this training start's settings, on this process's device, said in one line; vLLM started
+        where it is chosen. Where it cannot start, `use_vllm=true` stops the evaluator; `auto` takes HF."""
+        assert self.weights is not None
+        base = self.weights.base
+        choice = choose_engine(config, parameters=parameters_of(base), architectures=architectures_of(base),
+                               queries=queries, in_training_loop=False, on_gpu=self.device != "cpu")  # fmt: skip
+        if choice.use_vllm:
             started = time.perf_counter()
-            self.vllm = VLLMGeneration.start(
-                config,
-                self.weights.base,
-                self.weights.tokenizer,
-                lora_rank=spec.lora_rank or 0,
-                scratch_parent=self.queue.folder,
-            )
-            self._vllm_spec = spec
-            self.say(f"vLLM ({config.vllm_mode}) ready in {time.perf_counter() - started:.1f}s")
-        return self.weights, self.vllm
+            try:
+                self.vllm = VLLMGeneration.start(
+                    choice.applied(config),
+                    base,
+                    self.weights.tokenizer,
+                    lora_rank=spec.lora_rank or 0,
+                    scratch_parent=self.queue.folder,
+                )
+            except EngineUnavailable as err:
+                if config.use_vllm is True:
+                    raise
+                choice = choice.fallen_back(str(err))
+            else:
+                self.say(f"vLLM ({config.vllm_mode}) ready in {time.perf_counter() - started:.1f}s")
+        self.say(choice.line())
+        return choice
 
     def close(self) -> None:
         """End this process's vLLM engine, if any."""
-        vllm, self.vllm, self._vllm_spec = self.vllm, None, None
+        vllm, self.vllm, self._engine_spec = self.vllm, None, None
         if vllm is not None:
             vllm.close()

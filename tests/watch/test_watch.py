@@ -371,6 +371,7 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
             assert not (queue.weights_path(row.global_step)).exists()  # evaluated: links removed
     assert (loop_run / "checkpoint-2" / "adapter_model.safetensors").is_file()  # the checkpoint's own files stay
     out = capsys.readouterr().out
+    assert out.count("ProbDiff engine: HF: ") == 1  # decided once, on its own device: small work stays on HF
     then = "; then steps 4" if steps == 4 and not ahead else ""  # ahead: step 4 is queued while the watch waits
     assert f"step 2 (evaluate, its adapter): evaluating {N_QUERIES} queries{then}\n" in out
     assert f"step {steps}: {N_QUERIES} queries in" in out
