@@ -14,6 +14,7 @@ from probdiff_callback.core.evaluator import (
     build_record,
     evaluate,
     make_chains,
+    measured_memory,
     query_batches,
     stage_clock,
     summarise,
@@ -148,6 +149,34 @@ def test_the_evaluation_says_what_each_stage_cost(reference_evaluation):
 def test_stages_are_timed_on_the_host_clock_on_cpu(tiny_model):
     model, _ = tiny_model
     assert model.device.type == "cpu" and stage_clock(model) is time.perf_counter
+
+
+def test_the_cost_holds_no_memory_on_a_cpu(reference_evaluation):
+    cost = reference_evaluation[0].cost
+    assert cost.peak_memory_bytes is cost.memory_before_bytes is cost.peak_memory_before_bytes is None
+    assert not {"peak_memory_bytes", "memory_before_bytes", "peak_memory_before_bytes"} & set(cost.to_json())
+
+
+def test_on_cuda_the_evaluation_reads_its_peak_and_the_one_before_and_resets_it(monkeypatch):
+    """torch.cuda's allocator statistics, as the evaluator reads and resets them around an evaluation."""
+    import torch
+
+    stats = {"allocated": 5, "peak": 9, "resets": 0}
+
+    def reset(device):
+        stats["peak"], stats["resets"] = stats["allocated"], stats["resets"] + 1
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: stats["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: stats["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    model = type("OnCuda", (), {"device": torch.device("cuda", 0)})()
+    cost = Cost()
+    with measured_memory(model, cost):
+        assert stats["resets"] == 1 and stats["peak"] == 5  # its own window begins
+        stats["peak"] = 12  # the evaluation's work
+    assert (cost.peak_memory_before_bytes, cost.memory_before_bytes, cost.peak_memory_bytes) == (9, 5, 12)
+    assert stats["resets"] == 2 and stats["peak"] == 5  # what comes next is measured on its own
+    assert Cost.from_json(cost.to_json()) == cost
 
 
 def test_summarise_scores_the_references_and_says_how_long_it_took():

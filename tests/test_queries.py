@@ -25,6 +25,14 @@ def test_jsonl_and_json_list_detected_by_content(tmp_path):
         assert [(q.id, q.text, q.category) for q in queries] == [("0", "a", None), ("7", "b", "math")]
 
 
+def test_a_line_holding_unicode_line_separators_is_one_row(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (Xiaohongshu posts do; json.dumps with
+    ensure_ascii=False writes them so): each JSON Lines row ends at a newline only."""
+    texts = ["第一段\u2028第二段", "a\u2029b\x85c"]
+    path = write(tmp_path, "q.jsonl", "".join(json.dumps({"instruction": t}, ensure_ascii=False) + "\n" for t in texts))
+    assert [q.text for q in load_queries(path)] == texts
+
+
 def test_query_fields_and_turns(tmp_path):
     rows = [
         {"id": "x", "query": "from query"},

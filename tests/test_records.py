@@ -101,6 +101,19 @@ def test_costs_of_ranks_side_by_side_take_the_slowest_stage_and_sum_the_tokens()
     assert (a + b).answers_seconds == 3.0 and (a + b).generated_tokens == 30 and sum([a, b], Cost()) == a + b
 
 
+def test_the_memory_of_ranks_and_parts_is_the_highest_and_older_costs_read_without_it():
+    a = Cost(answer_tokens=1, peak_memory_bytes=10, memory_before_bytes=4, peak_memory_before_bytes=7)
+    b = Cost(answer_tokens=2, peak_memory_bytes=12, memory_before_bytes=3)
+    for both in (Cost.merged([a, b]), a + b, sum([a, b], Cost())):
+        assert (both.peak_memory_bytes, both.memory_before_bytes, both.peak_memory_before_bytes) == (12, 4, 7)
+    assert (Cost() + Cost()).peak_memory_bytes is None  # a CPU's evaluations have none
+    older = {"answers_seconds": 1.5, "revisions_seconds": 0.5, "scoring_seconds": 0.25, "reference_seconds": 0.0,
+             "answer_tokens": 3, "revision_tokens": 4}  # fmt: skip
+    read = Cost.from_json(older)
+    assert read.peak_memory_bytes is None and read.to_json() == older  # written back as it was
+    assert Cost.from_json(json.loads(dumps(a))) == a
+
+
 # ---- docs/cli.md ----
 def _generated(text: str, name: str) -> tuple[int, int]:
     start, end = f"<!-- generated: {name} -->\n", f"<!-- end: {name} -->"

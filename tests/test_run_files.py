@@ -81,6 +81,17 @@ def test_read_records_names_the_line_of_a_row_that_is_not_a_record(tmp_path):
         read_records(path)
 
 
+def test_records_and_history_holding_unicode_line_separators_read_back_whole(tmp_path):
+    """A model's answer or an error text may hold U+2028 (dumps writes it unescaped): the files read back as written."""
+    answer = record("a", 0.5, -0.5)
+    answer.response = "first\u2028second\x85third"
+    write_jsonl(tmp_path / "records.jsonl", [answer.to_json()])
+    assert read_records(tmp_path / "records.jsonl")[0].response == answer.response
+    row = HistoryRow(global_step=2, epoch=1.0, kind="evaluate", error="line one\u2029line two")
+    write_jsonl(tmp_path / "history.jsonl", [row.to_json()])
+    assert read_history(tmp_path / "history.jsonl") == [row]
+
+
 def test_run_files_write_each_row_from_memory_and_keep_the_file_whole(tmp_path, monkeypatch):
     files = RunFiles(tmp_path / "run")
     assert files.continue_from(0) == ([], 0) and read_history(files.history_path) == []

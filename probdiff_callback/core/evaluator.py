@@ -68,6 +68,28 @@ def stage_clock(model) -> Callable[[], float]:
     return synchronized
 
 
+@contextlib.contextmanager
+def measured_memory(model, cost: Cost):
+    """`cost`'s memory fields for the block, where `model` is on a CUDA device (nothing on a CPU): the peak before it
+    (since the device's peak was last reset), what tensors held when it began, and its own peak. The device's peak is
+    reset when the block begins and when it ends, so that a peak read elsewhere (say the Trainer's, with
+    `skip_memory_metrics=false`) spans only what came after the last evaluation."""
+    device = getattr(model, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        yield
+        return
+    import torch
+
+    cost.peak_memory_before_bytes = torch.cuda.max_memory_allocated(device)
+    cost.memory_before_bytes = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield
+    finally:
+        cost.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def raise_if_asked_to_stop(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise EvaluationAbandoned("the run was asked to stop (preemption) during this evaluation")
@@ -416,7 +438,8 @@ def evaluate(
     rank must run the same forward passes: a sharded ZeRO-3 evaluation always finishes.
 
     Callers that hold the whole query set check `config.check_categories` on it first (the CLI and
-    the callback do); here the queries may be one rank's share.
+    the callback do); here the queries may be one rank's share. On a CUDA model the cost holds the evaluation's peak
+    memory too (`measured_memory`, which resets the device's peak when the evaluation begins and ends).
     """
     chains = make_chains(tokenizer, queries, config)
     if engine is None:
@@ -429,7 +452,7 @@ def evaluate(
     bar = tqdm(total=steps, desc="ProbDiff", unit="text", disable=not progress, dynamic_ncols=True)
     cost, clock = Cost(), stage_clock(model)
     handed: set[str] = set()
-    with inference_mode(model), contextlib.closing(bar):
+    with inference_mode(model), contextlib.closing(bar), measured_memory(model, cost):
         for batch in batches:
             raise_if_asked_to_stop(should_stop)
             try:

@@ -56,6 +56,13 @@ def nan_to_none(value: Any) -> Any:
     return value
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text, split at "\\n" only (a "\\r" before it is whitespace to JSON). `str.splitlines`
+    would also split at U+2028, U+2029, U+0085 and others, which JSON strings may hold unescaped and `dumps` writes as
+    they are: a model's answer, or a Xiaohongshu post, can hold them."""
+    return text.split("\n")
+
+
 def dumps(value: Any, **kwargs: Any) -> str:
     """`value` as JSON text: the `JsonRecord`s in their JSON form, wherever they sit in it, and every NaN and infinity
     as null (strict JSON readers reject NaN); `kwargs` go to `json.dumps` (`indent`)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from probdiff_callback.core.categories import canonical_category
+from probdiff_callback.core.json_form import jsonl_lines
 
 QUERY_FIELDS = ("query", "instruction", "question", "user", "prompt")
 TURN_FIELDS = ("conversations", "messages", "turns", "prompt")  # trl's conversational `prompt` is a chat
@@ -65,7 +66,7 @@ def read_rows(path: str | os.PathLike) -> list[tuple[int, dict]]:
             position = end
         return _check_objects(path, rows)
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         try:

@@ -205,8 +205,9 @@ class Comparison(JsonRecord):
 @dataclass(kw_only=True)
 class Cost(JsonRecord):
     """Where an evaluation's time went, measured by the evaluator itself (on a CUDA model the clock waits for the
-    device, so a stage's GPU work counts in it): read by the cost line, `bench/` and the GPU kit. On several ranks
-    each stage's seconds are the slowest rank's and the tokens the sum (`Cost.merged`)."""
+    device, so a stage's GPU work counts in it), and on a CUDA model its memory: read by the cost line, `bench/` and
+    the GPU kit. On several ranks each stage's seconds are the slowest rank's, the tokens the sum and the memory the
+    highest rank's (`Cost.merged`)."""
 
     answers_seconds: float = _field(0.0, help="seconds generating the answers")
     revisions_seconds: float = _field(0.0, help="seconds generating the revisions, every round")
@@ -214,6 +215,22 @@ class Cost(JsonRecord):
     reference_seconds: float = _field(0.0, help="seconds computing the reference metrics (BLEU, chrF, ROUGE)")
     answer_tokens: int = _field(0, help="tokens generated for the answers (before the end-of-turn token)")
     revision_tokens: int = _field(0, help="tokens generated for the revisions, every round")
+    peak_memory_bytes: int | None = _field(
+        None,
+        help="on a CUDA device only (left out on a CPU): the most memory tensors held on the model's device during "
+        "the evaluation (`torch.cuda.max_memory_allocated`; the evaluator resets the device's peak when an "
+        "evaluation begins and when it ends)",
+        omit_default=True,
+    )
+    memory_before_bytes: int | None = _field(
+        None, help="on a CUDA device only: what tensors held on it when the evaluation began", omit_default=True
+    )
+    peak_memory_before_bytes: int | None = _field(
+        None,
+        help="on a CUDA device only: the most they held before the evaluation began, since the end of the previous "
+        "one in the process (or its start): in the training loop, the peak of the training steps in between",
+        omit_default=True,
+    )
     extra: dict[str, Any] = _extra()
 
     @property
@@ -236,11 +253,12 @@ class Cost(JsonRecord):
             reference_seconds=max(c.reference_seconds for c in costs),
             answer_tokens=sum(c.answer_tokens for c in costs),
             revision_tokens=sum(c.revision_tokens for c in costs),
+            **_highest_memory(costs),
         )
 
     def __add__(self, other: Cost) -> Cost:
         """The cost of two parts run one after the other (the texts written on one process, scored on all): every
-        figure summed."""
+        figure summed, but the memory: the higher of the two."""
         return Cost(
             answers_seconds=self.answers_seconds + other.answers_seconds,
             revisions_seconds=self.revisions_seconds + other.revisions_seconds,
@@ -248,7 +266,20 @@ class Cost(JsonRecord):
             reference_seconds=self.reference_seconds + other.reference_seconds,
             answer_tokens=self.answer_tokens + other.answer_tokens,
             revision_tokens=self.revision_tokens + other.revision_tokens,
+            **_highest_memory([self, other]),
         )
+
+
+MEMORY_FIELDS = ("peak_memory_bytes", "memory_before_bytes", "peak_memory_before_bytes")
+
+
+def _highest_memory(costs: Sequence[Cost]) -> dict[str, int | None]:
+    """Each memory field's highest value among `costs` (None where none has one)."""
+    highest = {}
+    for name in MEMORY_FIELDS:
+        values = [getattr(c, name) for c in costs if getattr(c, name) is not None]
+        highest[name] = max(values) if values else None
+    return highest
 
 
 # --- the docs ---------------------------------------------------------------------------------------------

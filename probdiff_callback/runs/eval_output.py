@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from probdiff_callback.core.config import EVAL, ProbDiffConfig
+from probdiff_callback.core.json_form import jsonl_lines
 from probdiff_callback.core.records import dumps
 from probdiff_callback.runs.run_files import read_records, write_atomic, write_json, write_jsonl
 
@@ -99,7 +100,7 @@ def remove_empty(made: Sequence[Path]) -> None:
 
 
 def _count_lines(path: Path) -> int:
-    return len(path.read_text(encoding="utf-8").splitlines()) if path.is_file() else 0
+    return sum(1 for line in jsonl_lines(path.read_text(encoding="utf-8")) if line.strip()) if path.is_file() else 0
 
 
 def setting_text(value) -> str:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from probdiff_callback.core.config import DEFAULT_SUBDIR
-from probdiff_callback.core.json_form import JsonRecord, json_field
+from probdiff_callback.core.json_form import JsonRecord, json_field, jsonl_lines
 from probdiff_callback.core.metric import is_finite
 from probdiff_callback.core.queries import DataFileError, read_rows
 from probdiff_callback.core.records import Comparison, Cost, Record, Summary, dumps
@@ -127,7 +127,7 @@ def read_history(path: str | os.PathLike) -> list[HistoryRow]:
     if not path.is_file():
         return []
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(path.read_text(encoding="utf-8")), start=1):
         if not line.strip():
             continue
         try:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from probdiff_callback.core.json_form import jsonl_lines
 from probdiff_callback.models.presets import (
     ASSET,
     EMBED_FILL,
@@ -41,7 +42,7 @@ NOISE_SCALE = 0.02  # unused ids' rows: the fill row plus this share of the trai
 def sample_conversations(samples_dir: Path) -> list[list[dict]]:
     conversations = []
     for path in sorted(samples_dir.glob("*/*.jsonl")):
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(jsonl_lines(path.read_text(encoding="utf-8")), start=1):
             if line.strip():
                 row = json.loads(line)
                 if "messages" not in row:
