@@ -17,12 +17,13 @@ bench/results/vllm-<what>.json.
 
 - auto: `use_vllm=auto` (the default) against the engine it did not take, one after the other: the README's quick
   start (`model=tiny`), the smollm2 summarization preset (beside training) and `probdiff eval --model smollm2` with
-  128 new tokens on `--limits` questions; each case's `ProbDiff engine:` line says what auto took and why.
+  128 new tokens on `--limits` questions; each case's `ProbDiff engine:` line says what auto took and why. `--case`
+  measures only the cases whose name holds it; the file keeps the other cases an earlier run measured.
 
 Run: python bench/bench_vllm.py eval [--pairs 1] [--limit 64] [--max-new-tokens 128] [--adapter]
      python bench/bench_vllm.py sync [--pairs 1] [--limit 8]
      python bench/bench_vllm.py train [--pairs 1] [--n-queries 8] [--train-option key=value ...]
-     python bench/bench_vllm.py auto [--limits 4 8 16 64]
+     python bench/bench_vllm.py auto [--limits 4 8 16 64] [--case eval]
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def auto_case(name: str, command: list[str], key: str, folder: Path) -> dict:
     auto = run(command + out_option(auto_out))
     chosen = engine_line(auto_out, auto)
     took_vllm = chosen.startswith("ProbDiff engine: vLLM")
-    other = run(command + out_option(other_out) + [f"{key}={'false' if took_vllm else 'true'}"])
+    other = run(command + [f"{key}={'false' if took_vllm else 'true'}"] + out_option(other_out))  # keys before options
     return {
         "case": name,
         "auto": chosen,
@@ -147,6 +148,25 @@ def auto_case(name: str, command: list[str], key: str, folder: Path) -> dict:
         "other": f"{key}={'false' if took_vllm else 'true'}: {engine_line(other_out, other)}",
         "other_seconds": round(other.seconds, 1),
     }
+
+
+def auto_report(limits: list[int], only: list[str] | None) -> int:
+    """Measure auto's cases (those named in `only`, or all), print each against the other engine, and keep them in
+    bench/results/vllm-auto.json beside the cases an earlier run measured."""
+    chosen = {name: case for name, case in auto_cases(limits).items() if not only or any(o in name for o in only)}
+    target = harness.ROOT / "bench" / "results" / "vllm-auto.json"
+    cases = json.loads(target.read_text())["cases"] if target.is_file() else []
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as scratch:
+        for name, case in chosen.items():  # each case kept as it ends: a later one's failure loses nothing
+            cases = [c for c in cases if c["case"] != name] + [auto_case(name, *case, Path(scratch))]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps({"what": "auto", "threads": 1, "cases": cases}, indent=1) + "\n")
+    print(f"use_vllm=auto against the other engine, whole processes, one run each ({target}):")
+    for case in cases:
+        ratio = case["other_seconds"] / case["auto_seconds"]
+        print(f"  {case['case']}: {case['auto_seconds']:.0f} s with auto ({case['auto']}); "
+              f"{case['other_seconds']:.0f} s with {case['other']}: auto {ratio:.2f}x")  # fmt: skip
+    return 0
 
 
 def random_adapter(folder: Path) -> Path:
@@ -195,20 +215,10 @@ def main() -> int:
     parser.add_argument("--n-queries", type=int, default=8, help="train: probdiff.n_queries")
     parser.add_argument("--train-option", action="append", default=[], help="train: another key=value")
     parser.add_argument("--limits", type=int, nargs="*", default=[4, 8, 16, 64], help="auto: eval's questions")
+    parser.add_argument("--case", action="append", help="auto: only the cases whose name holds this (repeatable)")
     args = parser.parse_args()
     if args.what == "auto":
-        with tempfile.TemporaryDirectory(prefix="bench-vllm-") as scratch:
-            cases = [auto_case(name, *case, Path(scratch)) for name, case in auto_cases(args.limits).items()]
-        print("use_vllm=auto against the other engine, whole processes, one run each:")
-        for case in cases:
-            ratio = case["other_seconds"] / case["auto_seconds"]
-            print(f"  {case['case']}: {case['auto_seconds']:.0f} s with auto ({case['auto']}); "
-                  f"{case['other_seconds']:.0f} s with {case['other']}: auto {ratio:.2f}x")  # fmt: skip
-        target = harness.ROOT / "bench" / "results" / "vllm-auto.json"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps({"what": "auto", "threads": 1, "cases": cases}, indent=1) + "\n")
-        print(f"wrote {target}")
-        return 0
+        return auto_report(args.limits, args.case)
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as scratch:
         results = harness.alternately(args.pairs, sides(args, Path(scratch)))
     report = {"what": args.what, "pairs": args.pairs, "threads": 1, "results": results}

@@ -7,10 +7,10 @@ stated rule, decided once where the texts are written (the evaluating process, o
 2. vLLM not installed here: HF.
 3. In the training loop on a GPU: HF. vLLM would share training's GPU: `use_vllm=true` gives it
    `vllm_gpu_memory_utilization` of the GPU's memory (TRL's colocate mode), freed between evaluations by sleep mode.
-4. A model vLLM has no implementation of (its model registry): HF.
-5. Small work, where vLLM's start-up costs more than it saves: a model under `MIN_PARAMETERS` (the `tiny` preset: HF
+4. Small work, where vLLM's start-up costs more than it saves: a model under `MIN_PARAMETERS` (the `tiny` preset: HF
    writes its texts sooner than vLLM starts), or an evaluation that writes at most `MIN_NEW_TOKENS` new tokens
    (`n_queries` x `max_new_tokens` x (1 + `n_revisions`)): HF.
+5. A model vLLM has no implementation of (its model registry): HF.
 6. Otherwise vLLM; where it then refuses to start on this model (an adapter or dtype it cannot take), HF, and the line
    says what vLLM said (`fallen_back`).
 
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 from probdiff_callback.generation.vllm_common import INSTALL
 
-# Measured on this project's 2-core CPU (docs/vllm.md, "auto"): the `tiny` preset (39M parameters, 37M of them its
-# Qwen vocabulary) wrote the quick start's texts faster with HF than vLLM took to start; SmolLM2-135M gained from vLLM
-# from a few thousand tokens per evaluation.
+# Measured on this project's 2-core CPU, whole processes at one thread (bench/bench_vllm.py auto; docs/vllm.md, "auto"):
+# the quick start on the `tiny` preset (39M parameters, 37M of them its Qwen vocabulary) took 147 s with HF and 177 s
+# with vLLM; `probdiff eval` on SmolLM2-135M was a tie up to 2,048 new tokens (8 questions of 128 tokens: HF 79 s,
+# vLLM 82 s) and faster with vLLM from 4,096 (16 questions: 140 s against 122 s; 32: 262 s against 196 s).
 MIN_PARAMETERS = 100_000_000
-MIN_NEW_TOKENS = 4_096
+MIN_NEW_TOKENS = 2_048
 AUTO = "auto"
 
 
