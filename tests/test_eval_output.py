@@ -261,11 +261,14 @@ def test_compare_reads_only_directories_with_results(tmp_path):
 
 
 def interrupted_after(monkeypatch, finished: int):
-    """`probdiff eval` with no model, whose evaluation hands on `finished` queries' records, then meets Ctrl-C."""
+    """`probdiff eval` on a stand-in model (one linear layer: the engine choice reads its parameters and takes HF),
+    whose evaluation hands on `finished` queries' records, then meets Ctrl-C."""
+    import torch
+
     import probdiff_callback.cli
     import probdiff_callback.core.evaluator as evaluator
 
-    monkeypatch.setattr(probdiff_callback.cli, "load_model", lambda args, own_process: (None, None))
+    monkeypatch.setattr(probdiff_callback.cli, "load_model", lambda args, own_process: (torch.nn.Linear(1, 1), None))
 
     def evaluate(model, tokenizer, queries, config, engine=None, on_finished=None, **options):
         if finished:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from probdiff_callback.generation.vllm_common import INSTALL
 
 # Measured on this project's 2-core CPU, whole processes at one thread (bench/bench_vllm.py auto; docs/vllm.md, "auto"):
-# the quick start on the `tiny` preset (39M parameters, 37M of them its Qwen vocabulary) took 147 s with HF and 177 s
+# the quick start on the `tiny` preset (40M parameters, most of them its Qwen vocabulary) took 147 s with HF and 177 s
 # with vLLM; `probdiff eval` on SmolLM2-135M was a tie up to 2,048 new tokens (8 questions of 128 tokens: HF 79 s,
 # vLLM 82 s) and faster with vLLM from 4,096 (16 questions: 140 s against 122 s; 32: 262 s against 196 s).
 MIN_PARAMETERS = 100_000_000
