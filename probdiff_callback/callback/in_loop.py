@@ -266,7 +266,10 @@ class InLoop:
 
     def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
         """Evaluate the current weights on the queries, on all ranks; every rank returns the same records (in query
-        order), summary, metrics and error."""
+        order), summary, metrics and error. Called before training began (no engine decided yet), it decides the
+        engine first, as a training start would."""
+        if self.config is self.asked:  # `auto` still undecided: `_engine` always returns a decided copy
+            self.config, self.vllm = self._engine()
         asked_to_stop = None if self.preemption is None else self.preemption.signalled
         outcome = evaluate_trainer_model(
             self.trainer,

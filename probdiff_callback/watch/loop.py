@@ -177,7 +177,7 @@ class Evaluator:
                 if pending:
                     waiting = False
                     freed = pending[0].last or ended is not None  # training's cores are idle
-                    self._evaluate_next(pending, self._helpers_worth() if freed else 0)
+                    self._evaluate_next(pending, freed)
                     continue
                 if ended is not None:
                     self.say(f"nothing pending, and training has ended ({ended}): done")
@@ -224,8 +224,9 @@ class Evaluator:
             self.say(f"the helper processes started ahead were not used ({why}): stopped")
         helpers.close()
 
-    def _evaluate_next(self, pending: list[Request], helpers: int) -> None:
-        """Evaluate the first pending request and record it."""
+    def _evaluate_next(self, pending: list[Request], freed: bool) -> None:
+        """Evaluate the first pending request and record it; with helpers where training's cores are `freed` and the
+        engine, decided first, is HF."""
         request = pending[0]
         folder = self.queue.weights_of(request)
         gone = None if folder is None else weights_gone(folder, request.global_step)
@@ -243,6 +244,7 @@ class Evaluator:
             weights, vllm, self.session.config = self.loaded.for_spec(
                 self.session.spec, self.session.config, len(self.session.queries)
             )
+            helpers = self._helpers_worth() if freed else 0
             shares = self._helpers(helpers) if helpers else None
             outcome = evaluate_request(self.session, weights, vllm, folder, request.global_step, shares, self.say)
         with self.signals.deferred():

@@ -40,8 +40,9 @@ HELPER_WORTH_SECONDS = 60.0
 
 def helpers_worth(helpers_after_training: int, device: str, config: ProbDiffConfig, previous: float | None) -> int:
     """`helpers_after_training` on the CPU with the HF engine, unless the previous evaluation (`previous` seconds)
-    was too short to gain from a helper's start; else none."""
-    if device != "cpu" or config.use_vllm is True:
+    was too short to gain from a helper's start; else none (also while `use_vllm=auto` is undecided: vLLM would
+    leave them idle)."""
+    if device != "cpu" or config.use_vllm is not False:
         return 0
     if previous is not None and previous < HELPER_WORTH_SECONDS:
         return 0

@@ -21,12 +21,13 @@ def test_shares_are_whole_batches_dealt_in_turn():
 
 
 def test_helpers_only_on_the_cpu_with_the_hf_engine_after_a_long_enough_evaluation():
-    config = ProbDiffConfig()
+    config = ProbDiffConfig(use_vllm=False)  # as the evaluator holds it once the engine is decided
     assert helpers_worth(2, "cpu", config, None) == 2  # nothing measured yet: the last step takes them
     assert helpers_worth(2, "cpu", config, HELPER_WORTH_SECONDS) == 2
     assert helpers_worth(2, "cpu", config, HELPER_WORTH_SECONDS - 1) == 0  # a helper's start would not pay
     assert helpers_worth(2, "cuda", config, None) == 0  # the evaluator keeps its own devices
     assert helpers_worth(2, "cpu", ProbDiffConfig(use_vllm=True), None) == 0
+    assert helpers_worth(2, "cpu", ProbDiffConfig(use_vllm="auto"), None) == 0  # decided when the model is loaded
 
 
 @pytest.mark.slow  # starts two processes
