@@ -200,3 +200,65 @@ def assert_same_run(reference: Path, run: Path) -> None:
 
     assert log(run) == log(reference), "each step logged once, with the uninterrupted run's numbers"
     assert best(run) == best(reference), "the Trainer's best model is the uninterrupted run's"
+
+
+# ---- two machines on one host: one launcher each, one run directory ----
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def machine_command(machine: int, machines: int, port: int, launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """train/sft.py as machine `machine` of `machines` starts it, one training process each (`--multi_gpu` is what
+    starts DDP on a CPU; `launcher_args` replace it, e.g. DeepSpeed's flags), machine 0 at 127.0.0.1:`port`."""
+    return [sys.executable, str(SFT), "--num_machines", str(machines), "--machine_rank", str(machine),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", str(machines),
+            *(launcher_args or ["--multi_gpu"])]  # fmt: skip
+
+
+@dataclass
+class Machines:
+    """Launchers started as machines 0..n-1 (`start_machines`), each writing `cwd/machine-N.txt`."""
+
+    launchers: list[subprocess.Popen]
+    logs: list[Path]
+
+    def wait(self, timeout: float = 600) -> list[int]:
+        return [launcher.wait(timeout) for launcher in self.launchers]
+
+    def output(self, machine: int) -> str:
+        return self.logs[machine].read_text()
+
+    def kill(self, machine: int) -> None:
+        """kill -9 of everything on `machine`: its training processes, then its launcher (a machine lost)."""
+        import psutil
+
+        launcher = psutil.Process(self.launchers[machine].pid)
+        for process in [*launcher.children(recursive=True), launcher]:
+            process.kill()
+
+
+def start_machines(
+    args: list[str],
+    cwd: Path,
+    machines: int = 2,
+    launcher_args: tuple[str, ...] = (),
+    env_of: dict[int, dict[str, str]] | None = None,
+    cwd_of: dict[int, Path] | None = None,
+) -> Machines:
+    """train/sft.py started as `machines` machines on this host (their launchers in sessions of their own), with
+    `env_of[machine]` added to a machine's environment and `cwd_of[machine]` its working directory (`cwd` otherwise)."""
+    port, launchers, logs = free_port(), [], []
+    for machine in range(machines):
+        log = cwd / f"machine-{machine}.txt"
+        with log.open("w") as out:
+            launchers.append(subprocess.Popen(
+                [*machine_command(machine, machines, port, launcher_args), *args], cwd=(cwd_of or {}).get(machine, cwd),
+                env=sft_env(**(env_of or {}).get(machine, {})), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, text=True,
+            ))  # fmt: skip
+        logs.append(log)
+    return Machines(launchers, logs)

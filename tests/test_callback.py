@@ -627,3 +627,34 @@ def test_wandb_offline_run_has_the_histogram_and_scalars_at_every_evaluated_step
         assert (
             histogram.bins[0] <= summary["d_quantiles"]["0.05"] and histogram.bins[-1] >= summary["d_quantiles"]["0.95"]
         )
+
+
+@pytest.mark.slow
+def test_a_stop_during_the_resumed_steps_evaluation_finishes_it(tmp_path, tiny_model_path, monkeypatch):
+    """A preemption abandons step 2's evaluation and saves checkpoint-2. The resumed run is stopped again while it
+    evaluates step 2 at its start: it finishes that evaluation (the step's weights exist only until step 3 is
+    trained), then saves step 3 and stops; no step's evaluation is lost."""
+    from probdiff_callback.callback.preemption import PreemptionCallback
+
+    run = tmp_path / "run"
+
+    def train(resume: Path | None, fault: str) -> PreemptionCallback:
+        trainer = build_trainer(tiny_model_path, run, max_steps=4, eval_strategy="steps", eval_steps=1, save_steps=1,
+                                eval_on_start=resume is None)  # fmt: skip
+        preemption = PreemptionCallback(trainer)
+        trainer.add_callback(preemption)
+        trainer.add_callback(
+            ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=4), preemption=preemption)
+        )
+        with monkeypatch.context() as armed:
+            inject(fault, armed.setattr)
+            trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+        return preemption
+
+    first = train(None, "answers-done:3=TERM")  # one batch an evaluation: the baseline, step 1, step 2
+    assert first.stopping and first.checkpoint.endswith("checkpoint-2") and history_rows(run)[-1]["abandoned"]
+    second = train(run / "checkpoint-2", "answers-done:1=TERM")  # the resumed step's evaluation, its first
+    assert second.stopping and second.checkpoint.endswith("checkpoint-3")
+    rows = history_rows(run)
+    assert [row["global_step"] for row in rows] == [0, 1, 2, 3]
+    assert not rows[2].get("abandoned") and rows[2]["summary"] is not None, rows[2]

@@ -115,3 +115,45 @@ def test_the_run_says_how_many_processes_train_and_the_flag_when_fewer_started_t
     assert "--num_processes 2 --multi_gpu" in line
     ours = "/venv/bin/python train/sft.py --num_processes=4 recipe=blog"  # the training script as the launcher
     assert "4 were asked for (--num_processes 4)" in launch.processes_line(1, ours)
+
+
+# ---- across machines: torchrun's exit barrier ----
+WAITS_IN_THE_BARRIER = """
+import subprocess, sys, time
+from probdiff_callback.training import launch
+launch.watch_exit_barrier(float(sys.argv[1]))
+env = {"GROUP_WORLD_SIZE": sys.argv[2], "PATH": ""}
+subprocess.run([sys.executable, "-c", "import time; time.sleep(1.5)"], env=env)  # this machine's training process
+time.sleep(20)  # torchrun's agent in its exit barrier, waiting for a machine that is gone
+sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("machines", [2, 1])
+def test_a_launcher_waits_in_the_exit_barrier_only_as_long_as_asked(machines):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WAITS_IN_THE_BARRIER, "0.5", str(machines)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    if machines == 1:  # one machine: nothing to wait for, and the watch leaves the agent alone
+        assert done.returncode == 7 and done.stdout == "", done.stderr
+        return
+    assert done.returncode == 0, done.stderr  # only training processes that all succeeded reach the barrier
+    # ended by the watch (0), not by the stand-in barrier's end (7)
+    assert "another machine's launcher has still not (lost?)" in done.stdout and launch.EXIT_BARRIER_ENV in done.stdout
+
+
+def test_the_exit_barrier_timeout_is_read_from_the_environment(monkeypatch, capsys):
+    monkeypatch.delenv(launch.EXIT_BARRIER_ENV, raising=False)
+    assert launch.exit_barrier_seconds() == launch.EXIT_BARRIER_SECONDS
+    monkeypatch.setenv(launch.EXIT_BARRIER_ENV, "45")
+    assert launch.exit_barrier_seconds() == 45.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv(launch.EXIT_BARRIER_ENV, bad)
+        with pytest.raises(SystemExit) as stopped:
+            launch.exit_barrier_seconds()
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == (
+            f"error: PROBDIFF_EXIT_BARRIER_TIMEOUT={bad!r}: give the seconds to wait, e.g. 10\n"
+        )

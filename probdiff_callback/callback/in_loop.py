@@ -162,7 +162,9 @@ class InLoop:
         for row in [row for row in kept if row.abandoned]:
             if row.global_step == state.global_step or row.base_model:
                 logger.warning(f"ProbDiff: evaluating step {row.global_step}, abandoned when the run was stopped")
-                self._run(dataclasses.replace(row, error=None, abandoned=False))
+                # a stop signal now does not abandon the resumed step's evaluation again: the stop would save the
+                # next step, and this step's weights would be gone with its evaluation (the base model's stay)
+                self._run(dataclasses.replace(row, error=None, abandoned=False), abandonable=row.base_model)
                 continue
             why = (
                 f"{ABANDONED} when the run stopped, and resuming from step {state.global_step} cannot run it: the "
@@ -205,10 +207,13 @@ class InLoop:
         self.outputs.say_disagreements(rows, self.best.alarm_pick(rows))
         return dict(self.state.evaluated[step])
 
-    def _run(self, row: HistoryRow, eval_losses: list[float] | None = None) -> EvaluationOutcome:
+    def _run(
+        self, row: HistoryRow, eval_losses: list[float] | None = None, abandonable: bool = True
+    ) -> EvaluationOutcome:
         """Evaluate for `row` (its step, kind and checkpoint), then hand the outcome, with the step's eval loss of
-        each conversation where the Trainer evaluated it, to the Trainer, W&B and the run's files."""
-        outcome = self.evaluate_model(base_model=row.base_model)
+        each conversation where the Trainer evaluated it, to the Trainer, W&B and the run's files. `abandonable`:
+        a stop signal ends the evaluation at its next token (the row says the resumed run evaluates the step)."""
+        outcome = self.evaluate_model(base_model=row.base_model, abandonable=abandonable)
         self.state.last_outcome = outcome
         if outcome.abandoned:
             return self._record_abandoned(row, outcome, eval_losses)
@@ -264,13 +269,13 @@ class InLoop:
             self.files.add(row, None, eval_losses)
         return outcome
 
-    def evaluate_model(self, *, base_model: bool = False) -> EvaluationOutcome:
+    def evaluate_model(self, *, base_model: bool = False, abandonable: bool = True) -> EvaluationOutcome:
         """Evaluate the current weights on the queries, on all ranks; every rank returns the same records (in query
         order), summary, metrics and error. Called before training began (no engine decided yet), it decides the
         engine first, as a training start would."""
         if self.config is self.asked:  # `auto` still undecided: `_engine` always returns a decided copy
             self.config, self.vllm = self._engine()
-        asked_to_stop = None if self.preemption is None else self.preemption.signalled
+        asked_to_stop = None if self.preemption is None or not abandonable else self.preemption.signalled
         outcome = evaluate_trainer_model(
             self.trainer,
             self.tokenizer,

@@ -8,11 +8,16 @@ leaves its loop. A ProbDiff evaluation in progress is abandoned at its next gene
 evaluated when the run resumes (`ProbDiffCallback(preemption=...)`), so the resumed history equals an
 uninterrupted one. The time from the signal to the exit is one training step, a checkpoint save and the rest of
 one forward pass.
+
+A launcher that dies (a machine lost, `kill -9` of its `accelerate launch`) sends its training processes SIGTERM
+(`term_when_launcher_dies`): they save and stop the same way, but every rank learns which machine lost its launcher
+(`lost_machines`), and the training command exits non-zero, since the run did not finish.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -20,10 +25,13 @@ from collections.abc import Sequence
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from probdiff_callback.runtime.parent import parent_command, set_parent_death_signal
+from probdiff_callback.runtime.threads import LAUNCHER_PID_ENV
 
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# what a rank brings to the agreement at each step's end
+NO_SIGNAL, STOP_SIGNAL, LAUNCHER_LOST = 0, 1, 2
 
 
 class PreemptionCallback(TrainerCallback):
@@ -55,11 +63,16 @@ class PreemptionCallback(TrainerCallback):
         # every rank agreed to save and stop: at a step boundary, or on an evaluation abandoned on every rank
         self.stopping = False
         self.checkpoint: str | None = None  # the checkpoint saved for the stop
+        self.lost_machines: list[int] = []  # the machine ranks (GROUP_RANK) whose launcher died, agreed on every rank
+        self.launcher: int | None = None  # the pid of the launcher that started this process (None: none did)
+        self._agreed_signal = 0  # a signal some rank received, once the ranks agreed to stop
         self._previous: dict[int, object] = {}
 
     @property
     def signal_name(self) -> str:
-        return "a signal" if self.received is None else signal.Signals(self.received).name
+        """The signal this process received, else the one another rank received (agreed at the step's end)."""
+        signum = self.received or self._agreed_signal
+        return "a signal" if not signum else signal.Signals(signum).name
 
     def signalled(self) -> bool:
         """This process was asked to stop (ranks may differ until the next step boundary)."""
@@ -77,8 +90,8 @@ class PreemptionCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
-        if self.signals:
-            term_when_launcher_dies(self.signals[0])
+        if self.signals and term_when_launcher_dies(self.signals[0]):
+            self.launcher = os.getppid()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if not self.stopping and self._agreed():
@@ -95,15 +108,25 @@ class PreemptionCallback(TrainerCallback):
             signal.signal(signum, handler)  # type: ignore[arg-type]
         self._previous.clear()
 
-    def _agreed(self) -> bool:
-        """Whether any rank received a signal: the same answer on every rank."""
-        accelerator = self.trainer.accelerator
-        if accelerator.num_processes == 1:
-            return self.received is not None
-        import torch
+    def launcher_lost(self) -> bool:
+        """This process's launcher died (the kernel re-parents its children, and its death signal is this SIGTERM)."""
+        return self.launcher is not None and os.getppid() != self.launcher
 
-        flag = torch.tensor([int(self.received is not None)], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item())
+    def _agreed(self) -> bool:
+        """Whether any rank received a signal, and which machines lost their launcher: the same on every rank."""
+        accelerator = self.trainer.accelerator
+        reason = NO_SIGNAL if self.received is None else LAUNCHER_LOST if self.launcher_lost() else STOP_SIGNAL
+        machine = int(os.environ.get("GROUP_RANK", "0"))  # torchrun's node rank, `accelerate launch --machine_rank`
+        if accelerator.num_processes == 1:
+            reasons = [(reason, machine, self.received or 0)]
+        else:
+            import torch
+
+            mine = torch.tensor([[reason, machine, self.received or 0]], device=accelerator.device)
+            reasons = [tuple(row) for row in accelerator.gather(mine).tolist()]
+        self.lost_machines = sorted({machine for reason, machine, _ in reasons if reason == LAUNCHER_LOST})
+        self._agreed_signal = next((signum for _, _, signum in reasons if signum), 0)
+        return any(reason != NO_SIGNAL for reason, _, _ in reasons)
 
 
 def term_when_launcher_dies(signum: int) -> bool:
@@ -113,7 +136,8 @@ def term_when_launcher_dies(signum: int) -> bool:
     alone, and a torchrun agent killed with -9 leaves its workers so. With this they stop as on a preemption. Not
     for a process a shell started: `nohup python train/sft.py &` must outlive its shell.
     """
+    ours = os.environ.get(LAUNCHER_PID_ENV) == str(os.getppid())  # train/sft.py as the launcher (training/launch.py)
     launcher = parent_command()
-    if not any(name in launcher for name in ("accelerate", "torchrun", "torch.distributed.run")):
+    if not ours and not any(name in launcher for name in ("accelerate", "torchrun", "torch.distributed.run")):
         return False
     return set_parent_death_signal(signum)

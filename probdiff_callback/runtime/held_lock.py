@@ -1,14 +1,15 @@
 """A lock that one live process holds and that names its holder: one training job per run directory
-(`training/run_lock.py`), one evaluator per run's queue (`runs/evaluator_lock.py`).
+(`training/run_lock.py`), one evaluator per run's queue (`watch/lock.py`).
 
 A pid file would outlive a process killed with -9 and block what comes next (a resume, the next evaluator);
 `filelock.FileLock` takes an `flock` on Linux, which the kernel releases when the process ends, however it ends, so
 only a live process holds it (filelock closes its descriptor in a forked child, so a child that outlives a killed job,
 a data loader's worker, does not keep the lock either). Linux honours `flock` across the clients of an NFS mount (a
-dead node's lock lasts until the server's lease expires, about 90 s on NFSv4). Where a file system has no `flock`
-(Lustre mounted without `-o flock`), filelock would fall back to a marker file that only a process on the same host
-can prove stale, so a lost node's marker would block the resume: the fallback is off here, and such a file system gets
-a warning and no protection.
+dead node's lock lasts until the server's lease expires, about 90 s on NFSv4; on NFSv3, until its `statd` recovers).
+Where a file system has no `flock` (Lustre mounted with `noflock`), filelock would fall back to a marker file that only
+a process on the same host can prove stale, so a lost node's marker would block the resume: the fallback is off here,
+and such a file system gets a warning and no protection. Mounts that make `flock` node-local (NFS `nolock` or
+`local_lock`, Lustre `localflock`) cannot be told apart from real locks: docs/configuration.md#across-machines.
 
 The lock never waits (a second process stops at once), is one per process, and keeps its file. The file's text (host,
 pid, start, command) only names the holder in the refusal; filelock hands the locked file to `on_acquired` and never

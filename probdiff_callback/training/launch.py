@@ -18,7 +18,11 @@ the process that is signalled:
   once), and this process waits for them. torchrun is told to leave these signals alone.
 - It exits with their status and without accelerate's or torchrun's traceback: 0 after a clean stop, 2 on a setup
   error (the training process says it in one `error:` line), 130 after Ctrl-C, 128+N when one was killed by signal N
-  (said in one line unless the signal was the one passed on).
+  (said in one line unless the signal was the one passed on), 75 when a machine lost its launcher (preemption.py).
+- Across machines, torchrun's agent waits after its training processes succeeded until every other machine's agent
+  says the same (its exit barrier: 300 s, which torch 2.13 does not let anyone change). A lost machine never says it.
+  This launcher waits `PROBDIFF_EXIT_BARRIER_TIMEOUT` seconds (EXIT_BARRIER_SECONDS) once its own training
+  processes have exited, then exits with their status (0: only a success reaches the barrier) and a line.
 
 Imports stay light here: the launcher process loads accelerate and torch, never the training stack.
 """
@@ -48,6 +52,10 @@ PASSED_ON = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # torchrun (`--signals_to_handle`, read from PET_SIGNALS_TO_HANDLE) keeps its own handling only for these
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 USAGE = "python train/sft.py [accelerate launch options] recipe=NAME [key=value ...]"
+# How long a launcher on several machines waits for the others once its training processes succeeded: well inside
+# SLURM's default KillWait (30 s between its SIGTERM and SIGKILL), and far longer than agents that are alive need
+EXIT_BARRIER_ENV = "PROBDIFF_EXIT_BARRIER_TIMEOUT"
+EXIT_BARRIER_SECONDS = 10.0
 
 
 def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -184,6 +192,7 @@ def launch(options: list[str], target: list[str], script_args: list[str], receiv
     # torchrun's lines on a training process that failed ("failed (exitcode: 2) local_rank: 1 ...", "Sending process
     # ... closing signal"): the training process said why, and `exit_status` names a process killed by a signal
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    watch_exit_barrier(exit_barrier_seconds())
     try:
         launch_command(args)
     except ValueError as err:  # accelerate's checks of the options
@@ -197,6 +206,65 @@ def launch(options: list[str], target: list[str], script_args: list[str], receiv
     except SignalException as err:  # SIGHUP or SIGQUIT: torchrun stopped the training processes
         return 128 + err.sigval
     return 0
+
+
+def exit_barrier_seconds() -> float:
+    """`PROBDIFF_EXIT_BARRIER_TIMEOUT`, or EXIT_BARRIER_SECONDS; a value that is not a number stops here."""
+    value = os.environ.get(EXIT_BARRIER_ENV, "")
+    try:
+        seconds = float(value) if value else EXIT_BARRIER_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        print(f"error: {EXIT_BARRIER_ENV}={value!r}: give the seconds to wait, e.g. {EXIT_BARRIER_SECONDS:g}",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    return seconds
+
+
+def watch_exit_barrier(seconds: float) -> None:
+    """A thread that ends this launcher `seconds` after its training processes have all exited, if torchrun's agent
+    still waits in its exit barrier then (it only enters it after they all succeeded: exit status 0). It ends at once
+    on one machine (torchrun's GROUP_WORLD_SIZE, in the training processes' environment, is the number of machines)."""
+    import threading
+    import time
+
+    import psutil
+
+    def watch() -> None:
+        me, started = psutil.Process(), False
+        while True:
+            time.sleep(0.5)
+            if children := me.children():
+                if not started and (count := machines(children[0])) is not None:
+                    if count == 1:
+                        return
+                    started = True
+                continue
+            if not started:
+                continue
+            time.sleep(seconds)
+            if not me.children():
+                print(f"the training processes on this machine finished, and {seconds:g} s later another machine's "
+                      "launcher has still not (lost?): not waiting for it in torch's exit barrier "
+                      f"({EXIT_BARRIER_ENV})", flush=True)  # fmt: skip
+                os._exit(0)
+
+    threading.Thread(target=watch, name="exit-barrier-watch", daemon=True).start()
+
+
+def machines(training_process) -> int | None:
+    """The number of machines a training process was started on (1 without torchrun); None while it cannot tell yet
+    (a process not yet past its exec)."""
+    import psutil
+
+    try:
+        environment = training_process.environ()
+    except psutil.Error:
+        return None
+    if "GROUP_WORLD_SIZE" in environment:
+        return int(environment["GROUP_WORLD_SIZE"])
+    return 1 if "ACCELERATE_USE_CPU" in environment or "LOCAL_RANK" in environment else None
 
 
 def first_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:

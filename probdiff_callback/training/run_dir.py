@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from probdiff_callback.training.recipe import Recipe, RecipeError
 from probdiff_callback.training.run_lock import raise_if_held
 
 RUNS_DIR = Path("runs")
+# The exit status of a run stopped because a machine's launcher died: EX_TEMPFAIL (sysexits.h), "try again later";
+# not 0, which a scheduler or a requeue script takes for a run that finished
+RUN_NOT_FINISHED = 75
 # Settings that name or steer a run rather than define what is trained: left out of the run name's hash,
 # so `resume=true` or `report_to=none` finds the same run directory.
 RUN_LEVEL_KEYS = (
@@ -165,9 +169,11 @@ def resolve_run(recipe: Recipe) -> tuple[Path, str | None]:
 
 
 def resume_command(args: list[str]) -> str:
-    """The command that continues a run: the same options and arguments, `resume=true`."""
+    """The command that continues a run: the same options and arguments, `resume=true` (across machines: on each)."""
     kept = [arg for arg in args if not arg.startswith("resume=")]
-    return f"{training_command()} {' '.join(kept)} resume=true"
+    command = f"{training_command()} {' '.join(kept)} resume=true"
+    machines = int(os.environ.get("GROUP_WORLD_SIZE", "1"))  # torchrun's, in a training process: the machines
+    return command if machines == 1 else f"{command} (on each of the {machines} machines, with its --machine_rank)"
 
 
 def resume_hint(run_dir: Path, args: list[str]) -> str:
@@ -175,6 +181,25 @@ def resume_hint(run_dir: Path, args: list[str]) -> str:
     latest = latest_checkpoint(run_dir)
     where = f"the last checkpoint is {latest}" if latest is not None else "no checkpoint was saved yet"
     return f"interrupted: {where}. Continue with: {resume_command(args)}"
+
+
+def lost_launcher_hint(preemption, args: list[str]) -> str:
+    """After a machine's launcher died: which, the checkpoint every rank saved, and the command that continues."""
+    machines = ", ".join(str(machine) for machine in preemption.lost_machines)
+    which = f"machine {machines}" if len(preemption.lost_machines) == 1 else f"machines {machines}"
+    return (
+        f"the run did not finish: {which} lost its launcher (accelerate launch), so every rank saved "
+        f"{preemption.checkpoint} and stopped (exit status {RUN_NOT_FINISHED}). Continue with: {resume_command(args)}"
+    )
+
+
+def lost_peer_hint(args: list[str], lost: str, err: BaseException) -> str:
+    """After `lost` (a machine) went away in a collective: the command that continues from the last checkpoint."""
+    cause = str(err).split("] ", 1)[-1].split(". ")[0]  # the backend's message without its source location
+    return (
+        f"the run did not finish: {lost} is gone ({cause}; exit status {RUN_NOT_FINISHED}). Continue from the last "
+        f"checkpoint with: {resume_command(args)}"
+    )
 
 
 def preempted_hint(preemption, args: list[str]) -> str:

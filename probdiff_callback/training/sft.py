@@ -14,18 +14,28 @@ from probdiff_callback.runtime.parent import parent_command
 from probdiff_callback.runtime.threads import configure_threads
 from probdiff_callback.training import configure_logging, is_main_process, launch, say
 from probdiff_callback.training.data import load_data, report_truncation
+from probdiff_callback.training.machines import is_local_main_process, lost_peer
 from probdiff_callback.training.model_setup import load_model, lora_config, prepare_model_files
 from probdiff_callback.training.precheck import setup_error
 from probdiff_callback.training.recipe import Recipe, RecipeError, load_recipe, report_to_list, sft_config
 from probdiff_callback.training.report import summarize_run
-from probdiff_callback.training.run_dir import preempted_hint, resolve_run, resume_hint, set_aside_unusable
+from probdiff_callback.training.run_dir import (
+    RUN_NOT_FINISHED,
+    lost_launcher_hint,
+    lost_peer_hint,
+    preempted_hint,
+    resolve_run,
+    resume_hint,
+    set_aside_unusable,
+)
 from probdiff_callback.training.run_lock import hold_on_every_rank
 from probdiff_callback.training.trainer import build_trainer, save_inference_files
 from probdiff_callback.training.wandb_run import finish_wandb, setup_wandb, start_wandb
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train; a configuration or data error stops with its message (exit status 2) before anything is written."""
+    """Train; a configuration or data error stops with its message (exit status 2) before anything is written, and a
+    machine lost in the middle of it with one line (exit status 75)."""
     try:
         return train(sys.argv[1:] if argv is None else argv)
     except (RecipeError, DataFileError) as err:
@@ -33,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training started: nothing to continue
         say("interrupted before training started")
         return 130
+    except RuntimeError as err:  # another machine gone, in a collective: one line on each machine left
+        if (lost := lost_peer(err)) is None:
+            raise
+        if is_local_main_process():
+            print(f"\n{lost_peer_hint(sys.argv[1:] if argv is None else argv, lost, err)}", flush=True)  # after a bar
+        return RUN_NOT_FINISHED
 
 
 def train(args: list[str]) -> int:
@@ -76,7 +92,8 @@ def train(args: list[str]) -> int:
     )
 
     # 7. Train (one W&B run per training run: resuming continues, and rewinds, the run of the first start);
-    #    SIGTERM/SIGUSR1 (preemption) save a checkpoint at the next step boundary and stop with exit status 0
+    #    SIGTERM/SIGUSR1 (preemption) save a checkpoint at the next step boundary and stop with exit status 0; a
+    #    machine whose launcher died stops them the same way, with exit status 75
     if "wandb" in report_to_list(recipe) and is_main_process():
         wandb_sync = start_wandb(recipe, run_dir, resume_from, trainer) or wandb_sync
     try:
@@ -86,6 +103,9 @@ def train(args: list[str]) -> int:
         return 130
     if preemption.stopping:
         finish_wandb()
+        if preemption.lost_machines:  # the run did not finish: not the clean stop a scheduler asked for
+            say(lost_launcher_hint(preemption, args))
+            return RUN_NOT_FINISHED
         say(preempted_hint(preemption, args))
         return 0
 

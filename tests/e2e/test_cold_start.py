@@ -1,13 +1,12 @@
-"""`accelerate launch` with 2 processes from an empty cache: the tokenizer and the `tiny` model are made once,
-outside any distributed or DeepSpeed context, and both ranks train on the complete copy."""
+"""Two machines from one empty cache: the tokenizer and the `tiny` model are made once, outside any distributed or
+DeepSpeed context, and both ranks train on the complete copy."""
 
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import pytest
-from _launch import run_sft
+from _launch import start_machines
 
 from probdiff_callback.models.cache import is_complete
 
@@ -26,8 +25,8 @@ CHEAP = [
     "output_dir=run",
 ]
 LAUNCHERS = {
-    "ddp": ["--multi_gpu"],  # on CPU, --multi_gpu is what makes accelerate start 2 DDP processes (gloo)
-    "zero3": ["--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false"],
+    "ddp": ("--multi_gpu",),  # on CPU, --multi_gpu is what makes accelerate start 2 DDP processes (gloo)
+    "zero3": ("--use_deepspeed", "--zero_stage", "3", "--zero3_init_flag", "false"),
 }
 
 pytestmark = [
@@ -37,26 +36,19 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("mode", sorted(LAUNCHERS))
-def test_two_processes_from_an_empty_cache(mode, tmp_path):
+def test_two_machines_from_one_empty_cache(mode, tmp_path):
+    """Two machines (one training process each, `_launch.start_machines`) share one empty PROBDIFF_CACHE, as nodes
+    sharing it on a network file system do: one builds each model file, the other waits and uses it."""
     if mode == "zero3":
         pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     cache = tmp_path / "cache"
-    extra = ("--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *LAUNCHERS[mode])
-    try:
-        done = run_sft(
-            CHEAP,
-            tmp_path,
-            "accelerate",
-            processes=2,
-            launcher_args=extra,
-            PROBDIFF_CACHE=str(cache),
-            OMP_NUM_THREADS="1",
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{mode}: the cold 2-process run did not finish in 600 s\n{str(err.stderr)[-4000:]}")
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"{mode} launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    assert output.count("Unpacking the `tiny` model") == 1  # one rank unpacked, the other waited
+    shared = {"PROBDIFF_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    machines = start_machines(CHEAP, tmp_path, launcher_args=LAUNCHERS[mode], env_of={0: shared, 1: shared})
+    statuses = machines.wait(600)
+    output = machines.output(0) + machines.output(1)
+    assert statuses == [0, 0], f"{mode}:\n{machines.output(0)[-3000:]}\n{machines.output(1)[-6000:]}"
+    assert output.count("Unpacking the `tiny` model") == 1  # one machine unpacked, the other waited
+    assert output.count("Converting the Qwen v1 vocabulary") == 1
     model_dirs = [p for p in (cache / "models").iterdir() if p.is_dir()]  # no temporary copies left behind
     assert len(model_dirs) == 1 and is_complete(model_dirs[0])
     assert (tmp_path / "run" / "checkpoint-1" / "adapter_model.safetensors").is_file()
