@@ -80,9 +80,10 @@ def test_the_values_accelerate_would_warn_about_are_set(gpus, expected, monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     args = SimpleNamespace(config_file=None, cpu=False, num_processes=None, num_machines=None, mixed_precision=None,
                            dynamo_backend=None, multi_gpu=False, use_deepspeed=False, use_fsdp=False,
-                           main_process_port=None)  # fmt: skip
+                           main_process_port=None, deepspeed_multinode_launcher=None)  # fmt: skip
     launch.set_unset_defaults(args)
     assert (args.num_processes, args.multi_gpu) == expected
+    assert args.deepspeed_multinode_launcher == "standard"  # one command per machine, not pdsh from machine 0
     assert (args.num_machines, args.mixed_precision, args.dynamo_backend) == (1, "no", "no")
     assert args.main_process_port == 0  # accelerate picks a free port: a second job on the machine does not collide
     given = SimpleNamespace(**{**vars(args), "config_file": "recipes/accelerate/zero3.yaml", "num_processes": None})

@@ -306,3 +306,5 @@ def set_unset_defaults(args: Namespace) -> None:
         args.main_process_port = 0  # a free port: a second job on the machine would find 29500 taken and stop
     args.mixed_precision = args.mixed_precision or "no"
     args.dynamo_backend = args.dynamo_backend or "no"
+    # across machines this command is started on each (one launcher per machine, torchrun's), not pdsh from machine 0
+    args.deepspeed_multinode_launcher = args.deepspeed_multinode_launcher or "standard"

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import CHEAP, ROOT, free_port, history_rows, sft_env
+from _launch import ROOT, SETTINGS, STEPS, free_port, history_rows, sft_env
+
+from probdiff_callback.core.queries import read_jsonl
 
 pytestmark = pytest.mark.slow  # the script starts processes
 
@@ -27,10 +29,10 @@ def script(heading: str) -> str:
     return section[start : section.index("\n```", start)] + "\n"
 
 
-def test_the_across_nodes_script_trains_on_two_nodes_and_evaluates_on_a_third(tmp_path):
+def test_the_across_nodes_script_trains_on_two_nodes_and_evaluates_on_a_third(tmp_path, uninterrupted):
     (tmp_path / "job.sh").write_text(script("### SLURM: training across nodes"))
     (tmp_path / "train").symlink_to(ROOT / "train")  # the script runs from the checkout: `python train/sft.py`
-    training = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], "max_steps=3"]
+    training = [*SETTINGS, "output_dir=run"]
     env = sft_env(
         PATH=os.pathsep.join([str(STANDINS), str(Path(sys.executable).parent), os.environ["PATH"]]),
         SLURM_NNODES="3", SLURM_JOB_NODELIST="node[0-2]", SLURM_JOB_ID="42", SCONTROL_LOG=str(tmp_path / "scontrol"),
@@ -43,5 +45,16 @@ def test_the_across_nodes_script_trains_on_two_nodes_and_evaluates_on_a_third(tm
     assert not (tmp_path / "scontrol").exists(), "a finished run is not requeued"
     run = tmp_path / "run"
     assert (run / "final").is_dir() and (run / "best").is_symlink()
-    assert [row["global_step"] for row in history_rows(run)] == [0, 1, 2, 3]
-    assert output.count("probdiff watch: step 3: ") == 1, "the evaluator on its own node evaluated the last step once"
+    reference = uninterrupted(2)[0]  # the loop, two processes on one machine
+    rows, expected = history_rows(run), history_rows(reference)
+    assert [row["global_step"] for row in rows] == list(range(STEPS + 1))
+    assert output.count(f"probdiff watch: step {STEPS}: ") == 1, "the evaluator's node evaluated the last step once"
+    # the evaluator's records equal those of the loop's two ranks on one machine: same texts, scores within float
+    # noise (one process scores what two scored in shares)
+    for row, want in zip(rows, expected):
+        got, wanted = (read_jsonl(folder / "probdiff" / r["records"]) for folder, r in ((run, row), (reference, want)))
+        assert [(r["id"], r["response"], r["revisions"]) for r in got] == [
+            (r["id"], r["response"], r["revisions"]) for r in wanted
+        ], row["global_step"]
+        for key in ("logp_response", "logp_revised"):
+            assert all(abs(a[key] - b[key]) < 1e-4 for a, b in zip(got, wanted)), (row["global_step"], key)
