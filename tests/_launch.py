@@ -202,6 +202,22 @@ def assert_same_run(reference: Path, run: Path) -> None:
     assert best(run) == best(reference), "the Trainer's best model is the uninterrupted run's"
 
 
+def assert_same_records(run: Path, reference: Path) -> None:
+    """Every step of `run` evaluated, with `reference`'s records: the same texts, scores within float noise (a run
+    that scores in other shares, or trains with another engine, as ZeRO-3 against DDP)."""
+    from probdiff_callback.core.queries import read_jsonl
+
+    rows, expected = history_rows(run), history_rows(reference)
+    assert [row["global_step"] for row in rows] == [row["global_step"] for row in expected]
+    for row, want in zip(rows, expected):
+        got, wanted = (read_jsonl(folder / "probdiff" / r["records"]) for folder, r in ((run, row), (reference, want)))
+        assert [(r["id"], r["response"], r["revisions"]) for r in got] == [
+            (r["id"], r["response"], r["revisions"]) for r in wanted
+        ], row["global_step"]
+        for key in ("logp_response", "logp_revised"):
+            assert all(abs(a[key] - b[key]) < 1e-4 for a, b in zip(got, wanted)), (row["global_step"], key)
+
+
 # ---- two machines on one host: one launcher each, one run directory ----
 def free_port() -> int:
     import socket

@@ -90,6 +90,8 @@ def test_a_server_you_started_is_taken_by_name(no_vllm):
     assert chosen.use_vllm and chosen.line() == (
         "ProbDiff engine: vLLM (server): vllm_mode=server: your server at http://gpu-node:8000"
     )
+    asked = choose(ProbDiffConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://gpu-node:8000"))
+    assert asked.line() == "ProbDiff engine: vLLM (server): use_vllm=true: your server at http://gpu-node:8000"
 
 
 def test_a_refusal_at_start_falls_back_to_hf_and_the_settings_follow(vllm_here):

@@ -67,12 +67,13 @@ def choose_engine(
     """The engine for `config.use_vllm` (`true`, `false` or `auto`) on a model of `parameters` parameters whose
     config names `architectures`, `queries` queries per evaluation, in the training loop or not, on a GPU or not."""
     mode = config.vllm_mode
+    where = f"your server at {config.vllm_server_base_url}"
     if config.use_vllm is True:
-        return EngineChoice(True, "use_vllm=true", mode)
+        return EngineChoice(True, f"use_vllm=true: {where}" if mode == "server" else "use_vllm=true", mode)
     if config.use_vllm is False:
         return EngineChoice(False, "use_vllm=false")
     if mode == "server":
-        return EngineChoice(True, f"vllm_mode=server: your server at {config.vllm_server_base_url}", mode)
+        return EngineChoice(True, f"vllm_mode=server: {where}", mode)
     if importlib.util.find_spec("vllm") is None:
         return EngineChoice(False, f"vLLM is not installed ({INSTALL})")
     if in_training_loop and on_gpu:

@@ -1,8 +1,9 @@
-"""`probdiff.async_eval=true` at the command users start (`python train/sft.py`, one process or two), with the
-evaluator it starts beside itself (`probdiff watch RUN_DIR --started-by-training`, the real one): a stop signal keeps
-the queue; `resume=true` evaluates what is left while its evaluator is killed once mid-evaluation (kill -9) and started
-again; each step is evaluated once, and the end's table, the history, RUN_DIR/best and the last checkpoint's trainer
-state hold every step and the same best checkpoint.
+"""`probdiff.async_eval=true` at the command users start (`python train/sft.py`), with the evaluator it starts beside
+itself (`probdiff watch RUN_DIR --started-by-training`, the real one): a stop signal keeps the queue; `resume=true`
+evaluates what is left while its evaluator is killed once mid-evaluation (kill -9) and started again; each step is
+evaluated once, and the end's table, the history, RUN_DIR/best and the last checkpoint's trainer state hold every step
+and the same best checkpoint. Two processes beside training, stopped and resumed, are e2e/test_slurm.py's two
+machines (stopped by the time limit's SIGUSR1, requeued, continued).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ FINISHED = re.compile(r"^probdiff watch: step (\d+): \d+ queries in ", re.MULTIL
 STARTED = re.compile(r"^probdiff watch: step (\d+) \(", re.MULTILINE)
 
 
-@pytest.mark.parametrize("processes", [1, 2], ids=["1 process", "2 processes"])
-def test_a_stop_then_resume_with_the_evaluator_killed_evaluates_every_step_once(processes, tmp_path):
-    command = [*sft_command(processes=processes), *ARGS]
+def test_a_stop_then_resume_with_the_evaluator_killed_evaluates_every_step_once(tmp_path):
+    command = [*sft_command(), *ARGS]
     with (tmp_path / "stopped.txt").open("w") as out:
         training = subprocess.Popen(command, cwd=tmp_path, env=sft_env(), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip

@@ -1,12 +1,13 @@
 """Two machines from one empty cache: the tokenizer and the `tiny` model are made once, outside any distributed or
-DeepSpeed context, and both ranks train on the complete copy."""
+DeepSpeed context, and both ranks train on the complete copy. With ZeRO-3 the run is the one the loop's tests compare
+(`_launch.SETTINGS`) and its records are those of the same run on one machine."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
-from _launch import start_machines
+from _launch import SETTINGS, assert_same_records, start_machines
 
 from probdiff_callback.models.cache import is_complete
 
@@ -36,14 +37,17 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("mode", sorted(LAUNCHERS))
-def test_two_machines_from_one_empty_cache(mode, tmp_path):
+def test_two_machines_from_one_empty_cache(mode, tmp_path, request):
     """Two machines (one training process each, `_launch.start_machines`) share one empty PROBDIFF_CACHE, as nodes
-    sharing it on a network file system do: one builds each model file, the other waits and uses it."""
+    sharing it on a network file system do: one builds each model file, the other waits and uses it. ZeRO-3's run
+    (its weights sharded across the machines, gathered for each evaluation) evaluates every step as plain DDP on one
+    machine does: the same texts, the scores within float noise."""
     if mode == "zero3":
         pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     cache = tmp_path / "cache"
     shared = {"PROBDIFF_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    machines = start_machines(CHEAP, tmp_path, launcher_args=LAUNCHERS[mode], env_of={0: shared, 1: shared})
+    args = [*SETTINGS, "output_dir=run"] if mode == "zero3" else CHEAP
+    machines = start_machines(args, tmp_path, launcher_args=LAUNCHERS[mode], env_of={0: shared, 1: shared})
     statuses = machines.wait(600)
     output = machines.output(0) + machines.output(1)
     assert statuses == [0, 0], f"{mode}:\n{machines.output(0)[-3000:]}\n{machines.output(1)[-6000:]}"
@@ -53,3 +57,5 @@ def test_two_machines_from_one_empty_cache(mode, tmp_path):
     assert len(model_dirs) == 1 and is_complete(model_dirs[0])
     assert (tmp_path / "run" / "checkpoint-1" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "probdiff" / "history.jsonl").is_file()
+    if mode == "zero3":
+        assert_same_records(tmp_path / "run", request.getfixturevalue("uninterrupted")(2)[0])

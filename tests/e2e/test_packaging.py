@@ -69,9 +69,11 @@ def test_wheel_carries_what_the_library_needs_at_run_time(wheel):
     assert not any(name.startswith(("tests/", "data/", "train/", "bench/", "recipes/")) for name in names)
 
 
-def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, tmp_path):
-    # The fresh environment sees the test's own torch/transformers but takes this package only from the wheel;
-    # a fresh cache makes it unpack `tiny` from the installed package data.
+def test_installed_wheel_evaluates_and_trains_from_another_directory(wheel, tmp_path):
+    """The wheel in a fresh environment that sees the test's own torch/transformers but takes this package only from
+    the wheel, a fresh cache (`tiny` unpacked from the installed package data), outside the checkout: `probdiff eval`
+    on the user's queries; then `python -m probdiff_callback.training` with a recipe file of the user's and data files
+    of the user's, to its best checkpoint."""
     venv = tmp_path / "venv"
     python = venv_with(wheel, venv)
     work = tmp_path / "elsewhere"
@@ -83,7 +85,8 @@ def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, 
             for i, q in enumerate(["Write a haiku about tea.", "Translate the sentence into English:\nGuten Tag."])
         )
     )
-    env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
+           "WANDB_MODE": "offline"}  # fmt: skip
     which = "import probdiff_callback, transformers; print(probdiff_callback.__file__); print(transformers.__file__)"
     ours, theirs = run([str(python), "-c", which], cwd=work, env=env).stdout.splitlines()
     assert ours.startswith(str(venv))  # the wheel's copy, not the checkout's (nor an editable install's)
@@ -93,34 +96,15 @@ def test_installed_wheel_evaluates_the_tiny_model_from_another_directory(wheel, 
         cwd=work,
         env=env,
     )
-    done = run(
-        [
-            str(venv / "bin" / "probdiff"),
-            "eval",
-            "--model",
-            "tiny",
-            "--queries",
-            str(queries),
-            "--out",
-            "out",
-            "max_new_tokens=8",
-        ],
-        cwd=work,
-        env=env,
-    )
+    probdiff_eval = [str(venv / "bin" / "probdiff"), "eval", "--model", "tiny", "--queries", str(queries), "--out",
+                     "out", "max_new_tokens=8"]  # fmt: skip
+    done = run(probdiff_eval, cwd=work, env=env)
     assert "Unpacking the `tiny` model" in done.stdout + done.stderr
     summary = json.loads((work / "out" / "summary.json").read_text())
     assert summary["n"] == 2
     records = [json.loads(line) for line in (work / "out" / "records.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == ["q0", "q1"] and all(r["response"] for r in records)
 
-
-def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
-    """`python -m probdiff_callback.training` from the wheel, outside the checkout: a recipe file of the user's, data
-    files of the user's, the `tiny` model unpacked from the package; the run ends with its best checkpoint."""
-    python = venv_with(wheel, tmp_path / "venv")
-    work = tmp_path / "elsewhere"
-    work.mkdir()
     for split in ("train", "heldout"):
         (work / f"{split}.jsonl").write_text((ROOT / "data" / "samples" / "blog" / f"{split}.jsonl").read_text())
     # the user's own recipe: the settings a CPU needs (recipes/models/tiny.yaml is the checkout's, not the wheel's)
@@ -129,8 +113,6 @@ def test_installed_wheel_trains_from_another_directory(wheel, tmp_path):
         "max_eval_samples: 2\nmax_length: 128\ndtype: float32\nbf16: false\nactivation_checkpointing: false\n"
         "probdiff: {n_queries: 2, max_new_tokens: 4, max_prompt_tokens: 128}\n"
     )
-    env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
-           "WANDB_MODE": "offline"}  # fmt: skip
     command = [str(python), "-m", "probdiff_callback.training", "recipe=my-recipe.yaml", "model=tiny",
                "train_file=train.jsonl", "heldout_file=heldout.jsonl", "output_dir=run", "report_to=none"]  # fmt: skip
     done = run(command, cwd=work, env=env)

