@@ -125,7 +125,7 @@ from probdiff_callback.training import launch
 launch.watch_exit_barrier(float(sys.argv[1]))
 env = {"GROUP_WORLD_SIZE": sys.argv[2], "PATH": ""}
 subprocess.run([sys.executable, "-c", "import time; time.sleep(1.5)"], env=env)  # this machine's training process
-time.sleep(20)  # torchrun's agent in its exit barrier, waiting for a machine that is gone
+time.sleep(4)  # torchrun's agent in its exit barrier, waiting for a machine that is gone (the watch: 0.5 s)
 sys.exit(7)
 """
 

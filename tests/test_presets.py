@@ -164,6 +164,7 @@ def test_the_dequantized_weights_are_pinned(smollm2_dir):
     assert presets.smollm2_model_dir() == smollm2_dir  # built once: the second call finds it complete
 
 
+@pytest.mark.slow  # from an empty cache it first builds the preset from its GGUF file (half a minute on 2 cores)
 @installed
 def test_the_preset_answers_in_its_own_chat_format(smollm2_dir):
     import torch
