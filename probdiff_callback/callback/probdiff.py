@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from probdiff_callback.callback.beside.spec import whole_weights_problem
 from probdiff_callback.callback.beside.training import BesideTraining
 from probdiff_callback.callback.best import TrainerBest
 from probdiff_callback.callback.eval_losses import EvalLossTap, ExampleLosses, PerExampleLossUnavailable
@@ -26,11 +27,11 @@ from probdiff_callback.callback.in_loop import InLoop
 from probdiff_callback.callback.outputs import TrainerOutputs
 from probdiff_callback.callback.schedule import (
     EvaluationSchedule,
-    check_selection_setup,
     checkpoint_to_come,
     is_scheduled_save,
     place_before_early_stopping,
     select_queries,
+    selection_setup_problem,
 )
 from probdiff_callback.callback.trainer_evaluation import EvaluationOutcome
 from probdiff_callback.core.config import ProbDiffConfig
@@ -176,6 +177,15 @@ class ProbDiffCallback(TrainerCallback):
     def _is_main(self) -> bool:
         return self.trainer.state.is_world_process_zero
 
+    def setup_problem(self, args: TrainingArguments) -> str | None:
+        """Why training cannot start with this callback (a selection its metric cannot drive; async_eval under ZeRO-3
+        without whole weights at a save), or None. Checked when training begins; train/sft.py asks before, so that its
+        user reads one line instead of a traceback from every rank."""
+        callbacks = self.trainer.callback_handler.callbacks
+        if problem := selection_setup_problem(args, self.config, callbacks):
+            return problem
+        return whole_weights_problem(self.trainer.accelerator) if self.config.async_eval else None
+
     # ---- hooks: when to evaluate ----
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -183,7 +193,8 @@ class ProbDiffCallback(TrainerCallback):
         place_before_early_stopping(self.trainer.callback_handler, self)
         if self._eval_loss_tap is None:  # each conversation's eval loss, from the Trainer's own evaluation passes
             self._eval_loss_tap = EvalLossTap(self.trainer.model, self.trainer.accelerator.gather_for_metrics)
-        check_selection_setup(args, self.config, self.trainer.callback_handler.callbacks)
+        if problem := self.setup_problem(args):
+            raise ValueError(problem)
         if (notice := self.outputs.reference_plan.notice()) and self._is_main():
             logger.info(f"ProbDiff: {notice}")
         self.outputs.resolution_said = False

@@ -91,14 +91,22 @@ def place_before_early_stopping(handler, callback) -> None:
         logger.info("ProbDiff: moved ProbDiffCallback before EarlyStoppingCallback so early stopping sees its metric")
 
 
-def check_selection_setup(args: TrainingArguments, config: ProbDiffConfig, callbacks: Sequence[object] = ()) -> None:
+def selection_setup_problem(
+    args: TrainingArguments, config: ProbDiffConfig, callbacks: Sequence[object] = ()
+) -> str | None:
     """Selecting checkpoints by a ProbDiff metric needs that metric at every evaluation (the rule is the config's, so
     a recipe states it the same way); with `async_eval` it arrives after the evaluation, so what decides at the
-    evaluation itself (`save_strategy="best"`, an `EarlyStoppingCallback` among `callbacks`) cannot use it."""
+    evaluation itself (`save_strategy="best"`, an `EarlyStoppingCallback` among `callbacks`) cannot use it. Why
+    not, or None."""
     problem = config.selection_problem(args.metric_for_best_model) if args.eval_strategy != "no" else None
     if problem is None and config.async_eval:
         problem = beside_selection_problem(args, callbacks)
-    if problem is not None:
+    return problem
+
+
+def check_selection_setup(args: TrainingArguments, config: ProbDiffConfig, callbacks: Sequence[object] = ()) -> None:
+    """`selection_setup_problem` as a ValueError."""
+    if (problem := selection_setup_problem(args, config, callbacks)) is not None:
         raise ValueError(problem)
 
 

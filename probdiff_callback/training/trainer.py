@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from probdiff_callback.training import say
 from probdiff_callback.training.data import LOSS_MASKING_NOTES, loss_datasets
-from probdiff_callback.training.recipe import Recipe
+from probdiff_callback.training.recipe import Recipe, RecipeError
 
 
 def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows, peft_config, queries):
@@ -42,8 +42,11 @@ def build_trainer(recipe: Recipe, args, model, tokenizer, train_rows, eval_rows,
         say(f"LoRA r={recipe.lora.r} on {modules}: {trainable / 1e6:,.2f}M trainable parameters")
     preemption = PreemptionCallback(trainer)
     trainer.add_callback(preemption)  # first: its signal handlers are in place for the baseline evaluation
-    trainer.add_callback(ProbDiffCallback(trainer, queries, recipe.probdiff, preemption=preemption))
+    probdiff = ProbDiffCallback(trainer, queries, recipe.probdiff, preemption=preemption)
+    trainer.add_callback(probdiff)
     trainer.add_callback(SelfContainedCheckpoints(tokenizer, model.generation_config))
+    if problem := probdiff.setup_problem(args):  # before training: one line, not a traceback from every rank
+        raise RecipeError(problem)
     return trainer, preemption
 
 

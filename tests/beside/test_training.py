@@ -99,6 +99,46 @@ def test_what_decides_at_the_evaluation_cannot_select_by_a_metric_that_comes_lat
     check_selection_setup(args_for(save_strategy="best"), ProbDiffConfig())  # in the loop it is there
 
 
+def test_zero3_must_gather_whole_weights_at_a_save_for_the_evaluator():
+    from types import SimpleNamespace
+
+    from probdiff_callback.callback.beside.spec import whole_weights_problem
+
+    def accelerator(plugin):
+        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin))
+
+    def zero(stage: int, save_16bit: bool = False, gather: bool | None = None):
+        config = {"zero_optimization": {} if gather is None else {"stage3_gather_16bit_weights_on_model_save": gather}}
+        return SimpleNamespace(zero_stage=stage, zero3_save_16bit_model=save_16bit, deepspeed_config=config)
+
+    assert whole_weights_problem(accelerator(None)) is None  # DDP, one process
+    assert whole_weights_problem(accelerator(zero(2))) is None  # ZeRO-2 keeps whole weights on every rank
+    assert whole_weights_problem(accelerator(zero(3, save_16bit=True))) is None  # accelerate's flag
+    assert whole_weights_problem(accelerator(zero(3, gather=True))) is None  # a DeepSpeed config file's key
+    problem = whole_weights_problem(accelerator(zero(3, gather=False)))
+    assert problem and "stage3_gather_16bit_weights_on_model_save: true" in problem
+
+
+@pytest.mark.slow  # builds the Trainer on the `tiny` model
+def test_through_the_training_script_a_setup_problem_is_one_line_before_training(
+    tmp_path, monkeypatch, capsys, sft_in_this_process
+):
+    """train/sft.py asks the callback before training (`ProbDiffCallback.setup_problem`: async_eval under ZeRO-3
+    without whole weights at a save, a selection the metric cannot drive): one `error:` line and exit status 2, not
+    the ValueError's traceback from every rank at the Trainer's train begin. (Two machines with ZeRO-3 said it so, by
+    hand: 2026-11-29.)"""
+    from _launch import sft_here
+
+    from probdiff_callback.callback.probdiff import ProbDiffCallback
+
+    monkeypatch.setattr(ProbDiffCallback, "setup_problem", lambda self, args: "ProbDiff: what the callback found")
+    code, _, err = sft_here(["recipe=blog", "model=tiny", "report_to=none", "output_dir=run"], tmp_path, monkeypatch,
+                            capsys)  # fmt: skip
+    errors = [line for line in err.splitlines() if line.startswith("error:")]  # (stderr also has the loading bars)
+    assert code == 2 and errors == ["error: ProbDiff: what the callback found"] and "Traceback" not in err, err
+    assert not list((tmp_path / "run").glob("checkpoint-*")) and not (tmp_path / "run" / "probdiff").exists()
+
+
 # ---- training on `tiny` ----
 SCHEDULES = {
     # eval loss at every step, checkpoints at 2 and 4: weights linked there, saved into the queue at 1 and 3

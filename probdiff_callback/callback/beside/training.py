@@ -39,7 +39,7 @@ from probdiff_callback.analysis.pick import GUARDED_KEY
 from probdiff_callback.callback.beside.late import log_at_step
 from probdiff_callback.callback.beside.local import LocalEvaluator
 from probdiff_callback.callback.beside.rotation import rotate
-from probdiff_callback.callback.beside.spec import evaluator_spec, whole_weights_problem
+from probdiff_callback.callback.beside.spec import evaluator_spec
 from probdiff_callback.callback.beside.steps import QueuedSteps, Stage, describe_steps, several
 from probdiff_callback.callback.best import TrainerBest
 from probdiff_callback.callback.metrics import logged_steps
@@ -105,8 +105,6 @@ class BesideTraining:
     # ---- train begin ----
     def begin(self, args: TrainingArguments, state: TrainerState) -> None:
         """Take the queue, the history and the Trainer's rotation over, write the spec, start the evaluator."""
-        if problem := whole_weights_problem(self.trainer.accelerator):
-            raise ValueError(problem)
         self.save_total_limit, args.save_total_limit = args.save_total_limit, None
         self._deadline, self._started_at = None, time.time()
         self.steps = self.outputs.broadcast(self._take_over(state) if self.outputs.is_main else None)
