@@ -17,9 +17,12 @@ from _once import made_once
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "train" / "sft.py"
-# A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens.
+# A few cheap steps: 2 optimizer steps, evaluated at 1 and 2, 3 queries of 8 new tokens; conversations cut at 128
+# tokens (the samples' blog, translation and AlignBench prompts fit with room for their answers): on `tiny`, whose
+# vocabulary is Qwen's 152k tokens, a step's logits cost in proportion to the length, and `tiny`'s 512 doubles a step
 CHEAP = [
     "model=tiny",
+    "max_length=128",
     "report_to=none",
     "max_steps=2",
     "eval_steps=1",

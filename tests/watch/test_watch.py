@@ -303,8 +303,9 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
 
     loop_run, watched = tmp_path / "loop", tmp_path / "watched"
     # in shares: batches of 2 (5 queries, 3 batches: the evaluator takes the first and the third, the helper the second)
-    config = probdiff_config(n_queries=N_QUERIES, **({"batch_size": 2} if shares else {}))
-    steps = 4 if model == "tiny" else 2  # the adapters' swap on tiny; smollm2's 135M parameters cost minutes a step
+    # smollm2: 2 queries (its 135M parameters take seconds a query to answer and revise), 2 steps
+    n_queries, steps = (N_QUERIES, 4) if model == "tiny" else (2, 2)  # tiny: its 4 steps swap the adapters
+    config = probdiff_config(n_queries=n_queries, **({"batch_size": 2} if shares else {}))
     trainer = build_trainer(
         resolve_model_path(model), loop_run, max_steps=steps, eval_strategy="steps", eval_steps=2, save_steps=2
     )
@@ -373,9 +374,9 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
     out = capsys.readouterr().out
     assert out.count("ProbDiff engine: HF: ") == 1  # decided once, on its own device: small work stays on HF
     then = "; then steps 4" if steps == 4 and not ahead else ""  # ahead: step 4 is queued while the watch waits
-    assert f"step 2 (evaluate, its adapter): evaluating {N_QUERIES} queries{then}\n" in out
-    assert f"step {steps}: {N_QUERIES} queries in" in out
-    beside = f"step {steps}: training has freed its cores: 1 helper process evaluates 2 of the {N_QUERIES} queries"
+    assert f"step 2 (evaluate, its adapter): evaluating {n_queries} queries{then}\n" in out
+    assert f"step {steps}: {n_queries} queries in" in out
+    beside = f"step {steps}: training has freed its cores: 1 helper process evaluates 2 of the {n_queries} queries"
     assert (beside in out) == (shares is not None)
     assert out.count("training has freed its cores") == (shares is not None)  # the last step only
     assert ("a helper's share of 2 queries failed" in out) == (shares == "helper killed")
