@@ -29,7 +29,7 @@ from probdiff_callback.cli import main
 from probdiff_callback.core import significance
 from probdiff_callback.core.metric import is_confident
 from probdiff_callback.core.records import ReferenceSummary
-from probdiff_callback.core.significance import every_sign_pattern_p, paired_permutation_p
+from probdiff_callback.core.significance import paired_permutation_p, sign_flip_p
 from probdiff_callback.runs.run_files import (
     RunFiles,
     history_path,
@@ -231,20 +231,28 @@ def test_the_paired_permutation_p_is_every_sign_pattern_counted():
         paired_permutation_p([1.0], [1.0, 2.0])
 
 
-def test_every_sign_pattern_p_is_scipys_exact_permutation_test():
-    """The exact path computes what scipy's `permutation_test` does over every sign pattern (its slower way), ties
-    included: sentence-level ROUGE's many zero and equal differences, and differences that only rounding tells apart."""
+def test_the_sign_flip_p_is_scipys_permutation_test():
+    """Exactly scipy's `permutation_test` over every sign pattern (its slower way), ties included: sentence-level
+    ROUGE's many zero and equal differences, and differences that only rounding tells apart. Drawn beyond 16 pairs (a
+    random stream of its own): as scipy's drawn p, within the spread of 9,999 draws of the exact one."""
     from scipy.stats import permutation_test
+
+    def scipys(differences: np.ndarray, draws: float) -> float:
+        result = permutation_test((differences,), lambda d, axis: np.mean(d, axis=axis), permutation_type="samples",
+                                  vectorized=True, n_resamples=draws, alternative="two-sided", rng=0)  # fmt: skip
+        return min(float(result.pvalue), 1.0)
 
     rng = np.random.default_rng(3)
     cases = [rng.normal(0.3, 1, n) for n in (2, 5, 9, 16)]
     cases += [np.round(rng.normal(0, 1, n), 1) * (rng.random(n) < 0.6) for n in (6, 12, 16)]  # zeros and ties
     cases += [np.array([0.1, 0.2, -0.3, 0.1 + 0.2, -0.3]), np.full(7, 0.25)]  # equal means but for rounding
     for differences in cases:
-        scipys = permutation_test((differences,), lambda d, axis: np.mean(d, axis=axis), permutation_type="samples",
-                                  vectorized=True, n_resamples=np.inf, alternative="two-sided").pvalue  # fmt: skip
-        assert every_sign_pattern_p(differences) == pytest.approx(min(float(scipys), 1.0), abs=1e-12), differences
-    assert every_sign_pattern_p(np.array([0.7])) == 1.0  # one pair (scipy refuses it): never significant
+        assert sign_flip_p(differences) == pytest.approx(scipys(differences, np.inf), abs=1e-12), differences
+    assert sign_flip_p(np.array([0.7])) == 1.0  # one pair (scipy refuses it): never significant
+    for differences in (rng.normal(0.4, 1, 18), np.round(rng.normal(0.2, 1, 20), 1)):  # 2^18, 2^20 patterns
+        exact = scipys(differences, np.inf)
+        assert sign_flip_p(differences) == pytest.approx(exact, abs=0.01)
+        assert scipys(differences, 9_999) == pytest.approx(exact, abs=0.01)
 
 
 def test_beyond_sixteen_pairs_the_sign_patterns_are_drawn_and_stay_close_to_the_exact_p():

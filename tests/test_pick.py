@@ -197,9 +197,9 @@ def test_in_the_loop_a_checkpoint_that_fails_the_guard_is_never_the_trainers_bes
     assert (
         "ProbDiff: probdiff_guarded: step 4 (confidence 87.5%), guarded by ROUGE-1, ROUGE-2, ROUGE-L, eval loss" in said
     )
-    assert "failed: step 2: ROUGE-1 0.00 against the base model's 50.00 (p = 0.001) and 2 more" in said
+    assert "failed: step 2: ROUGE-1 0.00 against the base model's 50.00 (p = 0.0004) and 2 more" in said
     assert "ProbDiff: probdiff_guarded: step 6 (confidence 62.5%)" in said
-    assert "step 4: ROUGE-1 50.00 against step 6's 100.00 (p = 0.0004, 100% of the gain) and 2 more" in said
+    assert "step 4: ROUGE-1 50.00 against step 6's 100.00 (p = 0.0006, 100% of the gain) and 2 more" in said
 
     selection = select_checkpoints(run)  # what the run selected by: selection.json
     assert selection.pick.metric == "probdiff_guarded" and selection.best_checkpoint.global_step == 6
