@@ -438,8 +438,8 @@ def collect(work: Path) -> dict:
                 if not (run_dir / "final").is_dir():
                     continue
                 values = study_values(run_dir)
-                if "0" not in values["test"] or len(values["test"]) < 2:
-                    continue
+                if set(values["test"]) != {str(step) for step in evaluated_steps(run_dir)}:
+                    continue  # its test measure is still under way
                 values["measure"] = TEST_MEASURE[recipe]
                 study[run_name(recipe, seed, condition)] = values
     return study

@@ -1,0 +1,46 @@
+"""The selection study of docs/agreement.md (`bench/selection_study.py`) from its numbers only (no text of the paper's
+data: `python bench/selection_study.py --fixture tests/data/selection_study.json`): the tables the docs publish are
+what the study's own functions compute from them, and the study's picks are the project's own decisions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import selection_study  # bench/, on the tests' pythonpath
+
+from probdiff_callback.analysis.pick import GUARDED
+from probdiff_callback.analysis.select import run_pick
+from probdiff_callback.runs.run_files import HistoryRow
+
+FIXTURE = Path(__file__).with_name("data") / "selection_study.json"
+AGREEMENT = Path(__file__).resolve().parents[1] / "docs" / "agreement.md"
+START = "<!-- the selection study's tables: python bench/selection_study.py --report -->"
+END = "<!-- end of the selection study's tables -->"
+
+
+@pytest.fixture(scope="module")
+def study() -> dict:
+    return json.loads(FIXTURE.read_text(encoding="utf-8"))
+
+
+def test_the_docs_tables_are_what_the_study_computes(study):
+    text = AGREEMENT.read_text(encoding="utf-8")
+    published = text[text.index(START) + len(START) : text.index(END)].strip("\n")
+    assert published == selection_study.study_table(study)
+    assert f"**So far: {len(study)} of the 18 runs**" in text
+
+
+def test_where_no_checkpoint_passes_the_guard_the_test_set_finds_every_checkpoint_damaged(study):
+    """What the docs say of the guarded pick's fallback: the runs where the guard passed no checkpoint (the pick is the
+    base model) are the high-learning-rate runs, and on the test set even their oracle checkpoint is significantly
+    worse than the base model."""
+    fell_back = []
+    for name, values in study.items():
+        rows = [HistoryRow.from_json(row) for row in values["rows"]]
+        guarded = run_pick(rows, "", selection_study.per_query_values(values), GUARDED, on_disk_only=False)
+        if guarded.none_passes:
+            fell_back.append(name)
+            assert selection_study.judged(values, selection_study.picks_of(values)["oracle"])[2], name
+    assert fell_back == [name for name in study if name.endswith("-high-lr")]
