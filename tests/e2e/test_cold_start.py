@@ -1,8 +1,9 @@
-"""Two machines from one empty cache, with ZeRO-3: the tokenizer and the `tiny` model are made once, outside any
-distributed or DeepSpeed context, and both ranks train on the complete copy; the run is the one the loop's tests compare
-(`_launch.SETTINGS`), evaluated in the loop or beside training, and its records are those of the same run in the loop
-on one machine. (Plain DDP builds the cache by the same code before its process group exists; two DDP machines are
-e2e/test_machines.py's in the loop and e2e/test_slurm.py's beside training.)"""
+"""Two machines from one empty cache, with ZeRO-3, in the loop: the tokenizer and the `tiny` model are made once,
+outside any distributed or DeepSpeed context, and both ranks train on the complete copy; the run is the one the loop's
+tests compare (`_launch.SETTINGS`), and its records are those of the same run in the loop on one machine. (Beside
+training, ZeRO-3 on two nodes from one empty cache is e2e/test_slurm.py's requeue test; plain DDP builds the cache by
+the same code before its process group exists: two DDP machines are e2e/test_machines.py's in the loop and
+e2e/test_slurm.py's server-node test beside training.)"""
 
 from __future__ import annotations
 
@@ -21,24 +22,15 @@ pytestmark = [
 ]
 
 
-WAYS = {
-    "in the loop": ((), ()),
-    # the evaluator loads each queued step's weights: ZeRO-3 must gather them whole at a save
-    "beside training": (("--zero3_save_16bit_model", "true"), ("probdiff.async_eval=true",)),
-}
-
-
-@pytest.mark.parametrize("way", WAYS)
-def test_zero3_on_two_machines_from_one_empty_cache_evaluates_as_one_machine(way, tmp_path, uninterrupted):
+def test_zero3_on_two_machines_from_one_empty_cache_evaluates_as_one_machine(tmp_path, uninterrupted):
     """Two machines (one training process each, `_launch.start_machines`) share one empty PROBDIFF_CACHE, as nodes
     sharing it on a network file system do: one builds each model file, the other waits and uses it. The weights
-    sharded across the machines and gathered for each evaluation (or each queued step), every step is evaluated as
-    plain DDP on one machine evaluates it in the loop: the same texts, the scores within float noise."""
+    sharded across the machines and gathered for each evaluation, every step is evaluated as plain DDP on one machine
+    evaluates it in the loop: the same texts, the scores within float noise."""
     pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     cache = tmp_path / "cache"
-    shared = {"PROBDIFF_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    launcher, settings = WAYS[way]
-    machines = start_machines([*SETTINGS, *settings, "output_dir=run"], tmp_path, launcher_args=(*ZERO3, *launcher),
+    shared = {"PROBDIFF_CACHE": str(cache)}
+    machines = start_machines([*SETTINGS, "output_dir=run"], tmp_path, launcher_args=ZERO3,
                               env_of={0: shared, 1: shared})  # fmt: skip
     statuses = machines.wait(600)
     output = machines.output(0) + machines.output(1)

@@ -21,6 +21,7 @@ from _launch import ROOT, SETTINGS, STEPS, assert_same_records, free_port, histo
 from _vllm import needs_vllm
 
 from probdiff_callback.core.queries import read_jsonl
+from probdiff_callback.models.cache import is_complete
 from probdiff_callback.runs.queue import Queue, evaluator_holder
 
 pytestmark = pytest.mark.slow  # the script starts processes
@@ -50,12 +51,21 @@ def job(tmp_path: Path, nodes: int, **variables: str) -> tuple[list[str], dict[s
     return ["bash", "job.sh"], env
 
 
-def test_across_two_nodes_the_time_limit_requeues_and_the_next_start_ends_as_one_machines_loop(tmp_path, uninterrupted):
-    """Two training nodes and an evaluator node; SLURM's SIGUSR1 before the time limit once step 1 is saved and the
-    script waits on training (the evaluator started: bash runs a trap only between its commands, up to the 10 s of
-    its polling before), so that the stop lands before the last step: a run stopped at its last step trains one step
-    more when resumed (the Trainer checks max_steps only after a step), which this test does not ask about."""
-    command, env = job(tmp_path, nodes=3)
+def test_across_two_nodes_with_zero3_the_time_limit_requeues_and_the_next_start_ends_as_one_machines_loop(
+    tmp_path, uninterrupted
+):
+    """Two training nodes with ZeRO-3 (`LAUNCH_ARGS`: DeepSpeed's flags; it saves whole weights for the evaluator) and
+    an evaluator node, the nodes sharing one empty PROBDIFF_CACHE as on a network file system: one builds each model
+    file, the other waits and uses it. SLURM's SIGUSR1 before the time limit once step 1 is saved and the script waits
+    on training (the evaluator started: bash runs a trap only between its commands, up to the 10 s of its polling
+    before), so that the stop lands before the last step: a run stopped at its last step trains one step more when
+    resumed (the Trainer checks max_steps only after a step), which this test does not ask about. The weights sharded
+    across the nodes, every step is evaluated as plain DDP on one machine evaluates it in the loop. (DDP across nodes
+    beside training: the server-node test below.)"""
+    pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
+    cache = tmp_path / "cache"
+    zero3 = "--use_deepspeed --zero_stage 3 --zero3_init_flag false --zero3_save_16bit_model true"
+    command, env = job(tmp_path, nodes=3, LAUNCH_ARGS=zero3, PROBDIFF_CACHE=str(cache))
     with (tmp_path / "first.txt").open("w") as out:
         first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -82,7 +92,12 @@ def test_across_two_nodes_the_time_limit_requeues_and_the_next_start_ends_as_one
     assert (run / "final").is_dir() and (run / "best").is_symlink()
     for step in range(STEPS + 1):  # across the two starts, each step evaluated to its end once
         assert (stopped + output).count(FINISHED.format(step)) == 1, (step, output[-4000:])
-    # the evaluator's records equal those of the loop's two ranks on one machine (one process scores what two
+    # one node unpacked each model file, the other waited (the first start; the second found them), none half-made
+    assert stopped.count("Unpacking the `tiny` model") == 1 and "Unpacking the `tiny` model" not in output
+    assert stopped.count("Converting the Qwen v1 vocabulary") == 1
+    model_dirs = [p for p in (cache / "models").iterdir() if p.is_dir()]
+    assert len(model_dirs) == 1 and is_complete(model_dirs[0])
+    # the evaluator's records equal those of the loop's two DDP ranks on one machine (one process scores what two
     # scored in shares)
     assert_same_records(run, uninterrupted(2)[0])
 
