@@ -142,6 +142,7 @@ def test_an_eval_that_fails_keeps_the_batches_it_finished_and_resume_finishes_it
     assert summary["n"] == 4 and summary["resumed"] == 2 and not (out / "unfinished.json").exists()
 
 
+@pytest.mark.slow  # six `probdiff` commands on `tiny` through stand-in vLLM servers, one stalled and waited out
 def test_an_eval_whose_vllm_server_stalls_keeps_what_it_finished(tiny_model_path, tmp_path, capsys):
     """A server you started (vllm_mode=server) answers the 4 answers and 2 of the revisions, then stalls: exit 2 with
     the stall, and the 2 queries it finished are kept. The same command again is refused, and so is --resume with

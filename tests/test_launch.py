@@ -130,6 +130,7 @@ sys.exit(7)
 """
 
 
+@pytest.mark.slow  # starts processes: a stand-in torchrun agent and its training process
 @pytest.mark.parametrize("machines", [2, 1])
 def test_a_launcher_waits_in_the_exit_barrier_only_as_long_as_asked(machines):
     import subprocess
