@@ -75,11 +75,22 @@ def trainer_class(plain_loss: bool, base_model: str):
     position (with entropy and top-1 side outputs), several times slower per step than the plain loss on the
     tiny model's large vocabulary head. The loss is the same (assistant tokens only, through the same labels);
     trl's entropy and token-accuracy logs are left out.
+
+    A run resumed from a checkpoint at `max_steps` (stopped at its last step: in its evaluation, or while it waited
+    for the evaluator beside it) trains no step: transformers' loop checks `max_steps` only after a step, and would
+    train one more (another checkpoint, evaluation and history row; with a constant learning rate, other weights).
+    Given no batch, the loop ends before that step, and the end of training runs as after the last one.
     """
     from transformers import Trainer
     from trl import SFTTrainer
 
     class RecipeSFTTrainer(SFTTrainer):
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            if 0 < self.state.max_steps <= self.state.global_step:
+                self.control.should_training_stop = True
+                return [], None
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
         def create_model_card(self, *args, **kwargs):
             with no_link_to_offline_wandb_run():
                 super().create_model_card(*args, **kwargs)

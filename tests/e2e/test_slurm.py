@@ -58,10 +58,9 @@ def test_across_two_nodes_with_zero3_the_time_limit_requeues_and_the_next_start_
     an evaluator node, the nodes sharing one empty PROBDIFF_CACHE as on a network file system: one builds each model
     file, the other waits and uses it. SLURM's SIGUSR1 before the time limit once step 1 is saved and the script waits
     on training (the evaluator started: bash runs a trap only between its commands, up to the 10 s of its polling
-    before), so that the stop lands before the last step: a run stopped at its last step trains one step more when
-    resumed (the Trainer checks max_steps only after a step), which this test does not ask about. The weights sharded
-    across the nodes, every step is evaluated as plain DDP on one machine evaluates it in the loop. (DDP across nodes
-    beside training: the server-node test below.)"""
+    before), so that the stop lands mid-run (a stop at the last step: e2e/test_faults.py). The weights sharded across
+    the nodes, every step is evaluated as plain DDP on one machine evaluates it in the loop. (DDP across nodes beside
+    training: the server-node test below.)"""
     pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     cache = tmp_path / "cache"
     zero3 = "--use_deepspeed --zero_stage 3 --zero3_init_flag false --zero3_save_16bit_model true"
