@@ -243,7 +243,9 @@ def measure_here(run_dir: Path, data: Path, recipe: str) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             result = {"step": step, "measure": measure_name, "values": values, "answers": texts,
                       "seconds": round(time.time() - started, 1)}  # fmt: skip
-            out.write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n")
+            partial = out.with_name(f".{out.name}.tmp")  # whole or absent: a killed measure is measured again
+            partial.write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n")
+            partial.replace(out)
             say(f"step {step}: {measure_name} {sum(values.values()) / len(values):.3f} ({result['seconds']} s)")
 
 
