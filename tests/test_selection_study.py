@@ -1,6 +1,6 @@
 """The selection study of docs/agreement.md (`bench/selection_study.py`) from its numbers only (no text of the paper's
 data: `python bench/selection_study.py --fixture tests/data/selection_study.json`): the tables the docs publish are
-what the study's own functions compute from them, and the study's picks are the project's own decisions."""
+what the study's own functions compute from them, and what the docs say of the guarded pick's fallback holds."""
 
 from __future__ import annotations
 
