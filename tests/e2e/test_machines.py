@@ -1,6 +1,7 @@
 """Training across machines, as two machines on one host (`_launch.start_machines`: one launcher each, as `srun`
-starts one per node, and one run directory): what a lost machine does to the other, a stop signal to one machine, a
-run directory that is not shared, and resumes that end as a run on one machine does."""
+starts one per node, and one run directory): two machines from one empty model cache, what a lost machine does to the
+other, a stop signal to one machine, a run directory that is not shared, and resumes that end as a run on one machine
+does. (ZeRO-3 across machines from one empty cache: e2e/test_slurm.py's requeue test.)"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from _faults import FAULT_ENV
 from _launch import SETTINGS, assert_same_run, history_rows, start_machines, table
 
+from probdiff_callback.models.cache import is_complete
 from probdiff_callback.runs.checkpoints import checkpoints
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -47,13 +49,19 @@ def one_line(output: str, start: str) -> str:
 def test_a_lost_machine_a_lost_launcher_and_a_stop_then_a_resume_end_as_one_machines_run(tmp_path, uninterrupted):
     reference_run, reference_stdout = uninterrupted(2)  # one machine, two processes
     args = [*SETTINGS, "output_dir=run"]
-    run = tmp_path / "run"
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    shared = {"PROBDIFF_CACHE": str(cache)}  # one model cache, empty at the first start, as on a network file system
     continue_with = re.escape(f"{' '.join(args)} resume=true (on each of the 2 machines, with its --machine_rank)")
 
-    # 1. machine 1's training process killed -9 in step 2's evaluation (its connections close, as when the machine
-    #    is lost): machine 0 stops at its next collective with one line and exit status 75
-    machines = start_machines(args, tmp_path, env_of={1: {FAULT_ENV: "answers-done:3"}})
+    # 1. from the empty cache: one machine makes each model file, outside any process group, and the other waits and
+    #    uses it. Machine 1's training process killed -9 in step 2's evaluation (its connections close, as when the
+    #    machine is lost): machine 0 stops at its next collective with one line and exit status 75
+    machines = start_machines(args, tmp_path, env_of={0: shared, 1: {**shared, FAULT_ENV: "answers-done:3"}})
     statuses = machines.wait()
+    made = machines.output(0) + machines.output(1)
+    assert made.count("Unpacking the `tiny` model") == 1 and made.count("Converting the Qwen v1 vocabulary") == 1
+    model_dirs = [p for p in (cache / "models").iterdir() if p.is_dir()]  # no temporary copies left behind
+    assert len(model_dirs) == 1 and is_complete(model_dirs[0])
     line = one_line(machines.output(0), "the run did not finish:")
     assert statuses[0] == NOT_FINISHED, machines.output(0)[-3000:]
     assert re.fullmatch(
@@ -67,7 +75,7 @@ def test_a_lost_machine_a_lost_launcher_and_a_stop_then_a_resume_end_as_one_mach
 
     # 2. resumed on both; machine 1's launcher killed -9 (its training process gets SIGTERM): every rank saves the next
     #    step and stops, machine 0 with exit status 75, without waiting in torch's exit barrier
-    machines = start_machines([*args, "resume=true"], tmp_path)
+    machines = start_machines([*args, "resume=true"], tmp_path, env_of={0: shared, 1: shared})
     training_on(machines, 1)
     machines.launchers[1].kill()
     statuses = machines.wait()
@@ -82,7 +90,7 @@ def test_a_lost_machine_a_lost_launcher_and_a_stop_then_a_resume_end_as_one_mach
 
     # 3. resumed on both; SIGTERM to machine 1's launcher (a scheduler's stop on one node): both save the same step
     #    and exit 0, as a stopped run does
-    machines = start_machines([*args, "resume=true"], tmp_path)
+    machines = start_machines([*args, "resume=true"], tmp_path, env_of={0: shared, 1: shared})
     training_on(machines, 1)
     machines.launchers[1].terminate()
     assert machines.wait() == [0, 0], machines.output(0)[-3000:] + machines.output(1)[-3000:]
@@ -92,7 +100,7 @@ def test_a_lost_machine_a_lost_launcher_and_a_stop_then_a_resume_end_as_one_mach
     )
 
     # 4. resumed to the end: the history, records, Trainer log and table of the run on one machine
-    machines = start_machines([*args, "resume=true"], tmp_path)
+    machines = start_machines([*args, "resume=true"], tmp_path, env_of={0: shared, 1: shared})
     assert machines.wait() == [0, 0], machines.output(0)[-3000:] + machines.output(1)[-3000:]
     assert_same_run(reference_run, run)
     assert table(machines.output(0)) == table(reference_stdout)
