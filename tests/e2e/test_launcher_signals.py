@@ -138,7 +138,6 @@ TWO = ["--num_processes", "2", "--multi_gpu"]
     [
         pytest.param(ONE, to_the_command, signal.SIGUSR1,
                      id="1 process through the launcher: SIGUSR1 to the command (the SLURM script's)"),
-        pytest.param(ONE, to_its_group, signal.SIGINT, id="1 process through the launcher: Ctrl-C"),
         pytest.param(TWO, to_its_group, signal.SIGTERM, id="2 processes: SIGTERM to the group"),
         pytest.param(TWO, to_its_group, signal.SIGINT, id="2 processes: Ctrl-C"),
     ],

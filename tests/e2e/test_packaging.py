@@ -110,7 +110,7 @@ def test_installed_wheel_evaluates_and_trains_from_another_directory(wheel, tmp_
     # the user's own recipe: the settings a CPU needs (recipes/models/tiny.yaml is the checkout's, not the wheel's)
     (work / "my-recipe.yaml").write_text(
         "task: blog\nmax_steps: 2\neval_steps: 1\nsave_steps: 1\nper_device_train_batch_size: 2\n"
-        "max_eval_samples: 2\nmax_length: 128\ndtype: float32\nbf16: false\nactivation_checkpointing: false\n"
+        "max_eval_samples: 2\nmax_length: 64\ndtype: float32\nbf16: false\nactivation_checkpointing: false\n"
         "probdiff: {n_queries: 2, max_new_tokens: 4, max_prompt_tokens: 128}\n"
     )
     command = [str(python), "-m", "probdiff_callback.training", "recipe=my-recipe.yaml", "model=tiny",
