@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -110,7 +109,9 @@ def write_v1_checkpoint(
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps(config or V1_CONFIG))
     (root / "generation_config.json").write_text(json.dumps(V1_GENERATION_CONFIG))
-    shutil.copy(bundled_tiktoken_file(), root / "qwen.tiktoken")
+    # with its size and time: the same vocabulary as the bundled one, so the tokenizer the suite converted is reused
+    # (the conversion itself: each empty cache of e2e/test_machines.py and e2e/test_slurm.py)
+    shutil.copy2(bundled_tiktoken_file(), root / "qwen.tiktoken")
     (root / "LICENSE").write_text("Tongyi Qianwen LICENSE AGREEMENT (test copy)\n")
     plan = shard_plan(sd, n_shards)
     weight_map = {}
@@ -175,18 +176,6 @@ def v1_reference_logits(
 
 
 # --- fixtures -----------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def _private_cache(tmp_path_factory):
-    """The converted-tokenizer cache goes to a throwaway directory, not the user's."""
-    previous = os.environ.get("PROBDIFF_CACHE")
-    os.environ["PROBDIFF_CACHE"] = str(tmp_path_factory.mktemp("probdiff-cache"))
-    yield
-    if previous is None:
-        os.environ.pop("PROBDIFF_CACHE", None)
-    else:
-        os.environ["PROBDIFF_CACHE"] = previous
-
-
 @pytest.fixture(scope="session")
 def v1_sd() -> dict[str, torch.Tensor]:
     return random_v1_state_dict()

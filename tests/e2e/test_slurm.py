@@ -38,15 +38,17 @@ def script(heading: str) -> str:
     return section[start : section.index("\n```", start)] + "\n"
 
 
-def job(tmp_path: Path, nodes: int, **variables: str) -> tuple[list[str], dict[str, str]]:
-    """The script in `tmp_path`, as sbatch would start it there on `nodes` nodes: (its command, its environment)."""
+def job(tmp_path: Path, nodes: int, steps: int = STEPS, **variables: str) -> tuple[list[str], dict[str, str]]:
+    """The script in `tmp_path`, as sbatch would start it there on `nodes` nodes, training `_launch.SETTINGS` for
+    `steps` steps: (its command, its environment)."""
     (tmp_path / "job.sh").write_text(script("### SLURM: training across nodes"))
     (tmp_path / "train").symlink_to(ROOT / "train")  # the script runs from the checkout: `python train/sft.py`
     env = sft_env(
         PATH=os.pathsep.join([str(STANDINS), str(Path(sys.executable).parent), os.environ["PATH"]]),
         SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"node[0-{nodes - 1}]", SLURM_JOB_ID="42",
         SCONTROL_LOG=str(tmp_path / "scontrol"), GPUS_PER_NODE="1",
-        TRAINING_ARGS=" ".join([*SETTINGS, "output_dir=run"]), RUN="run", MAIN_PORT=str(free_port()), **variables,
+        TRAINING_ARGS=" ".join([*(a for a in SETTINGS if not a.startswith("max_steps=")), f"max_steps={steps}",
+                                "output_dir=run"]), RUN="run", MAIN_PORT=str(free_port()), **variables,
     )  # fmt: skip
     return ["bash", "job.sh"], env
 
@@ -117,9 +119,9 @@ def test_with_a_server_node_the_evaluator_generates_through_vllm_and_the_server_
     tmp_path, tiny_model_path
 ):
     """Two training nodes, the evaluator and a vLLM server of the base model on nodes of their own (SERVER_NODES=1)."""
-    port = free_port()
+    port, steps = free_port(), 2  # the base model and two adapters through the server
     command, env = job(
-        tmp_path, nodes=4, SERVER_NODES="1", BASE_MODEL=str(tiny_model_path), SERVER_PORT=str(port),
+        tmp_path, nodes=4, steps=steps, SERVER_NODES="1", BASE_MODEL=str(tiny_model_path), SERVER_PORT=str(port),
         SERVER_ARGS=CPU_SERVER_ARGS, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
         VLLM_LOGGING_LEVEL="WARNING",
     )  # fmt: skip
@@ -138,9 +140,9 @@ def test_with_a_server_node_the_evaluator_generates_through_vllm_and_the_server_
     run = tmp_path / "run"
     assert (run / "final").is_dir() and (run / "best").is_symlink()
     rows = history_rows(run)
-    assert [row["global_step"] for row in rows] == list(range(STEPS + 1))
+    assert [row["global_step"] for row in rows] == list(range(steps + 1))
     assert all(row["error"] is None for row in rows), [row["error"] for row in rows]
-    for step in range(STEPS + 1):
+    for step in range(steps + 1):
         assert output.count(FINISHED.format(step)) == 1, (step, output[-4000:])
     # the server generated from each step's weights: the base model's texts are not the trained adapter's
     texts = [[r["response"] for r in read_jsonl(run / "probdiff" / row["records"])] for row in rows]
