@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from probdiff_callback.analysis.pick import GUARDED_KEY
 from probdiff_callback.callback.best import TrainerBest
@@ -88,7 +90,12 @@ class InLoop:
             baseline_records=baseline_records,
             without_eval_loss={row.global_step for row in kept if not row.abandoned and not is_finite(row.eval_loss)},
         )
-        self._complete_resumed_step(state, kept)
+        if self._complete_resumed_step(state, kept) and self.outputs.is_main:
+            # the checkpoint resumed from holds its step's results now, as one saved after them does (when the run's
+            # last step is that one, no later save would carry them)
+            checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            if os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME)):
+                state.save_to_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
         if not (self.config.baseline and state.global_step == 0 and not self.known(0)):
             baseline = next((row for row in kept if row.kind == "baseline" and not row.failed), None)
             self.outputs.say_resolution(None if baseline is None else baseline.confidence)
@@ -144,19 +151,22 @@ class InLoop:
             logger.info(choice.line())
         return choice.applied(self.asked), vllm
 
-    def _complete_resumed_step(self, state: TrainerState, kept: list[HistoryRow]) -> None:
-        """What the checkpoint resumed from lacks of its own step's ProbDiff evaluation, done now.
+    def _complete_resumed_step(self, state: TrainerState, kept: list[HistoryRow]) -> bool:
+        """What the checkpoint resumed from lacks of its own step's ProbDiff evaluation, done now; whether anything
+        of its step was logged.
 
         An evaluation a stop signal abandoned runs: the resumed step's (its weights are the checkpoint's) and a
         baseline of the base model; others stay failed, and the log says why. A row evaluated after its checkpoint
         was saved (by an earlier resume that was then killed) is logged again, since the Trainer's log and W&B go
         back to the checkpoint."""
+        logged = False
         for row in kept:
             if not row.abandoned and row.global_step == state.global_step > 0:
                 if row.global_step in logged_steps(state.log_history):
                     continue
                 metrics = self.state.evaluated[row.global_step]
                 self.trainer.log(dict(metrics))
+                logged = True
                 if self.outputs.is_main and row.records:
                     self.outputs.to_wandb(row.global_step, read_records(self.files.directory / row.records))
         for row in [row for row in kept if row.abandoned]:
@@ -165,6 +175,7 @@ class InLoop:
                 # a stop signal now does not abandon the resumed step's evaluation again: the stop would save the
                 # next step, and this step's weights would be gone with its evaluation (the base model's stay)
                 self._run(dataclasses.replace(row, error=None, abandoned=False), abandonable=row.base_model)
+                logged = logged or row.global_step == state.global_step > 0
                 continue
             why = (
                 f"{ABANDONED} when the run stopped, and resuming from step {state.global_step} cannot run it: the "
@@ -174,6 +185,7 @@ class InLoop:
             self.state.evaluated[row.global_step] = self.outputs.metrics(None, None)
             if self.outputs.is_main:
                 self.files.add(dataclasses.replace(row, error=why, abandoned=False), None)
+        return logged
 
     # ---- a scheduled step ----
     def evaluate(
