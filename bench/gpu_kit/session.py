@@ -36,9 +36,9 @@ GPU = {"seconds": 500, "caps": {"0": 40, "1": 230, "2a": 60, "2b": 100, "3": 70}
                  "probdiff.batch_size=8", "beside": "probdiff.evaluator_gpus={gpu}"}  # fmt: skip
 CPU = {"seconds": 1200, "caps": {"0": 120, "1": 240, "2a": 240, "2b": 300, "3": 300}, "layers": 2, "shape": "tiny",
        "bench": "--shape tiny --device cpu --queries 2 --max-new-tokens 3 --batch-size 2 --decode-batch 1 2",
-       "tiny": "max_steps=2 eval_steps=1 save_steps=1 max_length=128 max_eval_samples=2 per_device_eval_batch_size=2 "
+       "tiny": "max_steps=2 eval_steps=1 save_steps=1 max_length=64 max_eval_samples=2 per_device_eval_batch_size=2 "
                "probdiff.n_queries=2 probdiff.batch_size=2 probdiff.max_new_tokens=4",
-       "shaped": "dtype=float32 bf16=false activation_checkpointing=false gradient_accumulation_steps=2 max_length=128 "
+       "shaped": "dtype=float32 bf16=false activation_checkpointing=false gradient_accumulation_steps=2 max_length=64 "
                  "max_eval_samples=2 per_device_eval_batch_size=2 probdiff.n_queries=2 probdiff.max_new_tokens=4 "
                  "probdiff.batch_size=2", "beside": "threads=1 probdiff.evaluator_threads=1"}  # fmt: skip
 SHAPED = "max_steps=4 eval_steps=2 save_steps=2 logging_steps=1"

@@ -109,7 +109,7 @@ def test_installed_wheel_evaluates_and_trains_from_another_directory(wheel, tmp_
         (work / f"{split}.jsonl").write_text((ROOT / "data" / "samples" / "blog" / f"{split}.jsonl").read_text())
     # the user's own recipe: the settings a CPU needs (recipes/models/tiny.yaml is the checkout's, not the wheel's)
     (work / "my-recipe.yaml").write_text(
-        "task: blog\nmax_steps: 2\neval_steps: 1\nsave_steps: 1\nper_device_train_batch_size: 2\n"
+        "task: blog\nmax_steps: 1\neval_steps: 1\nsave_steps: 1\nper_device_train_batch_size: 2\n"
         "max_eval_samples: 2\nmax_length: 64\ndtype: float32\nbf16: false\nactivation_checkpointing: false\n"
         "probdiff: {n_queries: 2, max_new_tokens: 4, max_prompt_tokens: 128}\n"
     )

@@ -46,7 +46,7 @@ def job(tmp_path: Path, nodes: int, steps: int = STEPS, **variables: str) -> tup
     env = sft_env(
         PATH=os.pathsep.join([str(STANDINS), str(Path(sys.executable).parent), os.environ["PATH"]]),
         SLURM_NNODES=str(nodes), SLURM_JOB_NODELIST=f"node[0-{nodes - 1}]", SLURM_JOB_ID="42",
-        SCONTROL_LOG=str(tmp_path / "scontrol"), GPUS_PER_NODE="1",
+        SCONTROL_LOG=str(tmp_path / "scontrol"), GPUS_PER_NODE="1", POLL_SECONDS="1",
         TRAINING_ARGS=" ".join([*(a for a in SETTINGS if not a.startswith("max_steps=")), f"max_steps={steps}",
                                 "output_dir=run"]), RUN="run", MAIN_PORT=str(free_port()), **variables,
     )  # fmt: skip
@@ -59,10 +59,10 @@ def test_across_two_nodes_with_zero3_the_time_limit_requeues_and_the_next_start_
     """Two training nodes with ZeRO-3 (`LAUNCH_ARGS`: DeepSpeed's flags; it saves whole weights for the evaluator) and
     an evaluator node, the nodes sharing one empty PROBDIFF_CACHE as on a network file system: one builds each model
     file, the other waits and uses it. SLURM's SIGUSR1 before the time limit once step 1 is saved and the script waits
-    on training (the evaluator started: bash runs a trap only between its commands, up to the 10 s of its polling
-    before), so that the stop lands mid-run (a stop at the last step: e2e/test_faults.py). The weights sharded across
-    the nodes, every step is evaluated as plain DDP on one machine evaluates it in the loop. (DDP across nodes beside
-    training: the server-node test below.)"""
+    on training (the evaluator started: bash runs a trap only between its commands, up to POLL_SECONDS into its
+    polling before), so that the stop lands mid-run (a stop at the last step: e2e/test_faults.py). The weights sharded
+    across the nodes, every step is evaluated as plain DDP on one machine evaluates it in the loop. (DDP across nodes
+    beside training: the server-node test below.)"""
     pytest.importorskip("deepspeed", reason="ZeRO-3 runs need the deepspeed extra: pip install -e '.[deepspeed]'")
     cache = tmp_path / "cache"
     zero3 = "--use_deepspeed --zero_stage 3 --zero3_init_flag false --zero3_save_16bit_model true"
