@@ -141,6 +141,15 @@ def test_holm_keeps_a_checkpoint_tested_on_several_measures_from_failing_at_one_
     (rouge,) = [c for c in comparisons if c.measure == "rougeL"]
     assert 0.05 / 2 < rouge.p < 0.05 and rouge.material and not rouge.failed
     assert run.pick().step == 10
+    # what `probdiff select` says under the alarm the change raises at the pick (each change tested alone)
+    assert run.pick().guard.passed_all_the_same(10) == (
+        f"the guard passed step 10 all the same: ROUGE-L {rouge.value:.2f} against the base model's {rouge.other:.2f} "
+        f"(p = {rouge.p:.2g}) is beyond chance tested alone, as the alarm above tests it, but not among the "
+        "checkpoint's 2 comparisons tested together (Holm's procedure: the smallest p must be below 0.05/2 = 0.025), "
+        "which keeps the chance of failing a sound checkpoint at 5%"
+    )
+    clean = Run().add(0, 0.3, per_query(20, 0), losses(2.0, 0)).add(10, 0.6, per_query(24, 1), losses(1.9, 1))
+    assert clean.pick().guard.passed_all_the_same(10) == ""  # nothing worse beyond chance: nothing to explain
 
 
 @pytest.mark.parametrize("gain_share", [-0.1, 1.5])

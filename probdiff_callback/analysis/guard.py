@@ -125,6 +125,26 @@ class Guard:
         words = first.words(self.standings.get(first.measure))
         return words + (f" and {len(more)} more" if more else "")
 
+    def passed_all_the_same(self, step: int) -> str:
+        """Why a checkpoint that passed has a material change beyond chance tested alone (as the alarm tests each
+        change, so it can alarm at a guarded pick), in words; "" where it failed or has no such change."""
+        check = self.checkpoints.get(step)
+        if check is None or not check.passed:
+            return ""
+        alone = [c for c in check.comparisons if c.material and c.p is not None and c.p < SIGNIFICANCE_LEVEL]
+        if not alone:
+            return ""
+        first = min(alone, key=lambda c: c.p if c.p is not None else 1.0)
+        m = len(check.comparisons)
+        more = f" (and {len(alone) - 1} more)" if len(alone) > 1 else ""
+        return (
+            f"the guard passed step {step} all the same: {first.words(self.standings.get(first.measure))}{more} is "
+            f"beyond chance tested alone, as the alarm above tests it, but not among the checkpoint's {m} comparisons "
+            f"tested together (Holm's procedure: the smallest p must be below {SIGNIFICANCE_LEVEL:g}/{m} = "
+            f"{SIGNIFICANCE_LEVEL / m:.2g}), which keeps the chance of failing a sound checkpoint at "
+            f"{100 * SIGNIFICANCE_LEVEL:g}%"
+        )
+
 
 def holm(ps: Sequence[float], alpha: float = SIGNIFICANCE_LEVEL) -> list[bool]:
     """Holm's step-down procedure: which of the p-values are rejected, keeping the family-wise error at `alpha`."""

@@ -300,6 +300,9 @@ def format_selection(selection: Selection) -> str:
             lines.append(f"(step {selection.ranked[0].global_step} ranks higher but its checkpoint was not saved)")
     if selection.disagreements:
         lines.append(format_disagreements(selection.disagreements, selection.run_dir, selection.alarm_gain_share))
+    if pick is not None and pick.guard is not None and pick.step is not None:
+        if why := pick.guard.passed_all_the_same(pick.step):  # the alarm above may name the guarded pick
+            lines.append(why[0].upper() + why[1:] + ".")
     return "\n".join(lines)
 
 
