@@ -134,7 +134,7 @@ class Guard:
         alone = [c for c in check.comparisons if c.material and c.p is not None and c.p < SIGNIFICANCE_LEVEL]
         if not alone:
             return ""
-        first = min(alone, key=lambda c: c.p if c.p is not None else 1.0)
+        first = min(alone, key=lambda c: c.p or 0.0)  # every p here is a number below the level
         m = len(check.comparisons)
         more = f" (and {len(alone) - 1} more)" if len(alone) > 1 else ""
         return (
