@@ -50,13 +50,13 @@ def sft_command(launcher: str = "python", processes: int = 1, launcher_args: tup
     return [sys.executable, str(SFT), *(["--num_processes", str(processes), *several] if several else [])]
 
 
-def sft_env(**extra: str) -> dict[str, str]:
-    """The environment of a started process; `PROBDIFF_FAULT=<plan>` among `extra` arms the fault seam in it."""
+def sft_env(**extra: str | None) -> dict[str, str]:
+    """The environment of a started process (its threads: conftest's `pytest_configure`); `PROBDIFF_FAULT=<plan>`
+    among `extra` arms the fault seam in it; a variable given as None is unset."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **extra}
     if extra.get(FAULT_ENV):
         env.update(fault_env(extra[FAULT_ENV]))
-    env.pop("OMP_NUM_THREADS", None)
-    return env
+    return {name: value for name, value in env.items() if value is not None}
 
 
 def run_sft(
@@ -66,7 +66,7 @@ def run_sft(
     timeout: int = 600,
     processes: int = 1,
     launcher_args: tuple[str, ...] = (),
-    **env: str,
+    **env: str | None,
 ) -> subprocess.CompletedProcess:
     """train/sft.py run to its end in `cwd`; its output captured; `env` added to the environment."""
     command = sft_command(launcher, processes, launcher_args) + args
@@ -144,8 +144,9 @@ def blog_run_once(tmp_path_factory) -> BlogRun:
     def make(cwd: Path) -> None:
         # `--num_processes 2` without `--multi_gpu`, as a newcomer types it: on a CPU accelerate starts one process,
         # and the run says so with the flag that gives two (`--num_machines 1` only stands in for `--multi_gpu`)
+        # (its threads chosen as on a user's machine: test_sft_runs.py checks the line)
         result = run_sft(BLOG_ARGS, cwd, launcher="accelerate", processes=2, launcher_args=("--num_machines", "1"),
-                         WANDB_MODE="offline")  # fmt: skip
+                         WANDB_MODE="offline", OMP_NUM_THREADS=None)  # fmt: skip
         (cwd / "stdout.txt").write_text(result.stdout)
         (cwd / "stderr.txt").write_text(result.stderr)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

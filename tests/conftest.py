@@ -15,9 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:  # tests side by side (pytest-xdist): each worker's torch keeps to its share of the cores
+        # and each process its tests start (training, evaluators, `probdiff eval`) takes one thread: one that chose
+        # two while the other worker's test paused then waits at torch's barriers for a core that test holds, three
+        # to four times the time (docs/benchmarks.md, "Threads on a busy machine")
+        os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+    else:  # one test at a time: the processes it starts choose their threads as a user's do
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 @pytest.fixture(scope="session")
