@@ -26,6 +26,7 @@ from packaging.requirements import Requirement
 
 from probdiff_callback.core.decoding import HFEngine
 from probdiff_callback.core.engine import GenerationRequest
+from probdiff_callback.models.cache import cache_dir
 from probdiff_callback.models.tokenizer import load_qwen_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,8 +122,11 @@ def test_the_cpu_session_runs_every_part_with_what_the_device_has(tmp_path):
     audit.mkdir()
     site.mkdir()
     (site / "sitecustomize.py").write_text(AUDIT)
+    # the suite's cache (the tokenizer and `tiny` made, SFTConfig's stand-in written): a device's is empty, but no
+    # part reads anything else from it, and building it is tested where it is asserted (test_presets, test_machines)
     env = {**os.environ, "OUT": str(out), "GPU_SESSION_WORK": str(work), "KIT_TEST_AUDIT": str(audit),
-           "KIT_TEST_HIDE": ",".join(hidden_modules()), "PYTHONPATH": str(site)}  # fmt: skip
+           "KIT_TEST_HIDE": ",".join(hidden_modules()), "PYTHONPATH": str(site),
+           "PROBDIFF_CACHE": str(cache_dir())}  # fmt: skip
     result = subprocess.run([sys.executable, "bench/gpu.py", "session", "--cpu"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=1800)  # fmt: skip
     tracebacks = (out / "tracebacks.txt").read_text()[-6000:] if (out / "tracebacks.txt").is_file() else ""

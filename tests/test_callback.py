@@ -476,19 +476,18 @@ class BadQueryTemplate:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["out of memory", "NaN logits", "bad query"])
+@pytest.mark.parametrize("fault", ["NaN logits", "bad query"])
 def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on(
     fault, tmp_path, tiny_model_path, monkeypatch
 ):
-    """Out of memory in generation and NaN logits at step 2's evaluation; a query the chat template rejects, at every
-    evaluation: the step's row holds the error, its metrics are NaN, `select` counts it, training ends normally."""
+    """NaN logits at step 2's evaluation; a query the chat template rejects, at every evaluation: the step's row holds
+    the error, its metrics are NaN, `select` counts it, training ends normally. (Out of memory in generation, in a
+    real run: e2e/test_faults.py's reference run.)"""
     queries = held_out_queries()[:4]  # every query at every evaluation, in one batch
     trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=3, eval_strategy="steps", eval_steps=1,
                             save_strategy="no", metric_for_best_model="probdiff_confidence")  # fmt: skip
     failing = [2]
-    if fault == "out of memory":
-        inject("answers-done:3=OOM", monkeypatch.setattr)  # one batch per evaluation: visit 1 is the baseline
-    elif fault == "NaN logits":
+    if fault == "NaN logits":
 
         def nan_in_evaluation(module, inputs, output):
             if trainer.state.global_step == 2 and not module.training:
@@ -507,11 +506,7 @@ def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on
     assert trainer.state.global_step == 3
     rows = history_rows(tmp_path / "run")
     assert [r["global_step"] for r in rows if r["error"]] == failing
-    expected = {
-        "out of memory": "OutOfMemoryError",
-        "NaN logits": "NaN in the model's logits while generating",
-        "bad query": "alternate",
-    }
+    expected = {"NaN logits": "NaN in the model's logits while generating", "bad query": "alternate"}
     assert all(expected[fault] in rows[step]["error"] and rows[step]["summary"] is None for step in failing)
     logged = probdiff_logs(trainer)
     assert all(math.isnan(logged[step]["eval_probdiff_confidence"]) for step in failing)

@@ -258,57 +258,6 @@ def test_console_script_help_lists_every_command():
         assert command in out
 
 
-@pytest.mark.slow
-def test_console_script_evaluates_in_a_process_of_its_own(tiny_model_path, tmp_path):
-    """The console script's path (collector paused while loading, allocator tuned on CPU) gives the same outputs."""
-    out = tmp_path / "script"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "probdiff_callback.cli",
-            "eval",
-            "--model",
-            "tiny",
-            "--device",
-            "cpu",
-            "--queries",
-            SAMPLES,
-            "--limit",
-            "2",
-            "--out",
-            str(out),
-            "max_new_tokens=6",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    in_process = tmp_path / "in_process"
-    assert (
-        main(
-            [
-                "eval",
-                "--model",
-                "tiny",
-                "--device",
-                "cpu",
-                "--queries",
-                SAMPLES,
-                "--limit",
-                "2",
-                "--out",
-                str(in_process),
-                "max_new_tokens=6",
-            ]
-        )
-        == 0
-    )
-    read = lambda d: [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]  # noqa: E731
-    assert [r["response"] for r in read(out)] == [r["response"] for r in read(in_process)]
-    assert json.loads((out / "summary.json").read_text())["n"] == 2
-
-
 @pytest.mark.parametrize("limit", ["0", "-1"])
 def test_limit_must_be_a_positive_count(limit, tmp_path, capsys):
     out = tmp_path / "o"

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import typing
 
 import pytest
@@ -124,6 +125,29 @@ def test_a_missing_stand_in_is_written_by_a_process_of_its_own(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.stdout.strip() == "2 True []", result.stderr[-2000:]
     assert "unknown key 'lerning_rate'" in result.stderr
+
+
+def test_processes_that_start_on_one_cache_at_once_write_the_stand_in_once(tmp_path, monkeypatch):
+    """The machines of a run share one cache: one process writes the stand-in, the others wait and read its file."""
+    import multiprocessing
+
+    path, writes = tmp_path / "cache" / "sft-config" / "stand-in.json", tmp_path / "writes"
+
+    def slow_write(target):  # a process that imports trl takes seconds: the others start meanwhile
+        with open(writes, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        time.sleep(0.5)
+        target.write_text("{}")
+
+    monkeypatch.setattr(sft_config_cache, "write_cache", slow_write)
+    processes = [multiprocessing.get_context("fork").Process(target=sft_config_cache.write_once, args=(path,))
+                 for _ in range(3)]  # fmt: skip
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(30)
+    assert [process.exitcode for process in processes] == [0, 0, 0]
+    assert len(writes.read_text().splitlines()) == 1 and path.read_text() == "{}"
 
 
 # `probdiff COMMAND ...` with one mistake -> the start of its error line

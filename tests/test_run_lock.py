@@ -1,5 +1,6 @@
 """Two jobs, one run directory: the second stops at once naming the first's host and pid, on one process or two; a
-lock left by a job killed with -9 does not block the resume."""
+lock left by a job killed with -9 does not block the resume. (With train/sft.py's real jobs: e2e/test_sft_runs.py's
+Ctrl-C test and e2e/test_faults.py's step 2.)"""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from _launch import CHEAP, refused_here, run_sft, sft_command, sft_env, sft_here
 
 from probdiff_callback.training.recipe import RecipeError
 from probdiff_callback.training.run_lock import LOCK_FILE, hold_run_dir, raise_if_held
@@ -88,35 +87,3 @@ def test_a_file_system_without_locks_is_said_and_not_protected(tmp_path, monkeyp
     assert lock.lock is None and (tmp_path / LOCK_FILE).read_text() == "", "no marker written"
     raise_if_held(tmp_path)
     hold_run_dir(tmp_path).release()
-
-
-@pytest.mark.slow
-def test_a_second_training_job_stops_at_once_and_a_killed_one_does_not_block_the_resume(
-    tmp_path, tiny_model_path, monkeypatch, capsys, sft_in_this_process
-):
-    """The first job a process of its own, killed with -9 after its first checkpoint; the second refused, by
-    train/sft.py's `main` in this process on one process (fresh and resume=true: the lock is checked before the
-    checkpoints) and as a process launching two; the resume, by `main` here, takes the dead job's lock over."""
-    args = ["recipe=blog", *[a for a in CHEAP if not a.startswith("max_steps")], "output_dir=run"]
-    first = subprocess.Popen(
-        [*sft_command(), *args, "max_steps=50"], cwd=tmp_path, env=sft_env(), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.time() + 300
-        while not (tmp_path / "run/checkpoint-1/trainer_state.json").is_file():
-            assert first.poll() is None and time.time() < deadline, "the first job saved no checkpoint"
-            time.sleep(0.2)
-        in_use = f"run is in use by another training job: host {socket.gethostname()}, pid {first.pid}"
-        for extra in (["max_steps=50"], ["max_steps=50", "resume=true"]):
-            second = refused_here([*args, *extra], tmp_path, monkeypatch, capsys)
-            assert in_use in second and "already has checkpoints" not in second
-        two = run_sft([*args, "max_steps=50", "resume=true"], tmp_path, launcher="accelerate", processes=2, timeout=300)
-        assert two.returncode != 0 and two.stderr.count(in_use) == 1, two.stderr[-3000:]
-    finally:
-        first.kill()  # kill -9: the lock file keeps its text, the kernel drops the lock
-        first.wait()
-    code, out, err = sft_here([*args, "max_steps=2", "resume=true"], tmp_path, monkeypatch, capsys)
-    assert code == 0, out[-3000:] + err[-3000:]
-    assert f"taking over the lock of host {socket.gethostname()}, pid {first.pid}" in out
-    assert (tmp_path / "run" / LOCK_FILE).read_text() == ""

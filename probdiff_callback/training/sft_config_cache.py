@@ -65,10 +65,21 @@ def stand_in() -> type | None:
     try:
         path = cache_path()
         if not path.is_file():
-            write_cache(path)
+            write_once(path)
         return rebuild(json.loads(path.read_text(encoding="utf-8"))["fields"])
     except (OSError, ImportError, ValueError, KeyError, TypeError, subprocess.SubprocessError):
         return None
+
+
+def write_once(path: Path) -> None:
+    """`write_cache` by one process where several start on one cache at once (the machines of a run sharing it, as
+    the model cache's files, models/cache.py): the others wait for its file rather than import trl to write it too."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.with_name(f"{path.name}.lock"), timeout=WRITE_TIMEOUT_S):
+        if not path.is_file():  # else another process wrote it while this one waited
+            write_cache(path)
 
 
 def write_cache(path: Path) -> None:

@@ -64,7 +64,11 @@ def test_a_damaged_file_is_named(run, name, damage, expected):
 def test_a_truncated_adapter_stops_the_resume_and_the_offered_command_continues(
     run, monkeypatch, capsys, sft_in_this_process
 ):
+    """A run with checkpoints is not started afresh; a truncated adapter stops its resume, and the command offered
+    (with max_steps raised: the run goes on past its end) continues from the checkpoint before it."""
     cwd = cwd_of(run)
+    again = refused_here(ARGS, cwd, monkeypatch, capsys)  # a fresh start on it: refused before it trains
+    assert "already has checkpoints" in again and "resume=true" in again
     truncate(run / "checkpoint-2/adapter_model.safetensors", 0.9)
     # refused before anything trains, by train/sft.py's `main` here (one `error:` line, exit 2)
     error = refused_here([*ARGS, "resume=true"], cwd, monkeypatch, capsys)
@@ -75,17 +79,21 @@ def test_a_truncated_adapter_stops_the_resume_and_the_offered_command_continues(
     explicit = refused_here([*ARGS, f"resume={RUN}/checkpoint-2"], cwd, monkeypatch, capsys)
     assert f"resume={RUN}/checkpoint-1" in explicit
 
-    offered = run_sft([*ARGS, f"resume={RUN}/checkpoint-1"], cwd)
+    longer = [*(a for a in ARGS if not a.startswith("max_steps")), "max_steps=3"]
+    offered = run_sft([*longer, f"resume={RUN}/checkpoint-1"], cwd)
     assert offered.returncode == 0, offered.stdout[-3000:] + offered.stderr[-3000:]
     assert f"set {RUN}/checkpoint-2 aside as incomplete-checkpoint-2" in offered.stdout
-    assert checkpoint_problem(run / "checkpoint-2") is None  # saved again, whole
+    assert checkpoint_problem(run / "checkpoint-2") is None and checkpoint_problem(run / "checkpoint-3") is None
     assert (run / "incomplete-checkpoint-2/adapter_model.safetensors").is_file()  # kept, not deleted
     # neither the Trainer's rotation nor its lookup takes the folder set aside for a checkpoint
-    assert [Path(p).name for p in sort_checkpoints(str(run))] == ["checkpoint-1", "checkpoint-2"]
-    assert Path(get_last_checkpoint(str(run))).name == "checkpoint-2"
-    assert [r["global_step"] for r in history_rows(run)] == [0, 1, 2]
-    state = json.loads((run / "checkpoint-2/trainer_state.json").read_text())
-    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2]
+    assert [Path(p).name for p in sort_checkpoints(str(run))] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert Path(get_last_checkpoint(str(run))).name == "checkpoint-3"
+    assert [r["global_step"] for r in history_rows(run)] == [0, 1, 2, 3]  # 0 and 1 kept, 2 again, 3 added
+    state = json.loads((run / "checkpoint-3/trainer_state.json").read_text())
+    assert state["global_step"] == 3 and [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
+    # every step's eval loss logged once: the resumed process does not evaluate step 1 again at its start
+    assert [e["step"] for e in state["log_history"] if "eval_loss" in e] == [0, 1, 2, 3]
+    assert (run / "checkpoint-3/tokenizer_config.json").is_file()  # a checkpoint of the resumed run serves alone too
 
 
 def test_a_missing_optimizer_never_resumes_half_loaded(run, monkeypatch, capsys, sft_in_this_process):

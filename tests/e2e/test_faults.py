@@ -6,6 +6,7 @@ log and final table. (Two ranks, each on a machine of its own, one lost: e2e/tes
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,8 @@ def test_kill_9_and_preemption_at_named_places_then_resume(uninterrupted_with_oo
     #    its history row not yet: the history ends at step 2, and step 3's records are not named by any row
     killed = start(f"{OOM_AT_STEP_1},records-written:3")
     assert "has no checkpoint yet; starting from step 0" in killed.stdout
+    # the job killed with -9 left its lock file's text; the kernel dropped the lock, and this job takes it over
+    assert f"run.lock: taking over the lock of host {socket.gethostname()}, pid " in killed.stdout
     assert killed.returncode == -signal.SIGKILL
     assert [r["global_step"] for r in history_rows(run)] == [0, 1, 2] and (run / "probdiff/step-3").is_dir()
     # 3. resumed from checkpoint-2: SIGTERM arrives in step 3's evaluation, which is abandoned; checkpoint-3 is saved

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from _once import made_once
 
+from probdiff_callback.cli import main
+
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,22 +90,22 @@ def test_installed_wheel_evaluates_and_trains_from_another_directory(wheel, tmp_
     env = {**os.environ, "PROBDIFF_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": "",
            "WANDB_MODE": "offline"}  # fmt: skip
     which = "import probdiff_callback, transformers; print(probdiff_callback.__file__); print(transformers.__file__)"
-    ours, theirs = run([str(python), "-c", which], cwd=work, env=env).stdout.splitlines()
+    which += "; from probdiff_callback import ProbDiffCallback, ProbDiffConfig, evaluate, load_queries"  # the API
+    ours, theirs = run([str(python), "-c", which], cwd=work, env=env).stdout.splitlines()[:2]  # then the API's lines
     assert ours.startswith(str(venv))  # the wheel's copy, not the checkout's (nor an editable install's)
     assert theirs.startswith(tuple(running_site_packages()))  # the dependencies the tests run with
-    run(
-        [str(python), "-c", "from probdiff_callback import ProbDiffCallback, ProbDiffConfig, evaluate, load_queries"],
-        cwd=work,
-        env=env,
-    )
-    probdiff_eval = [str(venv / "bin" / "probdiff"), "eval", "--model", "tiny", "--queries", str(queries), "--out",
-                     "out", "max_new_tokens=8"]  # fmt: skip
-    done = run(probdiff_eval, cwd=work, env=env)
+    evaluation = ["eval", "--model", "tiny", "--queries", str(queries), "max_new_tokens=8"]
+    done = run([str(venv / "bin" / "probdiff"), *evaluation, "--out", "out"], cwd=work, env=env)
     assert "Unpacking the `tiny` model" in done.stdout + done.stderr
     summary = json.loads((work / "out" / "summary.json").read_text())
     assert summary["n"] == 2
     records = [json.loads(line) for line in (work / "out" / "records.jsonl").read_text().splitlines()]
     assert [r["id"] for r in records] == ["q0", "q1"] and all(r["response"] for r in records)
+    # the console script's path (the collector paused while loading, the allocator tuned on a CPU: cli.entry_point)
+    # gives what `main` gives in this process
+    assert main([*evaluation, "--out", str(tmp_path / "in_process")]) == 0
+    in_process = [json.loads(line) for line in (tmp_path / "in_process" / "records.jsonl").read_text().splitlines()]
+    assert [r["response"] for r in records] == [r["response"] for r in in_process]
 
     for split in ("train", "heldout"):
         (work / f"{split}.jsonl").write_text((ROOT / "data" / "samples" / "blog" / f"{split}.jsonl").read_text())

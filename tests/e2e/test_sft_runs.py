@@ -1,6 +1,6 @@
 """train/sft.py end to end with model=tiny for every recipe (a few steps, offline, in a temporary directory): the run's
-files, resume, truncation accounting, Ctrl-C. The blog run, the resume and Ctrl-C as a user starts them (processes);
-the other recipes through the script's `main` in the test's process."""
+files, truncation accounting, Ctrl-C. The blog run and Ctrl-C as a user starts them (processes); the other recipes
+through the script's `main` in the test's process. A resume past the run's end: e2e/test_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _launch import BLOG_RUN, CHEAP, ROOT, history_rows, refused_here, run_sft, sft_command, sft_env, sft_here
+from _launch import CHEAP, ROOT, history_rows, refused_here, run_sft, sft_command, sft_env, sft_here
 
 from probdiff_callback.runtime.threads import choose_threads
 from probdiff_callback.training.recipe import TASKS
@@ -96,22 +96,6 @@ def test_checkpoint_loads_for_probdiff_eval(blog_run):
     assert type(model).__name__ == "PeftModelForCausalLM" and tokenizer.chat_template
 
 
-def test_resume_latest_checkpoint(blog_run, tmp_path, monkeypatch, capsys, sft_in_this_process):
-    run_dir = blog_run.copy_to(tmp_path)
-    args = ["recipe=blog", *CHEAP, f"output_dir={BLOG_RUN}"]
-    again = refused_here(args, tmp_path, monkeypatch, capsys)  # a fresh start on it: refused before it trains
-    assert "already has checkpoints" in again and "resume=true" in again
-    resumed = run_sft([*[a for a in args if not a.startswith("max_steps")], "max_steps=3", "resume=true"], tmp_path)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    rows = history_rows(run_dir)
-    assert [r["global_step"] for r in rows] == [0, 1, 2, 3]  # the earlier rows kept, step 3 added
-    state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
-    assert state["global_step"] == 3
-    # every step's eval loss logged once: the resumed process does not evaluate step 2 again at its start
-    assert [entry["step"] for entry in state["log_history"] if "eval_loss" in entry] == [0, 1, 2, 3]
-    assert_self_contained(run_dir / "checkpoint-3")
-
-
 def summarization_prompts_reaching(qwen_tokenizer, length: int) -> tuple[int, int]:
     """(conversations whose prompt alone fills `length` tokens, all conversations) of the summarization samples,
     counted from prompt lengths, independently of sft.py's assistant-mask count."""
@@ -165,25 +149,41 @@ def test_other_recipes_end_to_end(task, tmp_path, tiny_model_path, qwen_tokenize
         assert "training conversations: all" in stdout
 
 
-def test_ctrl_c_says_how_to_continue(tmp_path, tiny_model_path):
+def test_ctrl_c_says_how_to_continue(tmp_path, tiny_model_path, monkeypatch, capsys, sft_in_this_process):
     """SIGINT after the first checkpoint (Ctrl-C at the terminal): no traceback, exit 130, one line naming the
-    checkpoint and the command that continues the run."""
+    checkpoint and the command that continues the run. Before it, while the job trains, a second job on its run
+    directory stops at once naming the first's host and pid: by train/sft.py's `main` in this process (fresh and
+    resume=true: the lock is checked before the checkpoints) and as a process launching two. (A lock left by a job
+    killed with -9 does not block the resume: e2e/test_faults.py's step 2.)"""
     import signal
+    import socket
     import time
 
     args = ["recipe=blog", *CHEAP, "max_steps=50", "output_dir=runs/blog/ctrl-c"]
-    process = subprocess.Popen(
-        [*sft_command(), *args], cwd=tmp_path, env=sft_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-        # a shell's background job ignores SIGINT, and the child would inherit that: give it a terminal's default
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
-    first = tmp_path / "runs/blog/ctrl-c/checkpoint-1"
-    deadline = time.time() + 300
-    while not (first / "trainer_state.json").is_file() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=300)
+    with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(
+            [*sft_command(), *args], cwd=tmp_path, env=sft_env(), stdout=stdout, stderr=stderr, text=True,
+            # a shell's background job ignores SIGINT, and the child would inherit that: give it a terminal's default
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+    try:
+        first = tmp_path / "runs/blog/ctrl-c/checkpoint-1"
+        deadline = time.time() + 300
+        while not (first / "trainer_state.json").is_file():
+            assert process.poll() is None and time.time() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        in_use = f"is in use by another training job: host {socket.gethostname()}, pid {process.pid}"
+        for extra in ([], ["resume=true"]):
+            second = refused_here([*args, *extra], tmp_path, monkeypatch, capsys)
+            assert in_use in second and "already has checkpoints" not in second
+        two = run_sft([*args, "resume=true"], tmp_path, launcher="accelerate", processes=2, timeout=300)
+        assert two.returncode != 0 and two.stderr.count(in_use) == 1, two.stderr[-3000:]
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=300)
+    finally:
+        process.kill()  # where an assertion above failed: the job ends with the test
+        process.wait()
+    out, err = (tmp_path / "stdout.txt").read_text(), (tmp_path / "stderr.txt").read_text()
     assert process.returncode == 130, out[-2000:] + err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
     hint = next(line for line in out.splitlines() if line.startswith("interrupted: "))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from _distributed_eval import N_QUERIES, build_trainer, held_out_queries, probdiff_config
 from _faults import fault_env
+from _once import made_once
 from _vllm import needs_vllm
 
 from probdiff_callback.cli import main
@@ -288,7 +289,9 @@ SHARES = {  # the last step's request evaluated in shares: a helper process, or 
         pytest.param("smollm2", None, marks=smollm2_installed),
     ],
 )
-def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thread_for_watch, capsys, monkeypatch):
+def test_the_evaluators_records_equal_the_loops(
+    model, shares, tmp_path, tmp_path_factory, one_thread_for_watch, capsys, monkeypatch
+):
     """The loop evaluates the base model and the LoRA checkpoints of steps 2 and 4; the evaluator, given the same
     spec, the checkpoints' adapters by links and the Trainer's eval losses in the requests, writes the same records
     and eval losses files, summaries and comparisons with the baseline (step 4's adapter replaces step 2's on the
@@ -298,26 +301,36 @@ def test_the_evaluators_records_equal_the_loops(model, shares, tmp_path, one_thr
     ahead: the watch follows the queue, and training queues its last step while the watch waits (the helper started
     then loads the base model meanwhile); the killed one is started when the last step is taken (`--no-follow`)."""
     from probdiff_callback.callback.probdiff import ProbDiffCallback
+    from probdiff_callback.callback.schedule import select_queries
     from probdiff_callback.models import resolve_model_path
     from probdiff_callback.runs.run_files import read_eval_losses
 
-    loop_run, watched = tmp_path / "loop", tmp_path / "watched"
-    # in shares: batches of 2 (5 queries, 3 batches: the evaluator takes the first and the third, the helper the second)
-    # smollm2: 2 queries (its 135M parameters take seconds a query to answer and revise), 2 steps
+    watched = tmp_path / "watched"
+    # tiny: 5 queries in batches of 2 (3 batches: in shares the evaluator takes the first and the third, the helper the
+    # second); smollm2: 2 queries (its 135M parameters take seconds a query to answer and revise), 2 steps
     n_queries, steps = (N_QUERIES, 4) if model == "tiny" else (2, 2)  # tiny: its 4 steps swap the adapters
-    config = probdiff_config(n_queries=n_queries, **({"batch_size": 2} if shares else {}))
-    trainer = build_trainer(
-        resolve_model_path(model), loop_run, max_steps=steps, eval_strategy="steps", eval_steps=2, save_steps=2
-    )
-    callback = ProbDiffCallback(trainer, held_out_queries(), config)
-    trainer.add_callback(callback)
-    trainer.train()
+    config = probdiff_config(n_queries=n_queries, **({"batch_size": 2} if model == "tiny" else {}))
+
+    def train_the_loop(folder: Path) -> None:
+        trainer = build_trainer(
+            resolve_model_path(model), folder / "loop", max_steps=steps, eval_strategy="steps", eval_steps=2,
+            save_steps=2,
+        )  # fmt: skip
+        trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
+        trainer.train()
+
+    # tiny: one loop for the three cases, trained by the first to ask (_once.py); they only read it
+    folder = made_once(tmp_path_factory, "watch-tiny-loop", train_the_loop) if model == "tiny" else tmp_path
+    if model != "tiny":
+        train_the_loop(folder)
+    loop_run = folder / "loop"
+    queries = select_queries(held_out_queries(), config.n_queries, config.seed)  # the loop's, as its callback chose
     loop_rows = read_history(history_path(loop_run))
     assert [(r.global_step, r.kind) for r in loop_rows] == [(0, "baseline")] + [
         (s, "evaluate") for s in range(2, steps + 1, 2)
     ]
 
-    queue = queue_run(watched, callback.queries, config, model=model)
+    queue = queue_run(watched, queries, config, model=model)
     queue_baseline(queue)
 
     def queue_step(loop: HistoryRow) -> None:
