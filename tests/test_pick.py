@@ -96,9 +96,9 @@ def test_the_metric_names():
 # queries answered with their reference summary word for word (ROUGE 100; the others 0: an independent measure).
 GUARD_PLAN = {
     0: (0.5, 0.5),  # the base model
-    2: (1.0, 0.0),  # the highest confidence, every answer wrong: significantly worse than the base model
-    4: (0.875, 0.5),  # as good as the base model: the pick, until step 6 gains 50 points on it
-    6: (0.625, 1.0),  # every answer right: step 4 now gives up all of the gain, and step 6 is the pick
+    1: (1.0, 0.0),  # the highest confidence, every answer wrong: significantly worse than the base model
+    2: (0.875, 0.5),  # as good as the base model: the pick, until step 3 gains 50 points on it
+    3: (0.625, 1.0),  # every answer right: step 2 now gives up all of the gain, and step 3 is the pick
 }
 N_GUARD_QUERIES = 24
 
@@ -155,7 +155,7 @@ def guarded_trainer(tmp_path, tiny_model_path, monkeypatch, plan, **training_arg
     from probdiff_callback.callback.probdiff import ProbDiffCallback
 
     settings = dict(
-        max_steps=6, eval_strategy="steps", eval_steps=2, save_steps=2, eval_on_start=True, learning_rate=0.0,
+        max_steps=3, eval_strategy="steps", eval_steps=1, save_steps=1, eval_on_start=True, learning_rate=0.0,
         metric_for_best_model="probdiff_guarded", load_best_model_at_end=True,
     )  # fmt: skip
     trainer = build_trainer(tiny_model_path, tmp_path / "run", **{**settings, **training_args})
@@ -172,8 +172,8 @@ def guarded_trainer(tmp_path, tiny_model_path, monkeypatch, plan, **training_arg
 def test_in_the_loop_a_checkpoint_that_fails_the_guard_is_never_the_trainers_best(
     tmp_path, tiny_model_path, monkeypatch, caplog, fresh_wandb
 ):
-    """The Trainer's best after each evaluation, the log, `probdiff select`, RUN_DIR/best: step 2 (the highest
-    confidence) fails against the base model and is never best; step 4 is, until step 6's gain makes it give up too
+    """The Trainer's best after each evaluation, the log, `probdiff select`, RUN_DIR/best: step 1 (the highest
+    confidence) fails against the base model and is never best; step 2 is, until step 3's gain makes it give up too
     much."""
     import logging
 
@@ -187,25 +187,25 @@ def test_in_the_loop_a_checkpoint_that_fails_the_guard_is_never_the_trainers_bes
     finally:
         fresh_wandb.finish()
     run = tmp_path / "run"
-    assert (summary["probdiff/best_step"], summary["probdiff/best_checkpoint"]) == (6, f"{run}/checkpoint-6")
-    assert summary["probdiff/pick"].startswith("probdiff_guarded: step 6 (confidence 62.5%)")
-    assert observer.seen == [(2, None, None), (4, 4, "checkpoint-4"), (6, 6, "checkpoint-6")]
-    assert trainer.state.best_model_checkpoint == str(run / "checkpoint-6") and trainer.state.best_metric == 0.625
+    assert (summary["probdiff/best_step"], summary["probdiff/best_checkpoint"]) == (3, f"{run}/checkpoint-3")
+    assert summary["probdiff/pick"].startswith("probdiff_guarded: step 3 (confidence 62.5%)")
+    assert observer.seen == [(1, None, None), (2, 2, "checkpoint-2"), (3, 3, "checkpoint-3")]
+    assert trainer.state.best_model_checkpoint == str(run / "checkpoint-3") and trainer.state.best_metric == 0.625
     guarded = {e["step"]: e["eval_probdiff_guarded"] for e in trainer.state.log_history if "eval_probdiff_guarded" in e}
-    assert math.isnan(guarded[0]) and math.isnan(guarded[2]) and (guarded[4], guarded[6]) == (0.875, 0.625)
+    assert math.isnan(guarded[0]) and math.isnan(guarded[1]) and (guarded[2], guarded[3]) == (0.875, 0.625)
     said = caplog.text
     assert (
-        "ProbDiff: probdiff_guarded: step 4 (confidence 87.5%), guarded by ROUGE-1, ROUGE-2, ROUGE-L, eval loss" in said
+        "ProbDiff: probdiff_guarded: step 2 (confidence 87.5%), guarded by ROUGE-1, ROUGE-2, ROUGE-L, eval loss" in said
     )
-    assert "failed: step 2: ROUGE-1 0.00 against the base model's 50.00 (p = 0.0004) and 2 more" in said
-    assert "ProbDiff: probdiff_guarded: step 6 (confidence 62.5%)" in said
-    assert "step 4: ROUGE-1 50.00 against step 6's 100.00 (p = 0.0006, 100% of the gain) and 2 more" in said
+    assert "failed: step 1: ROUGE-1 0.00 against the base model's 50.00 (p = 0.0004) and 2 more" in said
+    assert "ProbDiff: probdiff_guarded: step 3 (confidence 62.5%)" in said
+    assert "step 2: ROUGE-1 50.00 against step 3's 100.00 (p = 0.0006, 100% of the gain) and 2 more" in said
 
     selection = select_checkpoints(run)  # what the run selected by: selection.json
-    assert selection.pick.metric == "probdiff_guarded" and selection.best_checkpoint.global_step == 6
-    assert selection.ranked[0].global_step == 2 and selection.ranked[0].guard.startswith("ROUGE-1 0.00 against")
+    assert selection.pick.metric == "probdiff_guarded" and selection.best_checkpoint.global_step == 3
+    assert selection.ranked[0].global_step == 1 and selection.ranked[0].guard.startswith("ROUGE-1 0.00 against")
     assert point_best(run, selection.best_checkpoint.checkpoint).resolve() == Path(trainer.state.best_model_checkpoint)
-    assert select_checkpoints(run, metric="probdiff_confidence").best_checkpoint.global_step == 2
+    assert select_checkpoints(run, metric="probdiff_confidence").best_checkpoint.global_step == 1
 
 
 @pytest.mark.slow
@@ -220,7 +220,7 @@ def test_when_no_checkpoint_passes_nothing_is_best_and_the_model_is_the_base_mod
     from probdiff_callback.analysis.select import select_checkpoints
     from probdiff_callback.cli import main
 
-    plan = {0: (0.25, 1.0), 2: (1.0, 0.0), 4: (0.9, 0.25), 6: (0.75, 0.0)}  # every checkpoint far below the base model
+    plan = {0: (0.25, 1.0), 1: (1.0, 0.0), 2: (0.9, 0.25), 3: (0.75, 0.0)}  # every checkpoint far below the base model
     trainer, _, observer = guarded_trainer(tmp_path, tiny_model_path, monkeypatch, plan, learning_rate=5e-3)
     with caplog.at_level(logging.INFO, logger="probdiff_callback"):
         trainer.train()
@@ -234,12 +234,12 @@ def test_when_no_checkpoint_passes_nothing_is_best_and_the_model_is_the_base_mod
     assert "load_best_model_at_end loaded none; the model is the base model again" in caplog.text
     lora_b = {k: v for k, v in get_peft_model_state_dict(trainer.model).items() if "lora_B" in k}
     assert lora_b and all(not v.any() for v in lora_b.values()), "the adapter adds nothing: the base model"
-    trained = get_peft_model_state_dict_of(run / "checkpoint-6")
+    trained = get_peft_model_state_dict_of(run / "checkpoint-3")
     assert any(v.any() for k, v in trained.items() if "lora_B" in k), "training did move the adapter"
 
     selection = select_checkpoints(run)
     assert selection.best_checkpoint is None and selection.pick.none_passes
-    (run / "best").symlink_to("checkpoint-2")  # an earlier pick's link
+    (run / "best").symlink_to("checkpoint-1")  # an earlier pick's link
     assert main(["select", str(run), "--link"]) == 2
     assert not (run / "best").exists(), "RUN_DIR/best named a damaged checkpoint"
 
