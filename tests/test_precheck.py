@@ -128,26 +128,25 @@ def test_a_missing_stand_in_is_written_by_a_process_of_its_own(tmp_path):
 
 
 def test_processes_that_start_on_one_cache_at_once_write_the_stand_in_once(tmp_path, monkeypatch):
-    """The machines of a run share one cache: one process writes the stand-in, the others wait and read its file."""
-    import multiprocessing
+    """The machines of a run share one cache: one process writes the stand-in, the others wait and read its file.
+    (Threads stand in for the processes: each takes the lock through a file of its own, as a process does.)"""
+    import threading
 
-    path, writes = tmp_path / "cache" / "sft-config" / "stand-in.json", tmp_path / "writes"
+    path, writes = tmp_path / "cache" / "sft-config" / "stand-in.json", []
 
     def slow_write(target):  # a process that imports trl takes seconds: the others start meanwhile
-        with open(writes, "a") as log:
-            log.write(f"{os.getpid()}\n")
+        writes.append(threading.get_ident())
         time.sleep(0.5)
         target.write_text("{}")
 
     monkeypatch.setattr(sft_config_cache, "write_cache", slow_write)
-    processes = [multiprocessing.get_context("fork").Process(target=sft_config_cache.write_once, args=(path,))
-                 for _ in range(3)]  # fmt: skip
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(30)
-    assert [process.exitcode for process in processes] == [0, 0, 0]
-    assert len(writes.read_text().splitlines()) == 1 and path.read_text() == "{}"
+    starts = [threading.Thread(target=sft_config_cache.write_once, args=(path,)) for _ in range(3)]
+    for start in starts:
+        start.start()
+    for start in starts:
+        start.join(30)
+    assert not any(start.is_alive() for start in starts)
+    assert len(writes) == 1 and path.read_text() == "{}"
 
 
 # `probdiff COMMAND ...` with one mistake -> the start of its error line
