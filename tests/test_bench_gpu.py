@@ -27,7 +27,6 @@ from packaging.requirements import Requirement
 from probdiff_callback.core.decoding import HFEngine
 from probdiff_callback.core.engine import GenerationRequest
 from probdiff_callback.models.cache import cache_dir
-from probdiff_callback.models.tokenizer import load_qwen_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # What comes back from a device's $OUT: at most 8 files, named in letters, digits, '.', '_' and '-'
@@ -267,10 +266,10 @@ def test_scoring_floor_counts_its_flops_once_per_prompt():
     assert scoring_floor(SMALL, hardware, [2], [[3, 1]]) == pytest.approx((whole - prompt) / 1000)
 
 
-def test_the_generate_path_draws_what_ours_draws():
+def test_the_generate_path_draws_what_ours_draws(qwen_tokenizer):
     """The `generate` path does the library engine's work: same seeds and steps give the same texts and lengths."""
     model = build_model(model_config("tiny"), torch.device("cpu"), torch.float32)
-    tokenizer = load_qwen_tokenizer()
+    tokenizer = qwen_tokenizer
     requests = [GenerationRequest([151644, 872, 198, 9707], 11, 0.7, 0.8),
                 GenerationRequest([151644, 872, 198, 14990, 1879, 11], 12, 0.1, 0.9)]  # fmt: skip
     ours = HFEngine(model, tokenizer, 2).generate(requests, max_new_tokens=3)

@@ -209,10 +209,11 @@ def exact_sign_flip_p(differences: list[float]) -> float:
     """The two-sided paired permutation p by brute force: every sign pattern's mean against the observed one."""
     d = np.asarray(differences)
     observed = d.mean()
-    means = [np.mean(d * np.array(signs)) for signs in itertools.product((1, -1), repeat=len(d))]
+    signs = np.array(list(itertools.product((1, -1), repeat=len(d))))  # every pattern, one row each
+    means = (signs * d).mean(axis=1)
     tolerance = 1e-12
-    low = np.mean([m <= observed + tolerance for m in means])
-    high = np.mean([m >= observed - tolerance for m in means])
+    low = np.mean(means <= observed + tolerance)
+    high = np.mean(means >= observed - tolerance)
     return min(1.0, 2 * min(low, high))
 
 

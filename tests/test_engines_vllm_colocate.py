@@ -62,7 +62,7 @@ def test_in_this_process_every_weight_goes_in_memory_unless_you_ask_for_the_adap
 def test_auto_without_vllm_evaluates_with_hf_and_says_why(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, as the import system sees it
     monkeypatch.setattr(choice, "MIN_PARAMETERS", 0)  # the tiny model counts as large work here
-    assert cli_eval(tmp_path / "out") == 0
+    assert cli_eval(tmp_path / "out", limit=2) == 0  # the engine is chosen before any query
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ProbDiff engine:")]
     assert lines == [f"ProbDiff engine: HF: vLLM is not installed ({INSTALL})"]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["config"]["use_vllm"] is False
@@ -80,13 +80,13 @@ def test_auto_where_vllm_refuses_the_model_evaluates_with_hf_and_true_stops(tmp_
         raise EngineUnavailable("vLLM cannot run tiny here (head size 32 is not supported)")
 
     monkeypatch.setattr(vllm.VLLMGeneration, "start", refuses)
-    assert cli_eval(tmp_path / "auto") == 0
+    assert cli_eval(tmp_path / "auto", limit=2) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ProbDiff engine:")]
     assert lines == [
         "ProbDiff engine: HF: vLLM cannot run this model here (vLLM cannot run tiny here (head size 32 is not "
         "supported))"
     ]
-    assert cli_eval(tmp_path / "true", "use_vllm=true") == 2
+    assert cli_eval(tmp_path / "true", "use_vllm=true", limit=2) == 2
     assert "head size 32 is not supported" in capsys.readouterr().err
 
 

@@ -208,12 +208,18 @@ def prompts_and_texts(vocabulary: int, seed: int = 1):
     return prompts, texts
 
 
-def assert_shared_equals_whole(model, prompts, texts, pad_token_id, **kwargs):
-    """`score_shared_prompts` against each text scored as a whole sequence (`score_batch`, one sequence per forward:
-    no padding, and on smollm2 a fifth of the cost of 16 rows padded to the 580-token one): within 1e-4 in fp32."""
-    whole = score_batch(
+def whole_sequence_scores(model, prompts, texts, pad_token_id):
+    """Each text scored as a whole sequence (`score_batch`, one sequence per forward: no padding, and on smollm2 a fifth
+    of the cost of 16 rows padded to the 580-token one)."""
+    return score_batch(
         model, prompts * 2, [t[0] for t in texts] + [t[1] for t in texts], pad_token_id, rows_per_forward=1
     )
+
+
+def assert_shared_equals_whole(model, prompts, texts, pad_token_id, whole=None, **kwargs):
+    """`score_shared_prompts` against the whole-sequence scores (`whole`, computed here when not given): within 1e-4
+    in fp32."""
+    whole = whole_sequence_scores(model, prompts, texts, pad_token_id) if whole is None else whole
     shared = score_shared_prompts(model, prompts, texts, pad_token_id, **kwargs)
     for i, row in enumerate(shared):
         for j, (mean, n) in enumerate(row):
@@ -234,9 +240,10 @@ def test_shared_prompt_scores_equal_whole_sequences(tiny_model_path, attention):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=attention)
     assert shares_prompt_cache(model)
     prompts, texts = prompts_and_texts(30_000)
+    whole = whole_sequence_scores(model.eval(), prompts, texts, pad_token_id=0)  # the same for every chunking
     for chunk_size, rows_per_forward in [(512, 16), (7, 4), (3, 3)]:
         assert_shared_equals_whole(
-            model.eval(), prompts, texts, pad_token_id=0, chunk_size=chunk_size, rows_per_forward=rows_per_forward
+            model, prompts, texts, pad_token_id=0, whole=whole, chunk_size=chunk_size, rows_per_forward=rows_per_forward
         )
 
 
