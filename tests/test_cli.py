@@ -8,45 +8,42 @@ import pytest
 
 from probdiff_callback.analysis.report import format_summary
 from probdiff_callback.cli import main
+from probdiff_callback.core.metric import is_confident
 from probdiff_callback.core.records import Cost, Summary
 
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 
 
 @pytest.fixture(scope="module")
-def eval_dirs(tiny_model_path, tmp_path_factory):
-    """Two `probdiff eval` runs (seeds 0 and 1) on the shipped AlignBench-style sample, through the CLI."""
-    out = tmp_path_factory.mktemp("cli")
-    dirs = []
-    for seed in (0, 1):
-        target = out / f"seed{seed}"
-        code = main(
-            [
-                "eval",
-                "--model",
-                "tiny",
-                "--device",
-                "cpu",
-                "--queries",
-                SAMPLES,
-                "--out",
-                str(target),
-                "--limit",
-                "6",
-                "max_new_tokens=12",
-                f"seed={seed}",
-                "answer_temperature_by_category.Mathematics=0.1",
-            ]
-        )
-        assert code == 0
-        dirs.append(target)
-    return dirs
+def eval_dir(tiny_model_path, tmp_path_factory):
+    """A `probdiff eval` run on the shipped AlignBench-style sample, through the CLI, with settings on its command
+    line."""
+    target = tmp_path_factory.mktemp("cli") / "seed0"
+    code = main(
+        [
+            "eval",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--queries",
+            SAMPLES,
+            "--out",
+            str(target),
+            "--limit",
+            "6",
+            "max_new_tokens=12",
+            "seed=0",
+            "answer_temperature_by_category.Mathematics=0.1",
+        ]
+    )
+    assert code == 0
+    return target
 
 
-@pytest.mark.slow
-def test_eval_writes_records_and_summary(eval_dirs, capsys):
-    records = [json.loads(line) for line in (eval_dirs[0] / "records.jsonl").read_text().splitlines()]
-    summary = json.loads((eval_dirs[0] / "summary.json").read_text())
+def test_eval_writes_records_and_summary(eval_dir, capsys):
+    records = [json.loads(line) for line in (eval_dir / "records.jsonl").read_text().splitlines()]
+    summary = json.loads((eval_dir / "summary.json").read_text())
     assert len(records) == 6 and summary["n"] == 6
     assert [r["id"] for r in records] == [f"alignbench-heldout-{i:03d}" for i in range(1, 7)]
     ds = [math.nan if r["d"] is None else r["d"] for r in records]
@@ -124,8 +121,8 @@ def test_eval_scores_the_answers_against_the_references_when_the_queries_have_th
     assert summary["cost"]["reference_seconds"] > 0
 
 
-def test_score_reproduces_eval_scores(eval_dirs, tmp_path):
-    records = [json.loads(line) for line in (eval_dirs[0] / "records.jsonl").read_text().splitlines()]
+def test_score_reproduces_eval_scores(eval_dir, tmp_path):
+    records = [json.loads(line) for line in (eval_dir / "records.jsonl").read_text().splitlines()]
     pairs = tmp_path / "pairs.json"
     pairs.write_text(
         json.dumps(
@@ -148,8 +145,15 @@ def test_score_reproduces_eval_scores(eval_dirs, tmp_path):
             assert b["d"] == pytest.approx(a["d"], abs=1e-4)
 
 
-def test_compare_prints_win_tie_lose(eval_dirs, capsys):
-    assert main(["compare", str(eval_dirs[0]), str(eval_dirs[1])]) == 0
+def test_compare_prints_win_tie_lose(eval_dir, tmp_path, capsys):
+    """`compare` of two result directories; B holds A's queries with a d of its own: below delta, above it, A's."""
+    rows = [json.loads(line) for line in (eval_dir / "records.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["d"] = (-1.0, 1.0, row["d"])[i % 3]
+        row["confident"] = is_confident(row["d"], -0.05)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "records.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["compare", str(eval_dir), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "6 shared queries at delta -0.05" in out
     assert "A wins" in out and "ties" in out and "loses" in out and "Wilcoxon" in out
