@@ -41,6 +41,7 @@ def eval_dir(tiny_model_path, tmp_path_factory):
     return target
 
 
+@pytest.mark.slow
 def test_eval_writes_records_and_summary(eval_dir, capsys):
     records = [json.loads(line) for line in (eval_dir / "records.jsonl").read_text().splitlines()]
     summary = json.loads((eval_dir / "summary.json").read_text())
