@@ -319,11 +319,11 @@ def test_the_evaluators_records_equal_the_loops(
         trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
         trainer.train()
 
-    # tiny: one loop for the three cases, trained by the first to ask (_once.py); they only read it
-    folder = made_once(tmp_path_factory, "watch-tiny-loop", train_the_loop) if model == "tiny" else tmp_path
-    if model != "tiny":
-        train_the_loop(folder)
-    loop_run = folder / "loop"
+    if model == "tiny":  # one loop for the three cases, trained by the first to ask (_once.py); they only read it
+        loop_run = made_once(tmp_path_factory, "watch-tiny-loop", train_the_loop) / "loop"
+    else:
+        train_the_loop(tmp_path)
+        loop_run = tmp_path / "loop"
     queries = select_queries(held_out_queries(), config.n_queries, config.seed)  # the loop's, as its callback chose
     loop_rows = read_history(history_path(loop_run))
     assert [(r.global_step, r.kind) for r in loop_rows] == [(0, "baseline")] + [
