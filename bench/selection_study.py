@@ -16,11 +16,13 @@ the oracle (mean and worst) and the number of damaged picks per way.
 
 Every stage skips what an earlier run of this script wrote (a finished run's `final/`, a step's test file), so the
 study can be finished across sessions; one run at a time, one torch thread per process (training and its evaluator
-on the two cores).
+on the two cores). Each measured run's numbers (no text of the paper's data) are added at once to the study's record,
+tests/data/selection_study.json, which is committed: a run there is neither trained nor measured again, so a study
+outlives the machine it ran on, and the tests check the docs' tables against it.
 
 Run: python bench/selection_study.py [--work runs/selection-study] [--source ../shared/data/probdiff-reference]
-     python bench/selection_study.py --report        (the tables from what is there, nothing trained or measured)
-     python bench/selection_study.py --fixture tests/data/selection_study.json   (numbers only, for the tests)
+     python bench/selection_study.py --report        (the tables from the record, nothing trained or measured)
+     python bench/selection_study.py --report --docs (and the same tables into docs/agreement.md, between its markers)
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ MAX_NEW_TOKENS = {"translation": 64, "summarization": 64, "blog": 96}
 # The test measure of each recipe: a sentence-level reference metric of greedy answers, or the loss on references.
 TEST_MEASURE = {"translation": "chrf", "summarization": "rougeL", "blog": "reference_loss"}
 TRANSLATION_PAIR = "de-en"  # SmolLM2 writes English: German into English is the direction it can do
+RECORD = ROOT / "tests" / "data" / "selection_study.json"  # every measured run's numbers, committed
+DOCS = ROOT / "docs" / "agreement.md"
+MARKERS = {  # where in DOCS each table stands: (the line before it, the line after it)
+    "picks": ("<!-- the selection study's tables: python bench/selection_study.py --report -->",
+              "<!-- end of the selection study's tables -->"),
+    "times": ("<!-- the selection study's times: python bench/selection_study.py --report -->",
+              "<!-- end of the selection study's times -->"),
+}  # fmt: skip
 
 
 def say(text: str) -> None:
@@ -71,7 +81,8 @@ def say(text: str) -> None:
 
 def run(command: list[str], log: Path, timing: Path | None = None) -> None:
     """A project command, its output to `log`, one torch thread per process; the study stops on a failure. `timing`:
-    a JSON file its seconds and the load averages before and after go to."""
+    a JSON file its seconds go to, added to those of earlier starts of the same stage (a resumed run's training is the
+    sum of its starts), with the load average when the first one started."""
     say("$ " + " ".join(command))
     log.parent.mkdir(parents=True, exist_ok=True)
     started, load_before = time.time(), os.getloadavg()[0]
@@ -83,7 +94,9 @@ def run(command: list[str], log: Path, timing: Path | None = None) -> None:
     seconds, load_after = time.time() - started, os.getloadavg()[0]
     say(f"  {seconds:.0f} s, load average {load_before:.2f} before, {load_after:.2f} after")
     if timing is not None:
-        timing.write_text(json.dumps({"seconds": round(seconds), "load": [load_before, load_after]}) + "\n")
+        total = json.loads(timing.read_text()) if timing.is_file() else {"seconds": 0, "load": load_before, "starts": 0}
+        total["seconds"], total["starts"] = total["seconds"] + round(seconds), total["starts"] + 1
+        timing.write_text(json.dumps(total) + "\n")
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
@@ -430,9 +443,10 @@ def guard_rejections(study: dict) -> str:
     )
 
 
-def collect(work: Path) -> dict:
-    """Every finished run's numbers (`study_values`), by run name, with its test measure."""
-    study = {}
+def collect(work: Path, record: Path) -> dict:
+    """Every measured run's numbers (`study_values`) by run name, with its test measure and times: the record's, and
+    those of the runs finished in `work` since."""
+    study = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
     for seed in SEEDS:
         for recipe in RECIPES:
             for condition in CONDITIONS:
@@ -443,23 +457,51 @@ def collect(work: Path) -> dict:
                 if set(values["test"]) != {str(step) for step in evaluated_steps(run_dir)}:
                     continue  # its test measure is still under way
                 values["measure"] = TEST_MEASURE[recipe]
+                values["times"] = {
+                    stage: json.loads((work / "logs" / f"{stage}-{run_dir.name}.json").read_text())
+                    for stage in ("train", "test")
+                }
                 study[run_name(recipe, seed, condition)] = values
     return study
 
 
-def timings(work: Path) -> str:
-    """Each training and test measure's seconds and load, from the study's log."""
-    lines, command = [], None
-    log = work / "study.log"
-    for line in log.read_text().splitlines() if log.is_file() else []:
-        if line.startswith("$ "):
-            command = line
-        elif line.startswith("  ") and " s, load average" in line and command is not None:
-            what = "train" if "train/sft.py" in command else "test" if "--measure" in command else None
-            if what is not None:
-                name = command.split("output_dir=")[-1].split()[0] if what == "train" else command.split()[4]
-                lines.append(f"{what} {Path(name).name}: {line.strip()}")
+def save(work: Path, record: Path) -> None:
+    """The record with every run measured so far (written whole, then moved into place)."""
+    partial = record.with_name(f".{record.name}.tmp")
+    partial.write_text(json.dumps(collect(work, record), separators=(",", ":")) + "\n")
+    partial.replace(record)
+
+
+def seconds(timing: dict) -> str:
+    """A stage's seconds, with its starts where it was resumed; `last_start_only`: an early run of the study, which
+    kept the seconds of a resumed stage's last start only."""
+    if timing.get("last_start_only"):
+        return f"{timing['seconds']} (the last of {timing['starts']} starts only)"
+    return f"{timing['seconds']}" + (f" (in {timing['starts']} starts)" if timing["starts"] > 1 else "")
+
+
+def times_table(study: dict) -> str:
+    """Each run's training and test-measure seconds (over all its starts, where it was resumed) and the load average
+    when it first started."""
+    lines = [
+        "| run | training, beside its evaluator (s) | test measure (s) | load average at the start |",
+        "|---|---|---|---|",
+    ]
+    for name, values in study.items():
+        cells = [seconds(values["times"][stage]) for stage in ("train", "test")]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {values['times']['train']['load']:.2f} |")
     return "\n".join(lines)
+
+
+def write_into_docs(tables: dict[str, str]) -> None:
+    """Each table between its markers in DOCS (the markers must be there, once each)."""
+    text = DOCS.read_text(encoding="utf-8")
+    for key, table in tables.items():
+        start, end = MARKERS[key]
+        if text.count(start) != 1 or text.count(end) != 1:
+            sys.exit(f"{DOCS}: the markers of the {key} table must each be there once: {start!r} ... {end!r}")
+        text = text[: text.index(start) + len(start)] + f"\n{table}\n" + text[text.index(end) :]
+    DOCS.write_text(text, encoding="utf-8")
 
 
 def main() -> None:
@@ -467,33 +509,40 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "runs" / "selection-study"), help="where everything goes")
     parser.add_argument("--source", default=str(DEFAULT_SOURCE), help="the paper's data (data/prepare.py's layout)")
     parser.add_argument("--only", nargs="*", default=None, help="run names to train and measure (default: all 18)")
-    parser.add_argument("--report", action="store_true", help="the tables from what is there; nothing trained")
-    parser.add_argument("--fixture", help="write the finished runs' numbers to this JSON file and stop")
+    parser.add_argument("--report", action="store_true", help="the tables from the record; nothing trained")
+    parser.add_argument("--docs", action="store_true", help="with --report: the tables into docs/agreement.md too")
+    parser.add_argument("--record", default=str(RECORD), help="the measured runs' numbers (read, and added to)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # measure's own process: the run directory
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--recipe", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         return measure_here(Path(args.measure), Path(args.data), args.recipe)
-    work, source = Path(args.work).resolve(), Path(args.source).resolve()
-    if args.fixture:
-        Path(args.fixture).write_text(json.dumps(collect(work), separators=(",", ":")) + "\n")
-        return None
+    work, source, record = Path(args.work).resolve(), Path(args.source).resolve(), Path(args.record).resolve()
     if args.report:
-        study = collect(work)
-        say(f"{len(study)} runs finished\n\n{study_table(study)}\n\n{timings(work)}")
+        study = collect(work, record)
+        tables = {"picks": study_table(study), "times": times_table(study)}
+        say(f"{len(study)} runs measured\n\n{tables['picks']}\n\n{tables['times']}")
+        if args.docs:
+            write_into_docs(tables)
+            say(f"the tables are in {DOCS.relative_to(ROOT)}: its prose and its count of runs are yours to update")
         return None
+    recorded = set(collect(work, record))
     say(f"load average {os.getloadavg()[0]:.2f}; everything goes to {work}")
     for seed in SEEDS:
         for recipe in RECIPES:
-            data = study_data(work, source, recipe, seed)
             for condition in CONDITIONS:
-                if args.only is None or run_name(recipe, seed, condition) in args.only:
-                    if (work / "stop").exists():  # `touch WORK/stop`: the study ends between runs, nothing half done
-                        (work / "stop").unlink()
-                        return say("stopped: WORK/stop was there; run the same command to go on")
-                    run_dir = train(work, data, recipe, seed, condition)
-                    measure(run_dir, data, recipe)
+                name = run_name(recipe, seed, condition)
+                if name in recorded or (args.only is not None and name not in args.only):
+                    continue
+                if (work / "stop").exists():  # `touch WORK/stop`: the study ends between runs, nothing half done
+                    (work / "stop").unlink()
+                    return say("stopped: WORK/stop was there; run the same command to go on")
+                data = study_data(work, source, recipe, seed)
+                run_dir = train(work, data, recipe, seed, condition)
+                measure(run_dir, data, recipe)
+                save(work, record)
+                say(f"{name}: measured, its numbers added to {record.relative_to(ROOT)}; commit it")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The selection study of docs/agreement.md (`bench/selection_study.py`) from its numbers only (no text of the paper's
-data: `python bench/selection_study.py --fixture tests/data/selection_study.json`): the tables the docs publish are
-what the study's own functions compute from them, and what the docs say of the guarded pick's fallback holds."""
+"""The selection study of docs/agreement.md (`bench/selection_study.py`) from its record, numbers only (no text of the
+paper's data: tests/data/selection_study.json, which the study adds each measured run to): the tables the docs
+publish are what the study's own functions compute from them, and what the docs say of the guarded pick's fallback
+holds."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from probdiff_callback.runs.run_files import HistoryRow
 
 FIXTURE = Path(__file__).with_name("data") / "selection_study.json"
 AGREEMENT = Path(__file__).resolve().parents[1] / "docs" / "agreement.md"
-START = "<!-- the selection study's tables: python bench/selection_study.py --report -->"
-END = "<!-- end of the selection study's tables -->"
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +24,16 @@ def study() -> dict:
     return json.loads(FIXTURE.read_text(encoding="utf-8"))
 
 
-def test_the_docs_tables_are_what_the_study_computes(study):
+def published(table: str) -> str:
+    start, end = selection_study.MARKERS[table]
     text = AGREEMENT.read_text(encoding="utf-8")
-    published = text[text.index(START) + len(START) : text.index(END)].strip("\n")
-    assert published == selection_study.study_table(study)
-    assert f"**So far: {len(study)} of the 18 runs**" in text
+    return text[text.index(start) + len(start) : text.index(end)].strip("\n")
+
+
+def test_the_docs_tables_are_what_the_study_computes(study):
+    assert published("picks") == selection_study.study_table(study)
+    assert published("times") == selection_study.times_table(study)
+    assert f"**So far: {len(study)} of the 18 runs**" in AGREEMENT.read_text(encoding="utf-8")
 
 
 def test_where_no_checkpoint_passes_the_guard_the_test_set_finds_every_checkpoint_damaged(study):
