@@ -89,9 +89,9 @@ def test_selecting_by_probdiff_needs_every_evaluation_on_both_paths():
 
     from probdiff_callback.callback.schedule import check_selection_setup
 
-    expected = "metric_for_best_model=probdiff_confidence needs ProbDiff at every evaluation, but every=2"
-    assert expected in recipe_error(["probdiff.every=2"])
-    args = TrainingArguments("out", eval_strategy="steps", metric_for_best_model="probdiff_confidence", use_cpu=True)
+    expected = "metric_for_best_model=probdiff_guarded needs ProbDiff at every evaluation, but every=2"
+    assert expected in recipe_error(["probdiff.every=2"])  # the recipes' default
+    args = TrainingArguments("out", eval_strategy="steps", metric_for_best_model="probdiff_guarded", use_cpu=True)
     with pytest.raises(ValueError, match=expected):
         check_selection_setup(args, ProbDiffConfig(every=2))
     check_selection_setup(args, ProbDiffConfig(every=1))

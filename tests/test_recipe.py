@@ -40,7 +40,7 @@ def test_recipe_loads_for_every_preset(path: Path, preset: str):
     assert recipe.recipe == path.stem and recipe.task == path.stem and recipe.model == preset
     assert recipe.probdiff.delta == -0.05 and -0.02 in recipe.probdiff.sweep and recipe.probdiff.n_revisions == 1
     training = recipe.training
-    assert training["metric_for_best_model"] == "probdiff_confidence"
+    assert training["metric_for_best_model"] == "probdiff_guarded"
     assert training["save_steps"] % training["eval_steps"] == 0
     assert recipe.lora.enabled and recipe.lora.target_modules == ["all-linear"]
     if preset == "tiny":

@@ -65,7 +65,9 @@ SFT_DEFAULTS: dict[str, Any] = {
     "eval_on_start": True,  # the eval loss of the base model, beside the ProbDiff baseline
     "logging_first_step": True,
     "seed": 42,  # also draws the eval-loss subset (max_eval_samples)
-    "metric_for_best_model": "probdiff_confidence",  # the Trainer tracks (and keeps) the best checkpoint by it
+    # The Trainer tracks (and keeps) the best checkpoint by it: the confidence of the checkpoints the run's own
+    # measures do not call damaged (the selection study, docs/agreement.md: fewer damaged picks than any other way)
+    "metric_for_best_model": "probdiff_guarded",
     "report_to": "wandb",  # offline by itself when not logged in; wandb, tensorboard or none, a list or a,b
     "ddp_find_unused_parameters": False,  # every trainable weight (adapters or all) gets a gradient each step
 }
