@@ -7,6 +7,7 @@ import torch
 from probdiff_callback.core.config import ProbDiffConfig
 from probdiff_callback.core.prompts import chat_prompt_ids
 from probdiff_callback.core.scoring import (
+    VOCABULARY_TILE,
     score_batch,
     score_shared_prompts,
     score_texts,
@@ -231,15 +232,27 @@ def assert_shared_equals_whole(model, prompts, texts, pad_token_id, whole=None, 
                 assert abs(mean - expected_mean) < 1e-4, (i, j, mean, expected_mean)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_shared_prompt_scores_equal_whole_sequences(tiny_model_path, attention):
-    """The `tiny` preset (Qwen2, the Qwen vocabulary): left-padded prompts of 2-90 tokens in one forward, their cache
-    copied for both texts; groups of 1-8 prompts, LM-head chunks of 3-512 positions (one model load for all)."""
-    from transformers import AutoModelForCausalLM
+TILED_VOCABULARY = 2 * VOCABULARY_TILE + 3_000  # two whole tiles of the LM head's vocabulary and a part of one
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation=attention)
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_scores_equal_whole_sequences(attention):
+    """The `tiny` preset's architecture (Qwen2: 2 layers, 4 heads) in both attentions, its vocabulary cut to three
+    tiles of the LM head's log-sum-exp (the whole Qwen vocabulary is 19 tiles of the same code, and 8 times the time:
+    the smollm2 test below scores a real vocabulary), its head scaled to logits of tens, as a trained model's are:
+    left-padded prompts of 2-90 tokens in one forward, their cache copied for both texts; groups of 1-8 prompts,
+    LM-head chunks of 3-512 positions (one model for all)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from probdiff_callback.models.presets import TINY_ARCHITECTURE
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**TINY_ARCHITECTURE, "vocab_size": TILED_VOCABULARY}, attn_implementation=attention)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)
     assert shares_prompt_cache(model)
-    prompts, texts = prompts_and_texts(30_000)
+    prompts, texts = prompts_and_texts(TILED_VOCABULARY)
     whole = whole_sequence_scores(model.eval(), prompts, texts, pad_token_id=0)  # the same for every chunking
     for chunk_size, rows_per_forward in [(512, 16), (7, 4), (3, 3)]:
         assert_shared_equals_whole(
