@@ -351,6 +351,11 @@ def judged(values: dict, step: int) -> tuple[float, float, bool]:
     return mean, p, worse and p < SIGNIFICANCE_LEVEL
 
 
+def damaged_picks(study: dict) -> dict[str, int]:
+    """Per way of picking, the runs whose pick is damaged (significantly worse than the base model on the test set)."""
+    return {way: sum(judged(values, picks_of(values)[way])[2] for values in study.values()) for way in WAYS}
+
+
 def study_table(study: dict) -> str:
     """Per run: each way's pick, its test measure and whether it is damaged; then per recipe and way the regret
     (mean and worst) against the oracle checkpoint and against the best the run has (its checkpoints or the base

@@ -36,6 +36,19 @@ def test_the_docs_tables_are_what_the_study_computes(study):
     assert f"**So far: {len(study)} of the 18 runs**" in AGREEMENT.read_text(encoding="utf-8")
 
 
+def test_the_readme_quotes_the_study_as_it_stands(study):
+    """The README's two lines on the study: its run count and each way's damaged picks, as the record has them."""
+    damaged = selection_study.damaged_picks(study)
+    others = {damaged[way] for way in ("last", "lowest eval loss", "highest confidence")}
+    assert len(others) == 1, f"the README's sentence says the three other ways made as many damaged picks: {damaged}"
+    readme = " ".join((AGREEMENT.parents[1] / "README.md").read_text(encoding="utf-8").split())
+    assert (
+        f"{len(study)} of 18 runs so far, 64 test queries no pick saw) it made {damaged['probdiff_guarded']} damaged "
+        f"pick{'s' if damaged['probdiff_guarded'] != 1 else ''} where the last checkpoint, the lowest eval loss and "
+        f"the highest confidence made {others.pop()} each"
+    ) in readme
+
+
 def test_where_no_checkpoint_passes_the_guard_the_test_set_finds_every_checkpoint_damaged(study):
     """What the docs say of the guarded pick's fallback: the runs where the guard passed no checkpoint (the pick is the
     base model) are the high-learning-rate runs, and on the test set even their oracle checkpoint is significantly
