@@ -351,12 +351,18 @@ def judged(values: dict, step: int) -> tuple[float, float, bool]:
     return mean, p, worse and p < SIGNIFICANCE_LEVEL
 
 
-def damaged_picks(study: dict) -> dict[str, int]:
+def all_picks(study: dict) -> dict[str, dict[str, int | None]]:
+    """`picks_of` of every run, by run name (the guard's tests make it the costly part: compute it once)."""
+    return {name: picks_of(values) for name, values in study.items()}
+
+
+def damaged_picks(study: dict, picks: dict | None = None) -> dict[str, int]:
     """Per way of picking, the runs whose pick is damaged (significantly worse than the base model on the test set)."""
-    return {way: sum(judged(values, picks_of(values)[way])[2] for values in study.values()) for way in WAYS}
+    picks = all_picks(study) if picks is None else picks
+    return {way: sum(judged(values, picks[name][way])[2] for name, values in study.items()) for way in WAYS}
 
 
-def study_table(study: dict) -> str:
+def study_table(study: dict, picks: dict | None = None) -> str:
     """Per run: each way's pick, its test measure and whether it is damaged; then per recipe and way the regret
     (mean and worst) against the oracle checkpoint and against the best the run has (its checkpoints or the base
     model, which the guarded pick can fall back to), and the damaged picks; the guard's rejections on the clean
@@ -369,14 +375,14 @@ def study_table(study: dict) -> str:
     damaged: dict[str, int] = {way: 0 for way in WAYS}
     for name, values in study.items():
         recipe = name.split("-s")[0]
-        picks = picks_of(values)
+        run_picks = picks_of(values) if picks is None else picks[name]
         lower = LOWER_IS_BETTER[values["measure"]]
         base = judged(values, 0)[0]
-        oracle = judged(values, picks["oracle"])[0]
+        oracle = judged(values, run_picks["oracle"])[0]
         best_of_run = (min if lower else max)(oracle, base)
         cells = []
         for way in WAYS:
-            step = picks[way]
+            step = run_picks[way]
             mean, _, is_damaged = judged(values, step)
             for against, reference in (("oracle", oracle), ("run", best_of_run)):
                 regret = (mean - reference) if lower else (reference - mean)
