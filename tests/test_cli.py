@@ -14,29 +14,21 @@ from probdiff_callback.core.records import Cost, Summary
 SAMPLES = "data/samples/alignbench/heldout.jsonl"
 
 
+def tiny_eval(queries, out, *settings: str) -> int:
+    """`probdiff eval` of `tiny` on the CPU through the CLI: 6 of `queries` into `out`, ProbDiff `settings` as
+    key=value."""
+    return main(
+        ["eval", "--model", "tiny", "--device", "cpu", "--queries", str(queries), "--out", str(out), "--limit", "6",
+         *settings]
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def eval_dir(tiny_model_path, tmp_path_factory):
     """A `probdiff eval` run on the shipped AlignBench-style sample, through the CLI, with settings on its command
     line."""
     target = tmp_path_factory.mktemp("cli") / "seed0"
-    code = main(
-        [
-            "eval",
-            "--model",
-            "tiny",
-            "--device",
-            "cpu",
-            "--queries",
-            SAMPLES,
-            "--out",
-            str(target),
-            "--limit",
-            "6",
-            "max_new_tokens=12",
-            "seed=0",
-            "answer_temperature_by_category.Mathematics=0.1",
-        ]
-    )
+    code = tiny_eval(SAMPLES, target, "max_new_tokens=12", "seed=0", "answer_temperature_by_category.Mathematics=0.1")
     assert code == 0
     return target
 
@@ -90,22 +82,7 @@ def test_eval_scores_the_answers_against_the_references_when_the_queries_have_th
 
     out = tmp_path / "translation"
     queries = "data/samples/translation/heldout.jsonl"
-    code = main(
-        [
-            "eval",
-            "--model",
-            "tiny",
-            "--device",
-            "cpu",
-            "--queries",
-            queries,
-            "--out",
-            str(out),
-            "--limit",
-            "6",
-            "max_new_tokens=8",
-        ]
-    )
+    code = tiny_eval(queries, out, "max_new_tokens=8")
     assert code == 0
     printed = capsys.readouterr().out
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
