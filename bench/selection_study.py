@@ -367,6 +367,7 @@ def study_table(study: dict, picks: dict | None = None) -> str:
     (mean and worst) against the oracle checkpoint and against the best the run has (its checkpoints or the base
     model, which the guarded pick can fall back to), and the damaged picks; the guard's rejections on the clean
     runs."""
+    picks = all_picks(study) if picks is None else picks
     lines = [
         "| run | measure (base) | " + " | ".join(WAYS) + " |",
         "|---|---|" + "---|" * len(WAYS),
@@ -375,7 +376,7 @@ def study_table(study: dict, picks: dict | None = None) -> str:
     damaged: dict[str, int] = {way: 0 for way in WAYS}
     for name, values in study.items():
         recipe = name.split("-s")[0]
-        run_picks = picks_of(values) if picks is None else picks[name]
+        run_picks = picks[name]
         lower = LOWER_IS_BETTER[values["measure"]]
         base = judged(values, 0)[0]
         oracle = judged(values, run_picks["oracle"])[0]
