@@ -7,12 +7,13 @@ from _records import make_record
 
 from probdiff_callback.core import decoding as hf
 from probdiff_callback.core.config import ProbDiffConfig
-from probdiff_callback.core.decoding import sample_continuations
+from probdiff_callback.core.decoding import HFEngine, sample_continuations
 from probdiff_callback.core.engine import Generated, GenerationError
 from probdiff_callback.core.evaluator import (
     Evaluation,
     build_record,
     evaluate,
+    generate_answers,
     make_chains,
     measured_memory,
     query_batches,
@@ -65,23 +66,19 @@ def reference_records(reference_evaluation):
 
 @pytest.mark.slow
 def test_texts_do_not_depend_on_batch_size_or_composition(tiny_model, queries, reference_records):
+    """Each query alone (batches of 1), and in batches of 3 of the queries in reverse order, as in one batch of 8: the
+    same texts, the same d within float error (other padding), the records in the order of the queries given."""
     model, tokenizer = tiny_model
-    for batch_size in (1, 3):
-        records = evaluate(
-            model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=batch_size), progress=False
-        ).records
-        assert [r.response for r in records] == [r.response for r in reference_records]
-        assert [r.revisions for r in records] == [r.revisions for r in reference_records]
-        for a, b in zip(records, reference_records):
-            assert a.d == pytest.approx(b.d, abs=1e-4)
-    # a query evaluated among other queries, or alone, or in reverse order: same texts
-    alone = evaluate(model, tokenizer, queries[5:6], ProbDiffConfig(max_new_tokens=24), progress=False).records
-    assert alone[0].response == reference_records[5].response
+    alone = evaluate(model, tokenizer, queries, ProbDiffConfig(max_new_tokens=24, batch_size=1), progress=False)
     reordered = evaluate(
         model, tokenizer, queries[::-1], ProbDiffConfig(max_new_tokens=24, batch_size=3), progress=False
     ).records
     assert [r.id for r in reordered] == [q.id for q in queries[::-1]]
-    assert [r.response for r in reordered[::-1]] == [r.response for r in reference_records]
+    for records in (alone.records, reordered[::-1]):
+        assert [r.response for r in records] == [r.response for r in reference_records]
+        assert [r.revisions for r in records] == [r.revisions for r in reference_records]
+        for a, b in zip(records, reference_records):
+            assert a.d == pytest.approx(b.d, abs=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -208,9 +205,11 @@ def test_answers_cut_by_max_new_tokens_are_flagged_and_counted(tiny_model, queri
     summary = summary_of(cut, -0.05, [-0.05])
     assert summary.n_capped == sum(r.response_capped for r in cut) > 0
     assert summary.n_revision_capped == sum(r.revision_capped for r in cut)
+    # with room, the answers end before the cap (the answers alone: the revisions and scores would tell nothing more)
     greedy = ProbDiffConfig(max_new_tokens=64, answer_temperature=0.0)
-    roomy = evaluate(model, tokenizer, queries[:4], greedy, progress=False).records
-    assert not all(r.response_capped for r in roomy), "the tiny model ends most answers within 64 tokens"
+    roomy = make_chains(tokenizer, queries[:4], greedy)
+    generate_answers(roomy, HFEngine(model, tokenizer, batch_size=greedy.batch_size), greedy)
+    assert not all(c.answer_capped for c in roomy), "the tiny model ends most answers within 64 tokens"
 
 
 class ScriptedEngine:
