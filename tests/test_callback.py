@@ -331,50 +331,47 @@ def test_tied_confidences_select_the_checkpoint_the_trainer_keeps(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_training_losses_are_the_same_with_and_without_the_callback(tmp_path, tiny_model_path):
-    def losses(run: Path, with_callback: bool) -> list[float]:
+def test_training_losses_are_the_same_with_and_without_the_callback_which_evaluates_its_schedule_once(
+    tmp_path, tiny_model_path
+):
+    """The Trainer evaluates at steps 1, 2 and 3; with `every=2` ProbDiff evaluates the 2nd, and the 3rd because it is
+    the last step (off the grid of every second evaluation), each logged once; the training losses are those of the
+    same run without the callback."""
+
+    def losses(run: Path, with_callback: bool) -> tuple[list[float], object]:
         trainer = build_trainer(
-            tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=2, save_strategy="no"
+            tiny_model_path, run, max_steps=3, eval_strategy="steps", eval_steps=1, save_strategy="no"
         )
         if with_callback:
-            trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES)))
+            config = probdiff_config(n_queries=N_QUERIES, every=2)
+            trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
         trainer.train()
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], trainer
 
-    plain = losses(tmp_path / "plain", with_callback=False)
-    evaluated = losses(tmp_path / "evaluated", with_callback=True)
+    plain, _ = losses(tmp_path / "plain", with_callback=False)
+    evaluated, trainer = losses(tmp_path / "evaluated", with_callback=True)
     assert len(plain) == 3
     assert evaluated == plain
-    # the last step (3) is not on the eval_steps grid, but the Trainer evaluates it at the end
-    assert [r["global_step"] for r in history_rows(tmp_path / "evaluated")] == [0, 2, 3]
+    expected = [(0, "baseline"), (2, "evaluate"), (3, "evaluate")]
+    assert [(r["global_step"], r["kind"]) for r in history_rows(tmp_path / "evaluated")] == expected
+    assert sorted(probdiff_logs(trainer)) == [0, 2, 3]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("schedule", "settings", "expected"),
-    [
-        # evaluations at steps 1, 2, 3: the 2nd is evaluated, the 3rd because it is the last step
-        ({"max_steps": 3, "eval_strategy": "steps", "eval_steps": 1}, {"every": 2},
-         [(0, "baseline"), (2, "evaluate"), (3, "evaluate")]),
-        # max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end
-        ({"max_steps": 2, "eval_strategy": "epoch", "metric_for_best_model": "probdiff_confidence"},
-         {"baseline": False}, [(2, "end")]),
-    ],
-    ids=["every second evaluation and the last step", "the last step once at the end"],
-)  # fmt: skip
-def test_each_scheduled_step_is_evaluated_and_logged_once(schedule, settings, expected, tmp_path, tiny_model_path):
+def test_the_last_step_is_evaluated_and_logged_once_at_the_end(tmp_path, tiny_model_path):
+    """max_steps ends training inside the first epoch; the epoch-end evaluation comes after on_step_end."""
     run = tmp_path / "run"
-    trainer = build_trainer(tiny_model_path, run, save_strategy="no", **schedule)
-    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, **settings))
+    trainer = build_trainer(tiny_model_path, run, save_strategy="no", max_steps=2, eval_strategy="epoch",
+                            metric_for_best_model="probdiff_confidence")  # fmt: skip
+    callback = ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES, baseline=False))
     trainer.add_callback(callback)
     trainer.train()
     rows = history_rows(run)
-    assert [(r["global_step"], r["kind"]) for r in rows] == expected
-    assert sorted(probdiff_logs(trainer)) == [step for step, _ in expected]
-    if "metric_for_best_model" in schedule:
-        # the Trainer's own evaluation at step 2 received the end-of-training result
-        assert trainer.state.best_metric == rows[0]["summary"]["confidence"]
-        assert sorted(callback.evaluated) == [2]
+    assert [(r["global_step"], r["kind"]) for r in rows] == [(2, "end")]
+    assert sorted(probdiff_logs(trainer)) == [2]
+    # the Trainer's own evaluation at step 2 received the end-of-training result
+    assert trainer.state.best_metric == rows[0]["summary"]["confidence"]
+    assert sorted(callback.evaluated) == [2]
 
 
 @pytest.mark.slow
@@ -420,47 +417,6 @@ def test_evaluation_leaves_the_model_tokenizer_and_rng_as_found(tmp_path, tiny_m
     assert np.array_equal(np.random.get_state()[1], numpy_state[1])
 
 
-@pytest.mark.slow
-def test_a_failed_evaluation_is_recorded_and_training_goes_on(tmp_path, tiny_model_path, monkeypatch):
-    calls = {"n": 0}
-    real_evaluate = evaluation_module.evaluate
-
-    def fails_on_second_call(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected evaluation failure")
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(evaluation_module, "evaluate", fails_on_second_call)
-    run = tmp_path / "run"
-    # a plain Trainer with full fine-tuning; the metric is checked by the Trainer at every evaluation
-    trainer = build_trainer(
-        tiny_model_path,
-        run,
-        plain_trainer=True,
-        lora=False,
-        max_steps=4,
-        eval_strategy="steps",
-        eval_steps=2,
-        save_strategy="no",
-        metric_for_best_model="probdiff_confidence",
-    )
-    trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), probdiff_config(n_queries=N_QUERIES)))
-    trainer.train()
-    assert trainer.state.global_step == 4
-    rows = history_rows(run)
-    assert [r["global_step"] for r in rows] == [0, 2, 4]
-    failed = rows[1]
-    assert "injected evaluation failure" in failed["error"] and "Traceback" in failed["error"]
-    assert failed["summary"] is None and failed["records"] is None
-    assert rows[0]["error"] is None and rows[2]["error"] is None
-    assert math.isnan(probdiff_logs(trainer)[2]["eval_probdiff_confidence"])
-    assert trainer.state.best_metric == rows[2]["summary"]["confidence"]  # the NaN never counted as best
-    selection = select_checkpoints(run)
-    assert selection.failed_steps == [2]
-    assert [s.global_step for s in selection.ranked] == [4]
-
-
 class BadQueryTemplate:
     """A chat template that rejects one query, as Llama's rejects roles that do not alternate."""
 
@@ -480,12 +436,14 @@ class BadQueryTemplate:
 def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on(
     fault, tmp_path, tiny_model_path, monkeypatch
 ):
-    """NaN logits at step 2's evaluation; a query the chat template rejects, at every evaluation: the step's row holds
-    the error, its metrics are NaN, `select` counts it, training ends normally. (Out of memory in generation, in a
-    real run: e2e/test_faults.py's reference run.)"""
+    """NaN logits at step 2's evaluation, under a plain Trainer with full fine-tuning; a query the chat template
+    rejects, at every evaluation: the step's row holds the error with its traceback, its metrics are NaN, `select`
+    counts it and ranks the others, training ends normally. (Out of memory in generation, in a real run:
+    e2e/test_faults.py's reference run.)"""
     queries = held_out_queries()[:4]  # every query at every evaluation, in one batch
+    plain = {"plain_trainer": True, "lora": False} if fault == "NaN logits" else {}  # SFTTrainer with LoRA otherwise
     trainer = build_trainer(tiny_model_path, tmp_path / "run", max_steps=3, eval_strategy="steps", eval_steps=1,
-                            save_strategy="no", metric_for_best_model="probdiff_confidence")  # fmt: skip
+                            save_strategy="no", metric_for_best_model="probdiff_confidence", **plain)  # fmt: skip
     failing = [2]
     if fault == "NaN logits":
 
@@ -508,11 +466,16 @@ def test_an_evaluation_failing_under_a_fault_is_nan_counted_and_training_goes_on
     assert [r["global_step"] for r in rows if r["error"]] == failing
     expected = {"NaN logits": "NaN in the model's logits while generating", "bad query": "alternate"}
     assert all(expected[fault] in rows[step]["error"] and rows[step]["summary"] is None for step in failing)
+    assert all("Traceback" in rows[step]["error"] and rows[step]["records"] is None for step in failing)
     logged = probdiff_logs(trainer)
     assert all(math.isnan(logged[step]["eval_probdiff_confidence"]) for step in failing)
-    assert select_checkpoints(tmp_path / "run").failed_steps == failing
+    selection = select_checkpoints(tmp_path / "run")
+    assert selection.failed_steps == failing
     if fault != "bad query":
-        assert math.isfinite(trainer.state.best_metric)  # the NaN never counted as best
+        trained = [r for r in rows[1:] if r["error"] is None]
+        assert sorted(s.global_step for s in selection.ranked) == [r["global_step"] for r in trained] == [1, 3]
+        # the NaN never counted as best
+        assert trainer.state.best_metric == max(r["summary"]["confidence"] for r in trained)
 
 
 @pytest.mark.slow

@@ -82,8 +82,12 @@ class TrainerBest:
         by_step = {row.global_step: row for row in rows}
         key = metric_key(self.metric)
 
+        saves = args.save_strategy != SaveStrategy.NO
+
         def usable(row: HistoryRow) -> bool:
-            return row.global_step == pending_step or resolve_checkpoint_of(run_dir, row) is not None
+            # a run that saves no checkpoint has nothing to load: its best is over its steps, as the Trainer's own
+            # best_metric is (and EarlyStoppingCallback compares with it)
+            return not saves or row.global_step == pending_step or resolve_checkpoint_of(run_dir, row) is not None
 
         return decide(
             rows,

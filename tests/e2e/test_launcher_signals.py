@@ -129,15 +129,14 @@ def assert_clean_stop(stopped: Stopped, command_line: str, signame: str = "SIGTE
     return Path(saved)
 
 
-ONE = ["--num_processes", "1"]  # one training process, started by the command as its launcher
 TWO = ["--num_processes", "2", "--multi_gpu"]
 
 
+# (SIGUSR1 to the command, its launcher passing it on, and no process left: e2e/test_slurm.py's requeue test, where
+# the SLURM script's trap sends it; SIGTERM to the command alone: the container test below)
 @pytest.mark.parametrize(
     "options, target, signum",
     [
-        pytest.param(ONE, to_the_command, signal.SIGUSR1,
-                     id="1 process through the launcher: SIGUSR1 to the command (the SLURM script's)"),
         pytest.param(TWO, to_its_group, signal.SIGTERM, id="2 processes: SIGTERM to the group"),
         pytest.param(TWO, to_its_group, signal.SIGINT, id="2 processes: Ctrl-C"),
     ],

