@@ -8,21 +8,8 @@ result arrives, by the one decision both ways take (`callback/best.py`).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
-
-from transformers import Trainer, TrainerState
-
-
-@contextlib.contextmanager
-def at_step(state: TrainerState, step: int, epoch: float | None) -> Iterator[None]:
-    """The Trainer's state at `step` for a call that logs there (`trainer.log` stamps the state's step and epoch)."""
-    saved = state.global_step, state.epoch
-    state.global_step, state.epoch = step, epoch
-    try:
-        yield
-    finally:
-        state.global_step, state.epoch = saved
+import copy
+from collections.abc import Mapping
 
 
 def move_into_step_order(log_history: list[dict], entry_index: int = -1) -> None:
@@ -33,9 +20,14 @@ def move_into_step_order(log_history: list[dict], entry_index: int = -1) -> None
 
 
 def log_at_step(trainer, step: int, epoch: float | None, metrics: Mapping[str, float]) -> None:
-    """A step's metrics through the Trainer's own `log` at that step, placed among that step's entries of the log
-    history. A subclass's additions to `log` (trl's training metrics gathered since its last log) stay for the
-    Trainer's next log, at its own step."""
-    with at_step(trainer.state, step, epoch):
-        Trainer.log(trainer, dict(metrics))
+    """A step's metrics logged at that step as the Trainer's `log` logs (an entry of its log history, placed among
+    that step's entries; then every callback's `on_log`, W&B's and the other `report_to`'s, which read the step and
+    epoch from the state they are given: a copy of the Trainer's at `step`). The Trainer's own state is not touched,
+    and a subclass's additions to `log` (trl's training metrics gathered since its last log) stay for the Trainer's
+    next log, at its own step."""
+    logs = {**metrics, **({"epoch": epoch} if epoch is not None else {})}
+    trainer.state.log_history.append({**logs, "step": step})
     move_into_step_order(trainer.state.log_history)
+    at_step = copy.copy(trainer.state)
+    at_step.global_step, at_step.epoch = step, epoch
+    trainer.control = trainer.callback_handler.on_log(trainer.args, at_step, trainer.control, logs)
