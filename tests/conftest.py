@@ -12,16 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` with the slow layer: one worker more than the cores (at most 4, pyproject's --maxprocesses). Its tests
-    spend part of their time waiting on processes they started (a launcher, a server coming up, an evaluator's turn)
-    while their own core idles; a third worker on 2 cores takes that time. The fast layer (`-m "not slow"`) runs in
-    the workers themselves, on every core already: one per core, as xdist chooses."""
-    if "not slow" in (config.getoption("markexpr") or ""):
-        return None
-    return len(os.sched_getaffinity(0)) + 1
-
-
 def pytest_configure(config):
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:  # tests side by side (pytest-xdist): each worker's torch keeps to its share of the cores
