@@ -381,7 +381,7 @@ def test_the_callback_alerts_wandb_only_for_significant_changes_and_logs_the_noi
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(warnings) == 1 and "step 10: confidence" not in warnings[0] and "ProbDiff DISAGREES" in warnings[0]
     notes, noise = infos  # significant from step 10 to the pick, where training gained nothing: a note, as are sizes
-    assert "beyond chance, by less than a material amount" in notes and "confidence rose from 62.5% at step 10" in notes
+    assert "beyond chance, not materially at the pick" in notes and "confidence rose from 62.5% at step 10" in notes
     assert "step 10: confidence rose" in noise and "within noise (p = " in noise
 
 

@@ -152,7 +152,7 @@ def test_where_no_checkpoint_beat_the_base_model_the_alarm_names_the_base_model(
         "[5.00 worse than the best checkpoint (step 10: 30.00), and training gained nothing on it; 10.00 worse" in text
     )
     assert "!!   the base model: ROUGE-L 35.00 against the pick's 25.00; confidence 25.0%, 50.0 points below" in text
-    assert "beyond chance, by less than a material amount" in text  # the lines not against the base are notes
+    assert "beyond chance, not materially at the pick" in text  # the lines not against the base are notes
 
 
 def test_probdiff_select_takes_the_share_and_refuses_one_that_is_not(tmp_path, capsys):

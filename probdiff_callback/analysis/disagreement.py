@@ -418,11 +418,12 @@ def format_alarm(
 
 
 def format_notes(found: Sequence[Disagreement], gain_share: float = DEFAULT_ALARM_GAIN_SHARE) -> str:
-    """The disagreements with a significant change that is not material, with their sizes; "" without any."""
+    """The disagreements with a significant change that is not an alarm (not material, or not at the pick), with their
+    sizes; "" without any."""
     if not found:
         return ""
     lines = [
-        "ProbDiff and an independent measure moved apart beyond chance, by less than a material amount (an alarm: "
+        "ProbDiff and an independent measure moved apart beyond chance, not materially at the pick (an alarm: "
         f"{_rule(gain_share)}; probdiff.alarm_gain_share):"
     ]
     return "\n".join(lines + [f"  {d.sentence()}" for d in found])
