@@ -189,9 +189,7 @@ def launch(options: list[str], target: list[str], script_args: list[str], receiv
         LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_OPTIONS_ENV: shlex.join(options),
         "PET_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS,
     })  # fmt: skip
-    # torchrun's lines on a training process that failed ("failed (exitcode: 2) local_rank: 1 ...", "Sending process
-    # ... closing signal"): the training process said why, and `exit_status` names a process killed by a signal
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    quiet_torchrun()
     watch_exit_barrier(exit_barrier_seconds())
     try:
         launch_command(args)
@@ -206,6 +204,21 @@ def launch(options: list[str], target: list[str], script_args: list[str], receiv
     except SignalException as err:  # SIGHUP or SIGQUIT: torchrun stopped the training processes
         return 128 + err.sigval
     return 0
+
+
+def quiet_torchrun() -> None:
+    """torchrun's log, less what would tell the user nothing the run does not say itself: its lines on a training
+    process that failed ("failed (exitcode: 2) local_rank: 1 ...", "Sending process ... closing signal"), where the
+    training process said why and `exit_status` names a process killed by a signal; and the traceback of its exit
+    barrier's race (pytorch/pytorch#69520), where the machine whose agent holds the rendezvous store leaves the barrier
+    and exits before another has read it: that one's barrier fails on the closed connection, after every training
+    process of the run succeeded (an agent only enters the barrier then)."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(not_the_exit_barrier_race)
+
+
+def not_the_exit_barrier_race(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Error waiting on exit barrier")
 
 
 def exit_barrier_seconds() -> float:
