@@ -6,17 +6,18 @@ as a script under `accelerate launch` (DDP or DeepSpeed ZeRO-3 over gloo on CPU)
     accelerate launch --num_processes 2 --multi_gpu tests/_distributed_eval.py --mode ddp --out DIR
 
 The script trains 2 LoRA steps with the callback (baseline, then an evaluation at the
-checkpoint of step 2; the Trainer's eval loss at both, kept per conversation), evaluates
-the final weights again with the parameters gathered and (ZeRO-3) left sharded, checks
-that a failure on rank 1 reaches every rank, has every rank compute the per-conversation
-eval losses of the final weights by a pass of their own (the reference for what the
-callback tapped from the Trainer's evaluation), and writes what each rank saw to
-DIR/rank-<r>.json.
+checkpoint of step 2; the Trainer's eval loss at both, kept per conversation; with --vllm
+the texts of both written by vLLM), evaluates the final weights again with HF `generate`,
+the parameters gathered and (ZeRO-3) left sharded, checks that a failure on rank 1 reaches
+every rank, has every rank compute the per-conversation eval losses of the final weights
+by a pass of their own (the reference for what the callback tapped from the Trainer's
+evaluation), and writes what each rank saw to DIR/rank-<r>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -195,33 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = trainer.accelerator.process_index
 
     seen: dict = {"rank": rank, "world_size": trainer.accelerator.num_processes, "history_metrics": callback.evaluated}
-    if args.vllm:  # the run's engine is stopped at the end of training: what the callback logged is the result
-        outcome = callback.way.state.last_outcome
-        seen["last"] = {
-            "records": outcome.records,
-            "summary": outcome.summary,
-            "error": outcome.error,
-            "cost": outcome.cost,
-        }
-        return _write_seen(args.out, rank, seen, trainer)
-    callback.config.gather_params = True
-    gathered = callback.evaluate_model()
-    seen["gathered"] = {
-        "records": gathered.records,
-        "summary": gathered.summary,
-        "error": gathered.error,
-        "cost": gathered.cost,
-    }
+    if args.vllm:  # the run's engine is stopped at the end of training: what the callback logged last is its result
+        seen["last"] = outcome_seen(callback.way.state.last_outcome)
+    seen["gathered"] = outcome_seen(evaluate_after_training(callback, gather_params=True))
     if args.mode == "zero3":
-        callback.config.gather_params = False
-        sharded = callback.evaluate_model()
-        seen["sharded"] = {
-            "records": sharded.records,
-            "summary": sharded.summary,
-            "error": sharded.error,
-            "cost": sharded.cost,
-        }
-        callback.config.gather_params = True
+        seen["sharded"] = outcome_seen(evaluate_after_training(callback, gather_params=False))
 
     real_evaluate = evaluation_module.evaluate
 
@@ -231,12 +210,27 @@ def main(argv: list[str] | None = None) -> int:
         return real_evaluate(*a, **k)
 
     evaluation_module.evaluate = fail_on_rank_1
-    failed = callback.evaluate_model()
+    failed = evaluate_after_training(callback, gather_params=True)
     evaluation_module.evaluate = real_evaluate
     seen["failed"] = {"error": failed.error, "metrics": failed.metrics, "records": failed.records}
     seen["final_losses"] = eval_losses_by_a_pass_of_their_own(trainer)
 
     return _write_seen(args.out, rank, seen, trainer)
+
+
+def evaluate_after_training(callback, **settings):
+    """`callback.evaluate_model()` with HF `generate` and `settings` (gather_params): the engine and its settings were
+    decided when training began, as a copy of the callback's config (`in_loop.config`), which the evaluation reads."""
+    decided = callback.in_loop.config
+    callback.in_loop.config = dataclasses.replace(decided, use_vllm=False, **settings)
+    try:
+        return callback.evaluate_model()
+    finally:
+        callback.in_loop.config = decided
+
+
+def outcome_seen(outcome) -> dict:
+    return {"records": outcome.records, "summary": outcome.summary, "error": outcome.error, "cost": outcome.cost}
 
 
 def _write_seen(out: str, rank: int, seen: dict, trainer) -> int:

