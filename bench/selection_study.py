@@ -28,6 +28,7 @@ Run: python bench/selection_study.py [--work runs/selection-study] [--source ../
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -35,6 +36,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from probdiff_callback.core.queries import read_jsonl
+from probdiff_callback.runs.run_files import write_atomic, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = ROOT.parent / "shared" / "data" / "probdiff-reference"
@@ -46,23 +50,13 @@ TRAIN_ROWS = 600  # training conversations per run (30 steps of 4 use 120 of the
 BROKEN_LEARNING_RATE = "2e-2"  # 67 times the preset's 3e-4: breaks SmolLM2 within 10 steps (docs/agreement.md)
 # What the study changes from each recipe's smollm2 preset: six evaluations, all held-out conversations in the eval
 # loss, the evaluation beside training with vLLM in the evaluator's own process (one thread each).
-RUN_SETTINGS = [
-    "max_steps=30",
-    "eval_steps=6",
-    "save_steps=6",
-    "max_length=512",
-    f"max_eval_samples={HELD_OUT}",
-    f"probdiff.n_queries={HELD_OUT}",
-    "probdiff.batch_size=16",
-    "probdiff.max_prompt_tokens=512",
-    "probdiff.async_eval=true",
-    "probdiff.use_vllm=true",
-    "probdiff.evaluator_threads=1",
-    "threads=1",
-    "report_to=none",
-]
+RUN_SETTINGS = ["max_steps=30", "eval_steps=6", "save_steps=6", "max_length=512", f"max_eval_samples={HELD_OUT}",
+                f"probdiff.n_queries={HELD_OUT}", "probdiff.batch_size=16", "probdiff.max_prompt_tokens=512",
+                "probdiff.async_eval=true", "probdiff.use_vllm=true", "probdiff.evaluator_threads=1", "threads=1",
+                "report_to=none"]  # fmt: skip
 MAX_NEW_TOKENS = {"translation": 64, "summarization": 64, "blog": 96}
 # The test measure of each recipe: a sentence-level reference metric of greedy answers, or the loss on references.
+STAGES = ("train", "test")  # what each run's times are kept of
 TEST_MEASURE = {"translation": "chrf", "summarization": "rougeL", "blog": "reference_loss"}
 TRANSLATION_PAIR = "de-en"  # SmolLM2 writes English: German into English is the direction it can do
 RECORD = ROOT / "tests" / "data" / "selection_study.json"  # every measured run's numbers, committed
@@ -100,37 +94,16 @@ def run(command: list[str], log: Path, timing: Path | None = None) -> None:
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-
-
 def prepared(work: Path, source: Path, recipe: str, seed: int, deranged: bool) -> Path:
     """`data/prepare.py`'s output for the recipe (summarization: its own split of XSum's test documents per seed);
     `deranged`: the training references permuted across rows with the seed (`--shuffle-references`)."""
     per_seed = recipe == "summarization" or deranged  # the paper's other splits do not depend on the seed
     out = work / "data" / "prepared" / f"{'deranged' if deranged else 'clean'}{f'-s{seed}' if per_seed else ''}"
     if not (out / recipe / "heldout.jsonl").is_file():
-        command = [
-            sys.executable,
-            "data/prepare.py",
-            recipe,
-            "--source",
-            str(source),
-            "--out",
-            str(out),
-            "--seed",
-            str(seed),
-        ]
-        if recipe == "summarization":
-            command += ["--split-test", "200"]
-        run(
-            command + (["--shuffle-references"] if deranged else []), work / "logs" / f"prepare-{out.name}-{recipe}.log"
-        )
+        command = [sys.executable, "data/prepare.py", recipe, "--source", str(source), "--out", str(out), "--seed",
+                   str(seed), *(["--split-test", "200"] if recipe == "summarization" else []),
+                   *(["--shuffle-references"] if deranged else [])]  # fmt: skip
+        run(command, work / "logs" / f"prepare-{out.name}-{recipe}.log")
     return out / recipe
 
 
@@ -253,12 +226,9 @@ def measure_here(run_dir: Path, data: Path, recipe: str) -> None:
                     for q, chain in zip(queries, chains)
                 }
                 texts = {q.id: chain.answer for q, chain in zip(queries, chains)}
-            out.parent.mkdir(parents=True, exist_ok=True)
             result = {"step": step, "measure": measure_name, "values": values, "answers": texts,
                       "seconds": round(time.time() - started, 1)}  # fmt: skip
-            partial = out.with_name(f".{out.name}.tmp")  # whole or absent: a killed measure is measured again
-            partial.write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n")
-            partial.replace(out)
+            write_atomic(out, json.dumps(result, ensure_ascii=False, indent=1) + "\n")  # whole or not there
             say(f"step {step}: {measure_name} {sum(values.values()) / len(values):.3f} ({result['seconds']} s)")
 
 
@@ -274,15 +244,12 @@ def study_values(run_dir: Path) -> dict:
     from probdiff_callback.runs.run_files import read_run
 
     run = read_run(run_dir)
-    rows = []
-    for row in run.rows:
-        row_json = row.to_json()
-        row_json["checkpoint"] = None if row.checkpoint is None else Path(row.checkpoint).name
-        rows.append(row_json)
-    tests = {}
-    for step in evaluated_steps(run_dir):
-        if test_file(run_dir, step).is_file():
-            tests[str(step)] = json.loads(test_file(run_dir, step).read_text(encoding="utf-8"))["values"]
+    rows = [{**row.to_json(), "checkpoint": row.checkpoint and Path(row.checkpoint).name} for row in run.rows]
+    tests = {
+        str(step): json.loads(test_file(run_dir, step).read_text(encoding="utf-8"))["values"]
+        for step in evaluated_steps(run_dir)
+        if test_file(run_dir, step).is_file()
+    }
     return {
         "rows": rows,
         "records": {
@@ -459,29 +426,23 @@ def collect(work: Path, record: Path) -> dict:
     """Every measured run's numbers (`study_values`) by run name, with its test measure and times: the record's, and
     those of the runs finished in `work` since."""
     study = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
-    for seed in SEEDS:
-        for recipe in RECIPES:
-            for condition in CONDITIONS:
-                run_dir = work / "runs" / run_name(recipe, seed, condition)
-                if not (run_dir / "final").is_dir():
-                    continue
-                values = study_values(run_dir)
-                if set(values["test"]) != {str(step) for step in evaluated_steps(run_dir)}:
-                    continue  # its test measure is still under way
-                values["measure"] = TEST_MEASURE[recipe]
-                values["times"] = {
-                    stage: json.loads((work / "logs" / f"{stage}-{run_dir.name}.json").read_text())
-                    for stage in ("train", "test")
-                }
-                study[run_name(recipe, seed, condition)] = values
+    for seed, recipe, condition in itertools.product(SEEDS, RECIPES, CONDITIONS):
+        run_dir = work / "runs" / run_name(recipe, seed, condition)
+        if not (run_dir / "final").is_dir():
+            continue
+        values = study_values(run_dir)
+        if set(values["test"]) != {str(step) for step in evaluated_steps(run_dir)}:
+            continue  # its test measure is still under way
+        values["measure"] = TEST_MEASURE[recipe]
+        logs = work / "logs"
+        values["times"] = {stage: json.loads((logs / f"{stage}-{run_dir.name}.json").read_text()) for stage in STAGES}
+        study[run_name(recipe, seed, condition)] = values
     return study
 
 
 def save(work: Path, record: Path) -> None:
     """The record with every run measured so far (written whole, then moved into place)."""
-    partial = record.with_name(f".{record.name}.tmp")
-    partial.write_text(json.dumps(collect(work, record), separators=(",", ":")) + "\n")
-    partial.replace(record)
+    write_atomic(record, json.dumps(collect(work, record), separators=(",", ":")) + "\n")
 
 
 def seconds(timing: dict) -> str:
@@ -500,7 +461,7 @@ def times_table(study: dict) -> str:
         "|---|---|---|---|",
     ]
     for name, values in study.items():
-        cells = [seconds(values["times"][stage]) for stage in ("train", "test")]
+        cells = [seconds(values["times"][stage]) for stage in STAGES]
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {values['times']['train']['load']:.2f} |")
     return "\n".join(lines)
 
@@ -541,20 +502,18 @@ def main() -> None:
         return None
     recorded = set(collect(work, record))
     say(f"load average {os.getloadavg()[0]:.2f}; everything goes to {work}")
-    for seed in SEEDS:
-        for recipe in RECIPES:
-            for condition in CONDITIONS:
-                name = run_name(recipe, seed, condition)
-                if name in recorded or (args.only is not None and name not in args.only):
-                    continue
-                if (work / "stop").exists():  # `touch WORK/stop`: the study ends between runs, nothing half done
-                    (work / "stop").unlink()
-                    return say("stopped: WORK/stop was there; run the same command to go on")
-                data = study_data(work, source, recipe, seed)
-                run_dir = train(work, data, recipe, seed, condition)
-                measure(run_dir, data, recipe)
-                save(work, record)
-                say(f"{name}: measured, its numbers added to {record.relative_to(ROOT)}; commit it")
+    for seed, recipe, condition in itertools.product(SEEDS, RECIPES, CONDITIONS):
+        name = run_name(recipe, seed, condition)
+        if name in recorded or (args.only is not None and name not in args.only):
+            continue
+        if (work / "stop").exists():  # `touch WORK/stop`: the study ends between runs, nothing half done
+            (work / "stop").unlink()
+            return say("stopped: WORK/stop was there; run the same command to go on")
+        data = study_data(work, source, recipe, seed)
+        run_dir = train(work, data, recipe, seed, condition)
+        measure(run_dir, data, recipe)
+        save(work, record)
+        say(f"{name}: measured, its numbers added to {record.relative_to(ROOT)}; commit it")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from probdiff_callback.core.metric import compare
+from probdiff_callback.core.queries import read_jsonl
 from probdiff_callback.runs.run_files import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,11 +92,9 @@ def prepare_data(work: Path, source: Path) -> dict[str, Path]:
     folders = {"clean": work / "data" / "clean", "broken": work / "data" / "broken"}
     for kind, extra in (("clean", []), ("broken", ["--shuffle-references"])):
         if not (folders[kind] / "summarization" / "train.jsonl").is_file():
-            command = [sys.executable, "data/prepare.py", "summarization", "--source", str(source)]
-            run(
-                command + ["--split-test", str(HELD_OUT), *extra, "--out", str(folders[kind])],
-                work / f"{kind}-data.log",
-            )
+            command = [sys.executable, "data/prepare.py", "summarization", "--source", str(source), "--split-test",
+                       str(HELD_OUT), *extra, "--out", str(folders[kind])]  # fmt: skip
+            run(command, work / f"{kind}-data.log")
     return {kind: folder / "summarization" for kind, folder in folders.items()}
 
 
@@ -114,11 +113,7 @@ def train(work: Path, data: dict[str, Path], heldout: Path) -> dict[str, Path]:
 
 
 def history(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "probdiff" / "history.jsonl").read_text().splitlines()]
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_jsonl(run_dir / "probdiff" / "history.jsonl")
 
 
 def uncapped_confidence(rows: list[dict], delta: float) -> tuple[float, int]:
@@ -148,7 +143,7 @@ def run_table(run_dir: Path) -> str:
             lines.append(f"| {row['global_step']} | failed |" + " |" * 9)
             continue
         overall = (s.get("reference") or {}).get("overall", {})
-        step_records = records(run_dir / "probdiff" / row["records"])
+        step_records = read_jsonl(run_dir / "probdiff" / row["records"])
         kept, n_kept = uncapped_confidence(step_records, s["delta"])
         # A revision that repeats the answer word for word has d = 0, which counts as confident at any delta <= 0.
         unchanged = sum(r["revisions"][0].strip() == r["response"].strip() for r in step_records if r["revisions"])
@@ -279,7 +274,7 @@ def cap_check(work: Path, source: Path, heldout: Path) -> str:
         for cap, folder in ((256, "as-shipped"), (CAP_CHECK, f"as-shipped-cap{CAP_CHECK}")):
             out = work / "models" / folder / name
             s = json.loads((out / "summary.json").read_text())
-            kept, n_kept = uncapped_confidence(records(out / "records.jsonl"), s["delta"])
+            kept, n_kept = uncapped_confidence(read_jsonl(out / "records.jsonl"), s["delta"])
             lines.append(
                 f"| {name} | {cap} | {pct(s['confidence'])} | {number(s['d_mean'], '+.3f')} | "
                 f"{s['n_capped']} / {s['n_revision_capped']} of {s['n']} | {pct(kept)} (n {n_kept}) | "
@@ -307,7 +302,7 @@ def alarm_values(run_dir: Path) -> dict:
         "rows": rows,
         "records": {
             str(row["global_step"]): [
-                {k: r[k] for k in RECORD_NUMBERS if k in r} for r in records(run_dir / "probdiff" / row["records"])
+                {k: r[k] for k in RECORD_NUMBERS if k in r} for r in read_jsonl(run_dir / "probdiff" / row["records"])
             ]
             for row in rows
             if row["records"]

@@ -2,8 +2,7 @@
 (training/precheck.py, with SFTConfig's stand-in from training/sft_config_cache.py) and by each `probdiff` command; the
 same `error:` line and exit status 2 as the checks after the imports, which stay as they were.
 
-What is asserted is the mechanism (which modules a refused command imported), not seconds; bench/bench_errors.py
-measures the seconds."""
+What is asserted is the mechanism (which modules a refused command imported), not seconds, which no test holds."""
 
 from __future__ import annotations
 
