@@ -287,3 +287,17 @@ def start_machines(
             ))  # fmt: skip
         logs.append(log)
     return Machines(launchers, logs)
+
+
+def still_running(processes) -> list[str]:
+    """The command lines of those of `processes` (psutil.Process) that still run (a zombie has ended)."""
+    import psutil
+
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(process.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    return left

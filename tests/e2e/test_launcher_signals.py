@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _launch import CHEAP, ROOT, SETTINGS, one_error, run_sft, sft_command, sft_env
+from _launch import CHEAP, ROOT, SETTINGS, one_error, run_sft, sft_command, sft_env, still_running
 
 from probdiff_callback.cli import main as probdiff
 from probdiff_callback.runs.checkpoints import checkpoint_problem, checkpoints
@@ -84,15 +84,9 @@ def run_and_stop(
         kill([launched, *seen.values()])
         process.wait()
     seconds = time.time() - signalled
-    left = [" ".join(p.cmdline()) for p in seen.values() if alive(p)]
+    left = still_running(seen.values())
     kill(seen.values())  # the runtime's kill of the rest (a test that failed must not leave them running)
     return Stopped(process.returncode, out.read_text(), err.read_text(), seconds, left, hard_killed)
-
-
-def alive(process: psutil.Process) -> bool:
-    with contextlib.suppress(psutil.NoSuchProcess):
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    return False
 
 
 def kill(processes: Iterable[psutil.Process]) -> None:

